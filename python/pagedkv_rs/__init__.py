@@ -1,0 +1,71 @@
+"""pagedkv_rs: a paged KV cache for CPU LLM inference.
+
+The block allocator and block tables exist twice with one API: the Rust core
+(``pagedkv_rs._core``) and the pure-Python executable spec (``pagedkv_rs.fallback``).
+``BlockAllocator`` and ``KVCacheManager`` here are the backend chosen once at import
+by ``PAGEDKV_BACKEND=auto|rust|python`` (``auto`` = Rust when built); ``BACKEND`` names it
+and ``backend(name)`` hands out either one explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+from pagedkv_rs import fallback
+from pagedkv_rs.errors import (
+    DoubleFreeError,
+    DuplicateSequenceError,
+    OutOfBlocksError,
+    PagedKVError,
+    SequenceTooLongError,
+    UnknownSequenceError,
+)
+
+try:
+    from pagedkv_rs import _core
+except ImportError:  # pragma: no cover - only without a compiled core
+    _core = None  # type: ignore[assignment]
+
+__version__ = "0.1.0"
+
+_HAVE_RUST = _core is not None and hasattr(_core, "KVCacheManager")
+BACKENDS: tuple[str, ...] = ("rust", "python") if _HAVE_RUST else ("python",)
+
+
+def backend(name: str = "auto") -> types.SimpleNamespace:
+    """Return the allocator classes of one backend: ``.BlockAllocator``, ``.KVCacheManager``, ``.name``."""
+    if name == "auto":
+        name = "rust" if _HAVE_RUST else "python"
+    if name == "rust":
+        if not _HAVE_RUST:
+            raise ImportError("PAGEDKV_BACKEND=rust but the compiled core pagedkv_rs._core is not built")
+        mod = _core
+    elif name == "python":
+        mod = fallback  # type: ignore[assignment]
+    else:
+        raise ValueError(f"unknown backend {name!r}: expected 'auto', 'rust' or 'python'")
+    return types.SimpleNamespace(
+        name=name, BlockAllocator=mod.BlockAllocator, KVCacheManager=mod.KVCacheManager
+    )
+
+
+_selected = backend(os.environ.get("PAGEDKV_BACKEND", "auto").strip().lower() or "auto")
+BACKEND: str = _selected.name
+BlockAllocator = _selected.BlockAllocator
+KVCacheManager = _selected.KVCacheManager
+
+__all__ = [
+    "BACKEND",
+    "BACKENDS",
+    "BlockAllocator",
+    "KVCacheManager",
+    "backend",
+    "fallback",
+    "PagedKVError",
+    "OutOfBlocksError",
+    "UnknownSequenceError",
+    "DuplicateSequenceError",
+    "SequenceTooLongError",
+    "DoubleFreeError",
+]
