@@ -1,7 +1,7 @@
 """A tiny deterministic transformer with random weights, for testing the engine without model files.
 
 Llama shape: token embedding, ``num_layers`` x (RMSNorm, GQA attention with RoPE through the paged
-KV cache, RMSNorm, SwiGLU MLP), final RMSNorm, tied LM head. The dense math runs in float64 so a
+KV cache, RMSNorm, SwiGLU MLP), final RMSNorm, LM head. The dense math runs in float64 so a
 token's result does not depend on how many rows share its matmul (prefill chunks, decode batches,
 recompute after preemption all give the same greedy tokens); q/k/v enter the kernels as float32.
 """
@@ -68,6 +68,7 @@ class TinyModel:
             for _ in range(num_layers)
         ]
         self.final_norm = 1.0 + 0.1 * rng.standard_normal(h)
+        self.lm_head = w(h, vocab_size)
         self.inv_freq = rope_theta ** (-np.arange(0, d, 2) / d)  # [d/2]
 
     def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -99,5 +100,5 @@ class TinyModel:
             g = hn @ layer["w_gate"]
             x = x + (g / (1.0 + np.exp(-g)) * (hn @ layer["w_up"])) @ layer["w_down"]
         last = batch.query_start_loc[1:].astype(np.int64) - 1  # [B]
-        logits = _rms_norm(x[last], self.final_norm) @ self.embed.T
+        logits = _rms_norm(x[last], self.final_norm) @ self.lm_head
         return logits.astype(np.float32)
