@@ -117,18 +117,30 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times of one request (``time.monotonic()`` seconds)."""
+    """Wall-clock times of one request (``time.monotonic()`` seconds); token times are shared, not copied."""
 
     arrival_time: float
     first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_preemptions: int = 0
+    token_times: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def first_token_time(self) -> Optional[float]:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def last_token_time(self) -> Optional[float]:
+        return self.token_times[-1] if self.token_times else None
 
     @property
     def time_to_first_token(self) -> Optional[float]:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return self.token_times[0] - self.arrival_time if self.token_times else None
+
+    def inter_token_latencies(self) -> list[float]:
+        """Gaps between consecutive output tokens (seconds)."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
 
 
 class Request:
@@ -142,7 +154,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "params", "cache_salt", "prompt", "status", "output_token_ids",
         "all_token_ids", "num_computed_tokens", "num_kv_tokens", "num_cached_tokens", "seq_id", "metrics",
-        "token_times", "generator", "swapped_computed", "num_sent", "_order",
+        "token_times", "generator", "swapped_computed", "num_sent", "_order", "stop_ids", "max_output",
     )  # fmt: skip
 
     def __init__(
@@ -169,11 +181,13 @@ class Request:
         self.num_cached_tokens: Optional[int] = None  # prefix-cache hit on first admission
         self.seq_id = seq_id
         self.metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
-        self.token_times: list[float] = []
+        self.token_times = self.metrics.token_times  # one monotonic time per output token
         self.generator: Optional[np.random.Generator] = None
         self.swapped_computed = 0  # tokens whose KV went to the host buffer on swap-out
         self.num_sent = 0  # output tokens already reported in a RequestOutput
         self._order = 0  # tie-breaker for the priority queue
+        self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)  # the scheduler adds eos ids
+        self.max_output = params.max_tokens  # the scheduler caps it by the context limit
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -193,8 +207,7 @@ class Request:
 
     def inter_token_latencies(self) -> list[float]:
         """Gaps between consecutive output tokens (seconds)."""
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return self.metrics.inter_token_latencies()
 
     def __repr__(self) -> str:
         return (

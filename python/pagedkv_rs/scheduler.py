@@ -231,6 +231,9 @@ class Scheduler:
             prompt=prompt,
         )
         req._order = next(self._order)
+        if not params.ignore_eos:
+            req.stop_ids = req.stop_ids | self.eos_token_ids
+        req.max_output = min(params.max_tokens, self.max_model_len - len(toks))
         self.requests[request_id] = req
         self.waiting.push(req)
         return req
@@ -273,62 +276,80 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> Optional[SchedulerOutput]:
         """Pick this step's requests and token counts and build their batch; None if nothing can run."""
-        budget = self.config.max_num_batched_tokens
-        reqs: list[Request] = []
-        counts: list[int] = []
-        out = SchedulerOutput(reqs, counts)
-        budget = self._schedule_running(budget, out)
+        out = SchedulerOutput([], [])
+        budget = self._schedule_running(self.config.max_num_batched_tokens, out)
         if not out.preempted:
             budget = self._schedule_swapped(budget, out)
             self._schedule_waiting(budget, out)
-        if not reqs:
+        if not out.requests:
             return None
-        now = time.monotonic()
-        for r in reqs:
-            if r.metrics.first_scheduled_time is None:
-                r.metrics.first_scheduled_time = now
-        out.batch = self.kv.prepare_batch([r.seq_id for r in reqs], counts)
-        out.sample_rows = [i for i, r in enumerate(reqs) if r.num_computed_tokens == r.num_kv_tokens]
+        out.batch = self.kv.prepare_batch([r.seq_id for r in out.requests], out.num_scheduled_tokens)
         self.num_steps += 1
         return out
 
+    def _emit(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """Add ``n`` of the request's tokens to the step (admission paths)."""
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_kv_tokens:
+            out.sample_rows.append(len(out.requests))
+        out.requests.append(req)
+        out.num_scheduled_tokens.append(n)
+
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
-        """Running requests in order; decode appends go to the manager in one ``append_batch`` when they fit."""
-        plan: list[tuple[Request, int]] = []
-        appends: list[Request] = []
-        need = 0
+        """Running requests in order; their decode tokens go to the manager in one ``append_batch``."""
         bs = self.block_size
+        reqs, counts, rows = out.requests, out.num_scheduled_tokens, out.sample_rows
+        app_ids: list[int] = []
+        app_toks: list[int] = []
+        need = 0
         for req in self.running:
             if budget == 0:
                 break
-            if req.num_kv_tokens < req.num_tokens:  # decode: the last sampled token is pending
+            kv = req.num_kv_tokens
+            toks = req.all_token_ids
+            if kv < len(toks):  # decode (all kv tokens computed): the last sampled token is pending
+                if not kv % bs:
+                    need += 1
+                app_ids.append(req.seq_id)
+                app_toks.append(toks[kv])
+                req.num_kv_tokens = req.num_computed_tokens = kv + 1
+                rows.append(len(reqs))
                 n = 1
-                appends.append(req)
-                need += req.num_kv_tokens % bs == 0
-            else:
-                n = min(req.num_kv_tokens - req.num_computed_tokens, budget)
-                if n == 0:
+            else:  # the next prefill chunk
+                n = kv - req.num_computed_tokens
+                if n >= budget:
+                    n = budget
+                elif n == 0:
                     continue
-            plan.append((req, n))
+                req.num_computed_tokens += n
+                if req.num_computed_tokens == kv:
+                    rows.append(len(reqs))
+            reqs.append(req)
+            counts.append(n)
             budget -= n
-        if appends and need <= self.kv.num_free_blocks + self.kv.num_cached_blocks:
-            try:
-                out.copy_pairs += self.kv.append_batch(
-                    [r.seq_id for r in appends], [r.all_token_ids[r.num_kv_tokens] for r in appends]
-                )
-            except OutOfBlocksError:  # pragma: no cover - only if the manager's arithmetic differs (fork)
-                pass
-            else:
-                for r in appends:
-                    r.num_kv_tokens += 1
-                appends = []
-        if appends:
+        if app_ids and not self._append_all(app_ids, app_toks, need, out):
+            decode = set(app_ids)
+            for req, n in zip(reqs, counts):  # undo, then go request by request
+                req.num_computed_tokens -= n
+                if req.seq_id in decode:
+                    req.num_kv_tokens -= 1
+            reqs.clear()
+            counts.clear()
+            rows.clear()
             return self._schedule_running_slow(out)
-        for req, n in plan:
-            out.requests.append(req)
-            out.num_scheduled_tokens.append(n)
-            req.num_computed_tokens += n
         return budget
+
+    def _append_all(self, seq_ids: list[int], tokens: list[int], need: int, out: SchedulerOutput) -> bool:
+        """One ``append_batch`` for every decode token, if the blocks are there (all or nothing)."""
+        if need > self.kv.num_free_blocks + self.kv.num_cached_blocks:
+            return False
+        try:
+            out.copy_pairs += self.kv.append_batch(seq_ids, tokens)
+        except OutOfBlocksError:  # pragma: no cover - only if a copy-on-write needs a block (forked tables)
+            return False
+        return True
 
     def _schedule_running_slow(self, out: SchedulerOutput) -> int:
         """Request by request, preempting victims until each decode append fits."""
@@ -349,10 +370,9 @@ class Scheduler:
                 n = 1
             else:
                 n = min(req.num_kv_tokens - req.num_computed_tokens, budget)
-            out.requests.append(req)
-            out.num_scheduled_tokens.append(n)
-            req.num_computed_tokens += n
-            budget -= n
+            if n:
+                self._emit(out, req, n)
+                budget -= n
             i += 1
         return budget
 
@@ -422,9 +442,7 @@ class Scheduler:
         else:
             n = min(req.num_kv_tokens - req.num_computed_tokens, budget)
         if n:
-            out.requests.append(req)
-            out.num_scheduled_tokens.append(n)
-            req.num_computed_tokens += n
+            self._emit(out, req, n)
         return budget - n
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
@@ -448,46 +466,40 @@ class Scheduler:
             n = req.num_kv_tokens - cached
             if chunked:
                 n = min(n, budget)
-            out.requests.append(req)
-            out.num_scheduled_tokens.append(n)
-            req.num_computed_tokens += n
+            self._emit(out, req, n)
             budget -= n
 
     # -------------------------------------------------------------------- update
     def update_from_output(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
-        """Record the tokens sampled for ``out.sample_rows`` (same order); returns requests that got one.
+        """Record the tokens (Python ints) sampled for ``out.sample_rows``; returns the requests that got one.
 
         Requests aborted since ``schedule()`` are skipped. Finished requests free their blocks.
         """
-        if len(sampled) != len(out.sample_rows):
-            raise ValueError(f"{len(out.sample_rows)} rows to sample but {len(sampled)} tokens")
+        rows = out.sample_rows
+        if len(sampled) != len(rows):
+            raise ValueError(f"{len(rows)} rows to sample but {len(sampled)} tokens")
         now = time.monotonic()
+        reqs = out.requests
+        running = RequestStatus.RUNNING
         changed = []
-        for row, tok in zip(out.sample_rows, sampled):
-            req = out.requests[row]
-            if req.status is not RequestStatus.RUNNING:
+        for row, tok in zip(rows, sampled):
+            req = reqs[row]
+            if req.status is not running:
                 continue
-            tok = int(tok)
-            req.output_token_ids.append(tok)
+            outs = req.output_token_ids
+            outs.append(tok)
             req.all_token_ids.append(tok)
             req.token_times.append(now)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            status = self._check_stop(req, tok)
-            if status is not None:
-                self.running.remove(req)
-                self._finish(req, status)
             changed.append(req)
+            if tok in req.stop_ids:
+                self._stop(req, RequestStatus.FINISHED_STOPPED)
+            elif len(outs) >= req.max_output:
+                self._stop(req, RequestStatus.FINISHED_LENGTH)
         return changed
 
-    def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
-        p = req.params
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def _stop(self, req: Request, status: RequestStatus) -> None:
+        self.running.remove(req)
+        self._finish(req, status)
 
     # --------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
