@@ -514,3 +514,29 @@ def test_random_arrivals_match_reference(backend, seed):
     finish_all(s, run, reqs)
     for r in reqs:
         assert r.output_token_ids == reference_output(r.prompt_token_ids, r.params, s.max_model_len)
+
+
+# ---------------------------------------------------------------------- simulate
+def test_simulate_paged_beats_contiguous_reservation(backend):
+    from pagedkv_rs.simulate import make_trace, simulate
+
+    trace = make_trace(80, 50.0, prompt_median=64, output_median=48, max_model_len=512, seed=1)
+    rows = simulate(trace, kv_tokens=4096, block_sizes=(8, 64), max_model_len=512, backend=backend)
+    contiguous, paged8, paged64 = rows
+    assert contiguous.layout == "contiguous" and contiguous.num_blocks == 8
+    assert contiguous.max_concurrent <= 8 and contiguous.preemptions == 0
+    assert paged8.max_concurrent > 2 * contiguous.max_concurrent
+    assert contiguous.kv_waste > 0.5 and paged8.kv_waste < 0.05 and paged8.kv_waste < paged64.kv_waste
+    assert paged8.makespan_s < contiguous.makespan_s
+
+
+def test_simulate_cli(capsys):
+    from pagedkv_rs.simulate import main
+
+    assert main(["--num-requests", "20", "--kv-tokens", "4096", "--max-model-len", "512", "--block-sizes", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "contiguous" in out and "paged" in out and "KV waste" in out
+    assert main(["--num-requests", "5", "--kv-gib", "0.01", "--max-model-len", "256", "--json"]) == 0
+    assert '"layout": "paged"' in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--kv-tokens", "100", "--max-model-len", "512"])
