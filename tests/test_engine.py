@@ -201,18 +201,38 @@ def test_bad_input_raises_clear_errors(backend):
 
 
 class FailingModel(TinyModel):
+    def __init__(self, fail_on: set[int]) -> None:
+        super().__init__(num_layers=2, hidden_size=64, vocab_size=128, max_model_len=128)
+        self.fail_on, self.calls = fail_on, 0
+
     def forward(self, batch, kv_caches):
-        raise RuntimeError("boom")
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise RuntimeError("boom")
+        return super().forward(batch, kv_caches)
 
 
 def test_model_error_aborts_the_step_and_leaks_nothing(backend):
-    e = LLMEngine(FailingModel(vocab_size=128), num_blocks=32, block_size=4, backend=backend)
-    s = e.submit([5, 6, 7], GREEDY)
+    e = LLMEngine(FailingModel({1}), num_blocks=32, block_size=4, backend=backend)
+    s = e.submit([5, 6, 7, 8, 9], GREEDY)
     with pytest.raises(RuntimeError, match="boom"):
         s.result(timeout=10)
     e.shutdown()
     assert_clean(e)
     assert e.kv_manager.num_cached_blocks == 0  # hashes of possibly unwritten KV are forgotten
+    # synchronous: only the failing step's requests end; the others go on
+    e = LLMEngine(FailingModel({2}), num_blocks=32, block_size=4, backend=backend, max_num_seqs=1)
+    a = e.add_request("a", [5, 6, 7], GREEDY)
+    b = e.add_request("b", [8, 9], GREEDY)
+    e.step()
+    with pytest.raises(RuntimeError, match="boom"):
+        e.step()
+    assert a not in e.scheduler.requests and b in e.scheduler.requests
+    res = {}
+    while e.has_unfinished_requests():
+        res.update({o.request_id: o for o in e.step()})
+    assert res["b"].token_ids == alone([8, 9])
+    assert_clean(e)
 
 
 class Tok:

@@ -205,6 +205,7 @@ class LLMEngine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._idle_steps = 0
+        self._handled_error: Optional[BaseException] = None
         self._finished_metrics: deque[tuple[float, list[float]]] = deque(maxlen=100_000)
 
     # ------------------------------------------------------------------ requests
@@ -314,11 +315,11 @@ class LLMEngine:
         for s in so.swap_out:
             idx = np.asarray(s.block_ids, np.int64)
             self._host[s.request_id] = [(k[idx].copy(), v[idx].copy()) for k, v in self.kv_caches]
-        for s in so.swap_in:
-            host = self._host.pop(s.request_id)
-            if s.block_ids:
-                idx = np.asarray(s.block_ids, np.int64)
-                src = slice(s.first, s.first + len(s.block_ids))
+        for si in so.swap_in:
+            host = self._host.pop(si.request_id)
+            if si.block_ids:
+                idx = np.asarray(si.block_ids, np.int64)
+                src = slice(si.first, si.first + len(si.block_ids))
                 for (k, v), (hk, hv) in zip(self.kv_caches, host):
                     k[idx] = hk[src]
                     v[idx] = hv[src]
@@ -330,6 +331,7 @@ class LLMEngine:
     def _fail_step(self, so: SchedulerOutput, error: BaseException) -> None:
         """The forward failed: abort the step's requests and forget prefix hashes whose KV may be unwritten."""
         with self._lock:
+            self._handled_error = error
             for r in so.requests:
                 if r.request_id in self.scheduler.requests:
                     stream = self._streams.pop(r.request_id, None)
@@ -337,6 +339,15 @@ class LLMEngine:
                     if stream is not None:
                         stream._put(error)
             self.kv_manager.reset_prefix_cache()
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Abort every unfinished request, handing ``error`` to its stream."""
+        with self._lock:
+            for rid in list(self.scheduler.requests):
+                stream = self._streams.pop(rid, None)
+                self._abort(rid)
+                if stream is not None:
+                    stream._put(error)
 
     def _output(self, req: Request) -> RequestOutput:
         text = None
@@ -361,15 +372,15 @@ class LLMEngine:
         use_tqdm: Optional[bool] = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion (stepping here, or alongside the background loop); outputs in order."""
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+        plist_in: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(plist_in)
+        if len(plist) != len(plist_in):
+            raise ValueError(f"{len(plist_in)} prompts but {len(plist)} SamplingParams")
         with self._lock:
             streams = []
             try:
-                for p, sp in zip(prompts, plist):
+                for p, sp in zip(plist_in, plist):
                     streams.append(self._streams_for(self._add(None, p, sp, None, None, stream=True)))
             except BaseException:
                 for s in streams:
@@ -437,9 +448,9 @@ class LLMEngine:
                     return
             try:
                 self.step()
-            except BaseException as e:  # the step's requests got the error; the loop keeps serving
-                if not isinstance(e, Exception):
-                    raise
+            except Exception as e:  # noqa: BLE001 - consumers get the error; the loop keeps serving
+                if e is not self._handled_error:  # not a model error already given to its step's requests
+                    self._fail_all(e)
 
     def shutdown(self, abort: bool = True) -> None:
         """Stop the background loop; abort what is left unless ``abort=False``."""

@@ -32,8 +32,8 @@ def sample(
     greedy = temps == 0.0
     if greedy.any():
         out[greedy] = logits[greedy].argmax(axis=1)
-    rows = np.flatnonzero(~greedy)
-    if rows.size == 0:
+    rows = np.flatnonzero(~greedy).tolist()
+    if not rows:
         return out
     x = logits[rows].astype(np.float64) / temps[rows, None]  # [R, V]
     order = np.argsort(-x, axis=1, kind="stable")
@@ -47,12 +47,12 @@ def sample(
     probs[before >= top_p[:, None]] = 0.0
     probs[:, 0] = np.maximum(probs[:, 0], np.finfo(np.float64).tiny)
     cdf = np.cumsum(probs, axis=1)
-    u = np.empty(rows.size)
+    u = np.empty(len(rows))
     for j, i in enumerate(rows):
         g = generators[i]
         if g is None:
             raise ValueError(f"sample: row {i} samples with temperature {temps[i]} but has no generator")
         u[j] = g.random()
     pick = np.minimum((cdf < (u * cdf[:, -1])[:, None]).sum(axis=1), v - 1)
-    out[rows] = order[np.arange(rows.size), pick]
+    out[rows] = order[np.arange(len(rows)), pick]
     return out
