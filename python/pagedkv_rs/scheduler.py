@@ -95,6 +95,7 @@ class SchedulerOutput:
     requests: list[Request]  # batch order
     num_scheduled_tokens: list[int]
     sample_rows: list[int] = field(default_factory=list)  # rows whose request has all its KV: sample these
+    seq_ids: list[int] = field(default_factory=list)  # the requests' KV-manager sequence ids
     batch: BatchInputs = None  # type: ignore[assignment]  # set once the step's requests are chosen
     copy_pairs: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[SwapOut] = field(default_factory=list)
@@ -283,7 +284,7 @@ class Scheduler:
             self._schedule_waiting(budget, out)
         if not out.requests:
             return None
-        out.batch = self.kv.prepare_batch([r.seq_id for r in out.requests], out.num_scheduled_tokens)
+        out.batch = self.kv.prepare_batch(out.seq_ids, out.num_scheduled_tokens)
         self.num_steps += 1
         return out
 
@@ -296,6 +297,7 @@ class Scheduler:
             out.sample_rows.append(len(out.requests))
         out.requests.append(req)
         out.num_scheduled_tokens.append(n)
+        out.seq_ids.append(req.seq_id)
 
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
         """Running requests in order; their decode tokens go to the manager in one ``append_batch``."""
@@ -303,7 +305,9 @@ class Scheduler:
         reqs, counts, rows = out.requests, out.num_scheduled_tokens, out.sample_rows
         app_ids: list[int] = []
         app_toks: list[int] = []
-        need = 0
+        # bound appends: this loop runs once per running request per step
+        add_id, add_tok, add_req, add_n, add_row = app_ids.append, app_toks.append, reqs.append, counts.append, rows.append
+        need = i = 0
         for req in self.running:
             if budget == 0:
                 break
@@ -312,10 +316,10 @@ class Scheduler:
             if kv < len(toks):  # decode (all kv tokens computed): the last sampled token is pending
                 if not kv % bs:
                     need += 1
-                app_ids.append(req.seq_id)
-                app_toks.append(toks[kv])
+                add_id(req.seq_id)
+                add_tok(toks[kv])
                 req.num_kv_tokens = req.num_computed_tokens = kv + 1
-                rows.append(len(reqs))
+                add_row(i)
                 n = 1
             else:  # the next prefill chunk
                 n = kv - req.num_computed_tokens
@@ -325,10 +329,11 @@ class Scheduler:
                     continue
                 req.num_computed_tokens += n
                 if req.num_computed_tokens == kv:
-                    rows.append(len(reqs))
-            reqs.append(req)
-            counts.append(n)
+                    add_row(i)
+            add_req(req)
+            add_n(n)
             budget -= n
+            i += 1
         if app_ids and not self._append_all(app_ids, app_toks, need, out):
             decode = set(app_ids)
             for req, n in zip(reqs, counts):  # undo, then go request by request
@@ -339,6 +344,7 @@ class Scheduler:
             counts.clear()
             rows.clear()
             return self._schedule_running_slow(out)
+        out.seq_ids = app_ids if len(app_ids) == len(reqs) else [r.seq_id for r in reqs]
         return budget
 
     def _append_all(self, seq_ids: list[int], tokens: list[int], need: int, out: SchedulerOutput) -> bool:
@@ -481,7 +487,8 @@ class Scheduler:
         now = time.monotonic()
         reqs = out.requests
         running = RequestStatus.RUNNING
-        changed = []
+        changed: list[Request] = []
+        add = changed.append
         for row, tok in zip(rows, sampled):
             req = reqs[row]
             if req.status is not running:
@@ -490,7 +497,7 @@ class Scheduler:
             outs.append(tok)
             req.all_token_ids.append(tok)
             req.token_times.append(now)
-            changed.append(req)
+            add(req)
             if tok in req.stop_ids:
                 self._stop(req, RequestStatus.FINISHED_STOPPED)
             elif len(outs) >= req.max_output:
