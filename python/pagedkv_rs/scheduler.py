@@ -306,7 +306,8 @@ class Scheduler:
         app_ids: list[int] = []
         app_toks: list[int] = []
         # bound appends: this loop runs once per running request per step
-        add_id, add_tok, add_req, add_n, add_row = app_ids.append, app_toks.append, reqs.append, counts.append, rows.append
+        add_id, add_tok, add_row = app_ids.append, app_toks.append, rows.append
+        add_req, add_n = reqs.append, counts.append
         need = i = 0
         for req in self.running:
             if budget == 0:
