@@ -151,7 +151,9 @@ impl BlockAllocator {
             )));
         }
         if !(1..=128).contains(&hash_bits) {
-            return Err(Error::Invalid(format!("hash_bits must be in [1, 128], got {hash_bits}")));
+            return Err(Error::Invalid(format!(
+                "hash_bits must be in [1, 128], got {hash_bits}"
+            )));
         }
         let n = num_blocks;
         let s = n as u32;
@@ -170,7 +172,11 @@ impl BlockAllocator {
         }
         next[last as usize] = s;
         prev[n] = last;
-        let mask = if hash_bits == 128 { u128::MAX } else { (1u128 << hash_bits) - 1 };
+        let mask = if hash_bits == 128 {
+            u128::MAX
+        } else {
+            (1u128 << hash_bits) - 1
+        };
         Ok(BlockAllocator {
             num_blocks: n,
             block_size,
@@ -292,7 +298,8 @@ impl BlockAllocator {
     }
 
     fn check_blocks(&self, ids: &[u32]) -> Result<()> {
-        ids.iter().try_for_each(|&b| self.check_block(u64::from(b)).map(drop))
+        ids.iter()
+            .try_for_each(|&b| self.check_block(u64::from(b)).map(drop))
     }
 
     // ------------------------------------------------------------------ public API
@@ -306,14 +313,20 @@ impl BlockAllocator {
 
     pub(crate) fn check_available(&self, need: u64) -> Result<()> {
         if need > self.num_on_list as u64 {
-            return Err(Error::OutOfBlocks { need, free: self.num_on_list as u64 });
+            return Err(Error::OutOfBlocks {
+                need,
+                free: self.num_on_list as u64,
+            });
         }
         Ok(())
     }
 
     /// Take `k` blocks off the free list into `out`; the caller checked availability.
     pub(crate) fn take(&mut self, k: usize, out: &mut Vec<u32>) {
-        debug_assert!(k <= self.num_on_list, "I1 take more than the free list holds");
+        debug_assert!(
+            k <= self.num_on_list,
+            "I1 take more than the free list holds"
+        );
         for _ in 0..k {
             let b = self.pop();
             if self.keys[b as usize].is_some() {
@@ -321,7 +334,10 @@ impl BlockAllocator {
                 self.num_cached -= 1;
                 self.evictions += 1;
             }
-            debug_assert!(self.refs[b as usize] == 0, "I3 a live block was on the free list");
+            debug_assert!(
+                self.refs[b as usize] == 0,
+                "I3 a live block was on the free list"
+            );
             self.refs[b as usize] = 1;
             out.push(b);
         }
@@ -353,7 +369,10 @@ impl BlockAllocator {
     pub(crate) fn incref_unchecked(&mut self, ids: &[u32]) {
         for &b in ids {
             if self.refs[b as usize] == 0 {
-                debug_assert!(self.keys[b as usize].is_some(), "I4 incref of a free unhashed block");
+                debug_assert!(
+                    self.keys[b as usize].is_some(),
+                    "I4 incref of a free unhashed block"
+                );
                 self.unlink(b);
                 self.num_cached -= 1;
             }
@@ -369,7 +388,11 @@ impl BlockAllocator {
             let n = need.entry(b).or_insert(0);
             *n += 1;
             if *n > self.refs[b as usize] {
-                return Err(Error::DoubleFree { block: b, times: *n, ref_count: self.refs[b as usize] });
+                return Err(Error::DoubleFree {
+                    block: b,
+                    times: *n,
+                    ref_count: self.refs[b as usize],
+                });
             }
         }
         self.release(ids.iter().copied());
@@ -378,7 +401,10 @@ impl BlockAllocator {
 
     pub(crate) fn release(&mut self, ids: impl Iterator<Item = u32>) {
         for b in ids {
-            debug_assert!(self.refs[b as usize] > 0, "I2 release of a block with ref count 0");
+            debug_assert!(
+                self.refs[b as usize] > 0,
+                "I2 release of a block with ref count 0"
+            );
             self.refs[b as usize] -= 1;
             if self.refs[b as usize] == 0 {
                 self.push_tail(b);
@@ -462,10 +488,17 @@ impl BlockAllocator {
         let h = self.hash_of(parent, salt, toks);
         if self.caching && self.keys[b as usize].is_none() && !self.index.contains_key(&h) {
             self.index.insert(h, b);
-            self.keys[b as usize] =
-                Some(Box::new(BlockKey { hash: h, parent, salt: salt.into(), tokens: toks.into() }));
+            self.keys[b as usize] = Some(Box::new(BlockKey {
+                hash: h,
+                parent,
+                salt: salt.into(),
+                tokens: toks.into(),
+            }));
         }
-        debug_assert!(self.index.len() <= self.num_blocks, "I4 more hashes than blocks");
+        debug_assert!(
+            self.index.len() <= self.num_blocks,
+            "I4 more hashes than blocks"
+        );
         h
     }
 
@@ -476,9 +509,18 @@ impl BlockAllocator {
     }
 
     /// Lookup plus the query's hash; a hash hit with different content is a miss.
-    pub(crate) fn lookup_hash(&self, parent: u128, salt: &[u8], toks: &[u32]) -> (Option<u32>, u128) {
+    pub(crate) fn lookup_hash(
+        &self,
+        parent: u128,
+        salt: &[u8],
+        toks: &[u32],
+    ) -> (Option<u32>, u128) {
         let h = self.hash_of(parent, salt, toks);
-        let hit = if self.caching { self.index.get(&h).copied() } else { None };
+        let hit = if self.caching {
+            self.index.get(&h).copied()
+        } else {
+            None
+        };
         let hit = hit.filter(|&b| {
             self.keys[b as usize]
                 .as_ref()
@@ -509,7 +551,10 @@ impl BlockAllocator {
         if self.refs.iter().filter(|&&r| r == 0).count() != on_list.len() {
             return Err("I3 ref-0 block off the free list".into());
         }
-        let cached = on_list.iter().filter(|&&b| self.keys[b as usize].is_some()).count();
+        let cached = on_list
+            .iter()
+            .filter(|&&b| self.keys[b as usize].is_some())
+            .count();
         if cached != self.num_cached {
             return Err("I1 cached count".into());
         }

@@ -9,6 +9,46 @@ use crate::error::{Error, Result};
 /// Upper bound on token counts taken from callers.
 pub const MAX_COUNT: u64 = 1 << 40;
 
+/// Block size, with shift/mask arithmetic when it is a power of two (hot loops divide a lot).
+#[derive(Debug, Clone, Copy)]
+struct Bs {
+    size: u64,
+    shift: u32,
+    pow2: bool,
+}
+
+impl Bs {
+    fn new(size: usize) -> Bs {
+        let size = size as u64;
+        Bs {
+            size,
+            shift: size.trailing_zeros(),
+            pow2: size.is_power_of_two(),
+        }
+    }
+    #[inline]
+    fn div(self, n: u64) -> u64 {
+        if self.pow2 {
+            n >> self.shift
+        } else {
+            n / self.size
+        }
+    }
+    #[inline]
+    fn rem(self, n: u64) -> u64 {
+        if self.pow2 {
+            n & (self.size - 1)
+        } else {
+            n % self.size
+        }
+    }
+    /// Blocks holding `n` tokens: ceil(n / size).
+    #[inline]
+    fn blocks(self, n: u64) -> u64 {
+        self.div(n + self.size - 1)
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Seq {
     id: u64,
@@ -48,6 +88,7 @@ pub struct Batch {
 #[derive(Debug)]
 pub struct KVCacheManager {
     alloc: BlockAllocator,
+    bs: Bs,
     max_seq_len: u64,
     /// Dense storage; `index` maps a seq id to its position (swap-remove on free).
     seqs: Vec<Seq>,
@@ -73,10 +114,13 @@ impl KVCacheManager {
             None => cap,
             Some(m) if (1..=MAX_COUNT).contains(&m) => m.min(cap),
             Some(m) => {
-                return Err(Error::Invalid(format!("max_seq_len must be in [1, {MAX_COUNT}], got {m}")))
+                return Err(Error::Invalid(format!(
+                    "max_seq_len must be in [1, {MAX_COUNT}], got {m}"
+                )))
             }
         };
         Ok(KVCacheManager {
+            bs: Bs::new(alloc.block_size()),
             alloc,
             max_seq_len: limit,
             seqs: Vec::new(),
@@ -119,7 +163,9 @@ impl KVCacheManager {
 
     /// Positions of held sequences, failing at the first unknown id.
     pub fn resolve(&self, ids: &[u64]) -> Result<Vec<u32>> {
-        ids.iter().map(|&id| self.find(id).map(|p| p as u32)).collect()
+        ids.iter()
+            .map(|&id| self.find(id).map(|p| p as u32))
+            .collect()
     }
 
     /// ValueError if a position repeats (`op` names the call).
@@ -143,7 +189,9 @@ impl KVCacheManager {
             self.seen[p as usize / 64] = 0;
         }
         if dup {
-            return Err(Error::Invalid(format!("{op} got a sequence id more than once")));
+            return Err(Error::Invalid(format!(
+                "{op} got a sequence id more than once"
+            )));
         }
         Ok(())
     }
@@ -169,13 +217,18 @@ impl KVCacheManager {
         let bs = self.block_size();
         let mut parent = 0;
         for (i, chunk) in toks[..toks.len() - 1].chunks_exact(bs).enumerate() {
-            let (hit, h) = self.alloc.lookup_hash(parent, if i == 0 { salt } else { &[] }, chunk);
+            let (hit, h) = self
+                .alloc
+                .lookup_hash(parent, if i == 0 { salt } else { &[] }, chunk);
             let Some(b) = hit else { break };
             blocks.push(b);
             hashes.push(h);
             parent = h;
         }
-        debug_assert!(blocks.len() * bs < toks.len(), "I6 prefix hit covers the whole prompt");
+        debug_assert!(
+            blocks.len() * bs < toks.len(),
+            "I6 prefix hit covers the whole prompt"
+        );
         (blocks, hashes)
     }
 
@@ -191,14 +244,15 @@ impl KVCacheManager {
             return 0;
         }
         let n = seq.tokens.len() as u64;
-        let bs = self.block_size();
-        let cow = n % bs as u64 != 0 && self.alloc.ref_of(*seq.blocks.last().unwrap_or(&0)) > 1;
-        u64::from(cow) + blocks_for(n + k, bs) - seq.blocks.len() as u64
+        let cow = self.bs.rem(n) != 0 && self.alloc.ref_of(*seq.blocks.last().unwrap_or(&0)) > 1;
+        u64::from(cow) + self.bs.blocks(n + k) - seq.blocks.len() as u64
     }
 
     fn check_count(k: u64) -> Result<()> {
         if k > MAX_COUNT {
-            return Err(Error::Invalid(format!("num_new_tokens must be in [0, {MAX_COUNT}], got {k}")));
+            return Err(Error::Invalid(format!(
+                "num_new_tokens must be in [0, {MAX_COUNT}], got {k}"
+            )));
         }
         Ok(())
     }
@@ -269,11 +323,14 @@ impl KVCacheManager {
             return Err(Error::DuplicateSequence(id));
         }
         if toks.is_empty() {
-            return Err(Error::Invalid("a sequence needs at least one prompt token".into()));
+            return Err(Error::Invalid(
+                "a sequence needs at least one prompt token".into(),
+            ));
         }
         self.check_len(toks.len() as u64)?;
         let (hits, hashes) = self.prefix_hits(&toks, salt);
-        self.alloc.check_available(self.prompt_demand(toks.len(), &hits))?;
+        self.alloc
+            .check_available(self.prompt_demand(toks.len(), &hits))?;
         let bs = self.block_size();
         self.alloc.incref_unchecked(&hits);
         let mut blocks = hits;
@@ -285,7 +342,14 @@ impl KVCacheManager {
             self.hit_tokens += cached as u64;
         }
         self.index.insert(id, self.seqs.len() as u32);
-        self.seqs.push(Seq { id, tokens: toks, blocks, hashes, computed: cached, salt: salt.into() });
+        self.seqs.push(Seq {
+            id,
+            tokens: toks,
+            blocks,
+            hashes,
+            computed: cached,
+            salt: salt.into(),
+        });
         debug_assert!(self.seq_ok(self.seqs.len() - 1), "I5 after allocate");
         Ok(cached)
     }
@@ -300,7 +364,8 @@ impl KVCacheManager {
     pub fn append_at(&mut self, p: usize, toks: &[u32]) -> Result<Vec<(u32, u32)>> {
         let seq = &self.seqs[p];
         self.check_len(seq.tokens.len() as u64 + toks.len() as u64)?;
-        self.alloc.check_available(self.append_demand(seq, toks.len() as u64))?;
+        self.alloc
+            .check_available(self.append_demand(seq, toks.len() as u64))?;
         let mut pairs = Vec::new();
         self.grow(p, toks, &mut pairs);
         Ok(pairs)
@@ -309,7 +374,11 @@ impl KVCacheManager {
     /// Append one token to each sequence, all or nothing; returns all (src, dst) block copies.
     pub fn append_batch(&mut self, ids: &[u64], toks: &[u32]) -> Result<Vec<(u32, u32)>> {
         if ids.len() != toks.len() {
-            return Err(Error::Invalid(format!("{} sequence ids but {} tokens", ids.len(), toks.len())));
+            return Err(Error::Invalid(format!(
+                "{} sequence ids but {} tokens",
+                ids.len(),
+                toks.len()
+            )));
         }
         let pos = self.resolve(ids)?;
         self.check_distinct(&pos, "append_batch")?;
@@ -319,15 +388,19 @@ impl KVCacheManager {
     /// `append_batch` for distinct positions from `resolve`.
     pub fn append_batch_at(&mut self, pos: &[u32], toks: &[u32]) -> Result<Vec<(u32, u32)>> {
         if pos.len() != toks.len() {
-            return Err(Error::Invalid(format!("{} sequence ids but {} tokens", pos.len(), toks.len())));
+            return Err(Error::Invalid(format!(
+                "{} sequence ids but {} tokens",
+                pos.len(),
+                toks.len()
+            )));
         }
-        let mut need = 0;
         for &p in pos {
             self.check_len(self.seqs[p as usize].tokens.len() as u64 + 1)?;
         }
-        for &p in pos {
-            need += self.append_demand(&self.seqs[p as usize], 1);
-        }
+        let need = pos
+            .iter()
+            .map(|&p| self.append_demand(&self.seqs[p as usize], 1))
+            .sum();
         self.alloc.check_available(need)?;
         let mut pairs = Vec::new();
         for (&p, &t) in pos.iter().zip(toks) {
@@ -338,20 +411,22 @@ impl KVCacheManager {
 
     /// The mutation of append, availability already checked.
     fn grow(&mut self, p: usize, toks: &[u32], pairs: &mut Vec<(u32, u32)>) {
-        let bs = self.alloc.block_size();
+        let bs = self.bs;
         let seq = &mut self.seqs[p];
         let n = seq.tokens.len();
-        if !toks.is_empty() && n % bs != 0 {
-            let src = *seq.blocks.last().expect("I5: a sequence with tokens holds blocks");
-            if self.alloc.ref_of(src) > 1 {
-                let mut dst = Vec::with_capacity(1);
-                self.alloc.take(1, &mut dst);
-                self.alloc.release(std::iter::once(src));
-                *seq.blocks.last_mut().expect("checked above") = dst[0];
-                pairs.push((src, dst[0]));
+        if !toks.is_empty() && bs.rem(n as u64) != 0 {
+            if let Some(last) = seq.blocks.last_mut() {
+                let src = *last;
+                if self.alloc.ref_of(src) > 1 {
+                    let mut dst = Vec::with_capacity(1);
+                    self.alloc.take(1, &mut dst);
+                    self.alloc.release(std::iter::once(src));
+                    *last = dst[0];
+                    pairs.push((src, dst[0]));
+                }
             }
         }
-        let more = blocks_for((n + toks.len()) as u64, bs) as usize - seq.blocks.len();
+        let more = bs.blocks((n + toks.len()) as u64) as usize - seq.blocks.len();
         self.alloc.take(more, &mut seq.blocks);
         seq.tokens.extend_from_slice(toks);
         debug_assert!(self.seq_ok(p), "I5 after append");
@@ -425,9 +500,8 @@ impl KVCacheManager {
                 ns.len()
             )));
         }
-        let bs = self.block_size();
-        let mut total: u64 = 0;
-        let mut width = 0;
+        let bs = self.bs;
+        let (mut total, mut width, mut nnz) = (0u64, 0u64, 0u64);
         for (&p, &n) in pos.iter().zip(ns) {
             let s = &self.seqs[p as usize];
             let end = s.computed as u64 + n;
@@ -440,50 +514,60 @@ impl KVCacheManager {
                 )));
             }
             if end > i32::MAX as u64 {
-                return Err(Error::Invalid(format!("sequence {}: {end} tokens overflow int32", s.id)));
+                return Err(Error::Invalid(format!(
+                    "sequence {}: {end} tokens overflow int32",
+                    s.id
+                )));
             }
             total += n;
-            width = width.max(blocks_for(end, bs) as usize);
+            width = width.max(bs.blocks(end));
+            nnz += bs.blocks(end);
         }
-        if total > i32::MAX as u64 {
-            return Err(Error::Invalid(format!("{total} tokens in one batch overflow int32")));
+        if total > i32::MAX as u64 || nnz > i32::MAX as u64 {
+            return Err(Error::Invalid(format!(
+                "{total} tokens in one batch overflow int32"
+            )));
         }
-        let b = pos.len();
-        let t_len = total as usize;
+        let (b, t_len, width) = (pos.len(), total as usize, width as usize);
         let mut out = Batch {
             input_ids: Vec::with_capacity(t_len),
             positions: Vec::with_capacity(t_len),
             query_start_loc: Vec::with_capacity(b + 1),
             seq_lens: Vec::with_capacity(b),
-            block_tables: vec![-1; b * width],
+            block_tables: Vec::with_capacity(b * width),
             width,
             indptr: Vec::with_capacity(b + 1),
-            indices: Vec::new(),
+            indices: Vec::with_capacity(nnz as usize),
             last_page_len: Vec::with_capacity(b),
             slot_mapping: Vec::with_capacity(t_len),
         };
         out.query_start_loc.push(0);
         out.indptr.push(0);
         let caching = self.alloc.enable_prefix_caching();
-        for (i, (&p, &n)) in pos.iter().zip(ns).enumerate() {
+        for (&p, &n) in pos.iter().zip(ns) {
             let s = &mut self.seqs[p as usize];
-            let (start, end) = (s.computed, s.computed + n as usize);
+            let (start, end) = (s.computed as u64, s.computed as u64 + n);
             for q in start..end {
-                out.input_ids.push(i64::from(s.tokens[q]));
+                out.input_ids.push(i64::from(s.tokens[q as usize]));
                 out.positions.push(q as i64);
-                out.slot_mapping.push(i64::from(s.blocks[q / bs]) * bs as i64 + (q % bs) as i64);
+                let blk = u64::from(s.blocks[bs.div(q) as usize]);
+                out.slot_mapping.push((blk * bs.size + bs.rem(q)) as i64);
             }
             out.query_start_loc.push(out.input_ids.len() as i32);
             out.seq_lens.push(end as i32);
-            let nb = end.div_ceil(bs);
+            let nb = bs.blocks(end) as usize;
             let row = &s.blocks[..nb];
-            for (dst, &blk) in out.block_tables[i * width..i * width + nb].iter_mut().zip(row) {
-                *dst = blk as i32;
-            }
+            out.block_tables.extend(row.iter().map(|&blk| blk as i32));
+            out.block_tables
+                .resize(out.block_tables.len() + width - nb, -1);
             out.indices.extend(row.iter().map(|&blk| blk as i32));
             out.indptr.push(out.indices.len() as i32);
-            out.last_page_len.push(if end > 0 { (end - (nb - 1) * bs) as i32 } else { 0 });
-            s.computed = end;
+            out.last_page_len.push(if end > 0 {
+                (end - (nb as u64 - 1) * bs.size) as i32
+            } else {
+                0
+            });
+            s.computed = end as usize;
             if caching {
                 register_full_blocks(&mut self.alloc, s, bs);
             }
@@ -518,7 +602,10 @@ impl KVCacheManager {
             }
         }
         if self.index.len() != self.seqs.len()
-            || self.index.iter().any(|(&id, &p)| self.seqs.get(p as usize).map(|s| s.id) != Some(id))
+            || self
+                .index
+                .iter()
+                .any(|(&id, &p)| self.seqs.get(p as usize).map(|s| s.id) != Some(id))
         {
             return Err("I5 sequence index".into());
         }
@@ -527,8 +614,13 @@ impl KVCacheManager {
 }
 
 /// Hash newly full computed blocks of `s` into the prefix cache (chained on the previous one).
-fn register_full_blocks(alloc: &mut BlockAllocator, s: &mut Seq, bs: usize) {
-    for j in s.hashes.len()..s.computed / bs {
+fn register_full_blocks(alloc: &mut BlockAllocator, s: &mut Seq, bs: Bs) {
+    let full = bs.div(s.computed as u64) as usize;
+    if s.hashes.len() >= full {
+        return;
+    }
+    let bs = bs.size as usize;
+    for j in s.hashes.len()..full {
         let parent = s.hashes.last().copied().unwrap_or(0);
         let salt: &[u8] = if j == 0 { &s.salt } else { &[] };
         let h = alloc.cache(s.blocks[j], parent, salt, &s.tokens[j * bs..(j + 1) * bs]);

@@ -16,10 +16,19 @@ pub enum Error {
     #[error(
         "sequence of {len} tokens exceeds the limit of {limit} tokens ({num_blocks} blocks x {block_size})"
     )]
-    SequenceTooLong { len: u64, limit: u64, num_blocks: usize, block_size: usize },
+    SequenceTooLong {
+        len: u64,
+        limit: u64,
+        num_blocks: usize,
+        block_size: usize,
+    },
     /// More references dropped than a block holds.
     #[error("block {block} freed {times} time(s) but its ref count is {ref_count}")]
-    DoubleFree { block: u32, times: u32, ref_count: u32 },
+    DoubleFree {
+        block: u32,
+        times: u32,
+        ref_count: u32,
+    },
     /// Bad argument value (ValueError).
     #[error("{0}")]
     Invalid(String),

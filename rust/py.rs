@@ -49,7 +49,9 @@ fn lock<'a, T>(m: &'a Mutex<T>, py: Python<'_>) -> PyResult<MutexGuard<'a, T>> {
 // ------------------------------------------------------------------ argument checks
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map_or_else(|_| "object".to_owned(), |n| n.to_string())
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "object".to_owned(), |n| n.to_string())
 }
 
 /// `obj.__index__()` as an int; TypeError for bool and non-integers (fallback `_check_int`).
@@ -58,7 +60,10 @@ fn as_index<'py>(name: &str, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyI
     if obj.is_instance_of::<PyBool>()
         || !(obj.is_instance_of::<PyInt>() || obj.hasattr(intern!(py, "__index__"))?)
     {
-        return Err(PyTypeError::new_err(format!("{name} must be an int, got {}", type_name(obj))));
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be an int, got {}",
+            type_name(obj)
+        )));
     }
     if let Ok(i) = obj.cast::<PyInt>() {
         return Ok(i.clone());
@@ -77,7 +82,11 @@ fn check_int(name: &str, obj: &Bound<'_, PyAny>, lo: u128, hi: u128) -> PyResult
     if obj.is_exact_instance_of::<PyInt>() {
         if let Ok(v) = obj.extract::<u64>() {
             let v = u128::from(v);
-            return if (lo..=hi).contains(&v) { Ok(v) } else { Err(range_error(name, lo, hi, &v.to_string())) };
+            return if (lo..=hi).contains(&v) {
+                Ok(v)
+            } else {
+                Err(range_error(name, lo, hi, &v.to_string()))
+            };
         }
     }
     let i = as_index(name, obj)?;
@@ -100,7 +109,10 @@ fn int_array(obj: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
         return a.to_vec().ok();
     }
     if let Ok(a) = obj.cast::<PyArray1<i32>>() {
-        return a.to_vec().ok().map(|v| v.into_iter().map(i64::from).collect());
+        return a
+            .to_vec()
+            .ok()
+            .map(|v| v.into_iter().map(i64::from).collect());
     }
     None
 }
@@ -131,7 +143,8 @@ fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         return v
             .into_iter()
             .map(|t| {
-                u32::try_from(t).map_err(|_| range_error("token id", 0, MAX_TOKEN_ID.into(), &t.to_string()))
+                u32::try_from(t)
+                    .map_err(|_| range_error("token id", 0, MAX_TOKEN_ID.into(), &t.to_string()))
             })
             .collect();
     }
@@ -145,7 +158,9 @@ fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
 
 /// Fallback `_salt_bytes`: None, str (UTF-8) or bytes.
 fn salt(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
-    let Some(obj) = obj else { return Ok(Vec::new()) };
+    let Some(obj) = obj else {
+        return Ok(Vec::new());
+    };
     if let Ok(s) = obj.cast::<PyString>() {
         return Ok(s.to_str()?.as_bytes().to_vec());
     }
@@ -164,7 +179,9 @@ fn parent_hash(obj: Option<&Bound<'_, PyAny>>, mask: u128) -> PyResult<u128> {
 }
 
 fn unknown_sequence(obj: &Bound<'_, PyAny>) -> PyErr {
-    let text = obj.str().map_or_else(|_| "?".to_owned(), |s| s.to_string_lossy().into_owned());
+    let text = obj
+        .str()
+        .map_or_else(|_| "?".to_owned(), |s| s.to_string_lossy().into_owned());
     Error::UnknownSequence(text).into()
 }
 
@@ -175,7 +192,9 @@ fn seq_id(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
             return Ok(v);
         }
     }
-    as_index("seq_id", obj)?.extract::<u64>().map_err(|_| unknown_sequence(obj))
+    as_index("seq_id", obj)?
+        .extract::<u64>()
+        .map_err(|_| unknown_sequence(obj))
 }
 
 /// Sequence ids read up to the first bad one; `stop` is what the fallback raises there,
@@ -232,7 +251,9 @@ fn counts(obj: &Bound<'_, PyAny>) -> Counts {
                 u64::try_from(n)
                     .ok()
                     .filter(|&n| n <= MAX_COUNT)
-                    .ok_or_else(|| range_error("num_new_tokens", 0, MAX_COUNT.into(), &n.to_string()))
+                    .ok_or_else(|| {
+                        range_error("num_new_tokens", 0, MAX_COUNT.into(), &n.to_string())
+                    })
             })
             .collect(),
         None => {
@@ -291,7 +312,9 @@ impl Config {
                 Err(_) => None,
             }
             .ok_or_else(|| {
-                let r = p.repr().map_or_else(|_| "?".to_owned(), |r| r.to_string_lossy().into_owned());
+                let r = p
+                    .repr()
+                    .map_or_else(|_| "?".to_owned(), |r| r.to_string_lossy().into_owned());
                 PyValueError::new_err(format!("policy must be one of ('lru', 'mru'), got {r}"))
             })?,
         };
@@ -299,7 +322,13 @@ impl Config {
             Arg::Given(c) => c.is_truthy()?,
             Arg::Default(c) => *c,
         };
-        Ok(Config { num_blocks, block_size, caching, policy, hash_bits })
+        Ok(Config {
+            num_blocks,
+            block_size,
+            caching,
+            policy,
+            hash_bits,
+        })
     }
 
     fn mask(&self) -> u128 {
@@ -369,9 +398,24 @@ impl BlockAllocator {
         policy: Arg<'_, &str>,
         hash_bits: Arg<'_, u32>,
     ) -> PyResult<Self> {
-        let cfg = Config::parse(num_blocks, block_size, &enable_prefix_caching, &policy, &hash_bits)?;
-        let core = allocator::BlockAllocator::new(cfg.num_blocks, cfg.block_size, cfg.caching, cfg.policy, cfg.hash_bits)?;
-        Ok(BlockAllocator { cfg, inner: Mutex::new(core) })
+        let cfg = Config::parse(
+            num_blocks,
+            block_size,
+            &enable_prefix_caching,
+            &policy,
+            &hash_bits,
+        )?;
+        let core = allocator::BlockAllocator::new(
+            cfg.num_blocks,
+            cfg.block_size,
+            cfg.caching,
+            cfg.policy,
+            cfg.hash_bits,
+        )?;
+        Ok(BlockAllocator {
+            cfg,
+            inner: Mutex::new(core),
+        })
     }
 
     #[getter]
@@ -596,8 +640,16 @@ impl KVCacheManager {
         hash_bits: Arg<'_, u32>,
         max_seq_len: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let cfg = Config::parse(num_blocks, block_size, &enable_prefix_caching, &policy, &hash_bits)?;
-        let max_seq_len = max_seq_len.map(|m| check_u64("max_seq_len", m, 1, MAX_COUNT)).transpose()?;
+        let cfg = Config::parse(
+            num_blocks,
+            block_size,
+            &enable_prefix_caching,
+            &policy,
+            &hash_bits,
+        )?;
+        let max_seq_len = max_seq_len
+            .map(|m| check_u64("max_seq_len", m, 1, MAX_COUNT))
+            .transpose()?;
         let core = block_table::KVCacheManager::new(
             cfg.num_blocks,
             cfg.block_size,
@@ -606,7 +658,11 @@ impl KVCacheManager {
             cfg.hash_bits,
             max_seq_len,
         )?;
-        Ok(KVCacheManager { cfg, max_seq_len: core.max_seq_len(), inner: Mutex::new(core) })
+        Ok(KVCacheManager {
+            cfg,
+            max_seq_len: core.max_seq_len(),
+            inner: Mutex::new(core),
+        })
     }
 
     #[getter]
@@ -715,7 +771,12 @@ impl KVCacheManager {
         signature = (seq_id, num_new_tokens = Arg::Default(1)),
         text_signature = "($self, seq_id, num_new_tokens=1)"
     )]
-    fn can_append(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>, num_new_tokens: Arg<'_, u64>) -> PyResult<bool> {
+    fn can_append(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_new_tokens: Arg<'_, u64>,
+    ) -> PyResult<bool> {
         let id = self::seq_id(seq_id)?;
         // The fallback looks the sequence up before it checks the count.
         let k = match num_new_tokens {
@@ -728,11 +789,15 @@ impl KVCacheManager {
     }
 
     fn block_table(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        self.with_seq(py, seq_id, |core, id| core.block_table(id).map(<[u32]>::to_vec))
+        self.with_seq(py, seq_id, |core, id| {
+            core.block_table(id).map(<[u32]>::to_vec)
+        })
     }
 
     fn token_ids(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        self.with_seq(py, seq_id, |core, id| core.token_ids(id).map(<[u32]>::to_vec))
+        self.with_seq(py, seq_id, |core, id| {
+            core.token_ids(id).map(<[u32]>::to_vec)
+        })
     }
 
     fn num_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -812,7 +877,9 @@ impl KVCacheManager {
     ) -> PyResult<Vec<(u32, u32)>> {
         let (n_ids, n_toks) = (seq_ids.len()?, token_ids.len()?);
         if n_ids != n_toks {
-            return Err(PyValueError::new_err(format!("{n_ids} sequence ids but {n_toks} tokens")));
+            return Err(PyValueError::new_err(format!(
+                "{n_ids} sequence ids but {n_toks} tokens"
+            )));
         }
         let SeqIds { ids, stop } = self::seq_ids(seq_ids)?;
         let toks = tokens(token_ids);
@@ -826,7 +893,12 @@ impl KVCacheManager {
     }
 
     /// Make ``child_id`` share all of the parent's blocks (copy-on-write on append).
-    fn fork(&self, py: Python<'_>, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn fork(
+        &self,
+        py: Python<'_>,
+        parent_id: &Bound<'_, PyAny>,
+        child_id: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let parent = self::seq_id(parent_id)?;
         let child = check_int("child_id", child_id, 0, MAX_SEQ_ID);
         let mut core = self.core(py)?;
