@@ -3,6 +3,8 @@
 //! The core modules know nothing of Python; `py` is the only border.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod allocator;
+pub mod block_table;
 pub mod error;
 mod py;
 
@@ -11,4 +13,8 @@ mod py;
 mod _core {
     #[pymodule_export]
     use super::py::{build_profile, core_version};
+    #[pymodule_export]
+    use super::py::BlockAllocator;
+    #[pymodule_export]
+    use super::py::KVCacheManager;
 }

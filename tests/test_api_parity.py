@@ -25,7 +25,7 @@ def kind(cls, name: str) -> str:
 
 def params(fn) -> list[tuple]:
     sig = inspect.signature(fn)
-    return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values() if p.name != "self"]
 
 
 @pytest.mark.parametrize("name", CLASSES)

@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - only without a compiled core
 
 __version__ = "0.1.0"
 
-_HAVE_RUST = _core is not None and hasattr(_core, "KVCacheManager")
+_HAVE_RUST = _core is not None
 BACKENDS: tuple[str, ...] = ("rust", "python") if _HAVE_RUST else ("python",)
 
 
