@@ -3,6 +3,7 @@
 //! The core modules know nothing of Python; `py` is the only border.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod attention;
 pub mod error;
 mod py;
 
