@@ -12,4 +12,11 @@ mod py;
 mod _core {
     #[pymodule_export]
     use super::py::core_version;
+
+    // Kernel functions (attention, cache writes, threads, probes).
+    #[pymodule_export]
+    use super::py::{
+        build_profile, copy_blocks, fma_peak, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache,
+        paged_attention, set_kernel_backend, set_num_threads, write_kv,
+    };
 }
