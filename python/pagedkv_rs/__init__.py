@@ -103,3 +103,29 @@ __all__ = [
     "reference",
     *(_KERNEL_NAMES if _core is not None else []),
 ]
+
+# Scheduler, requests, sampling and engine (pure Python over either allocator backend).
+from pagedkv_rs.engine import LLMEngine, Model, RequestStream  # noqa: E402
+from pagedkv_rs.request import (  # noqa: E402
+    CompletionOutput,
+    InvalidRequestError,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    UnknownRequestError,
+)
+from pagedkv_rs.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+__all__ += [
+    "LLMEngine",
+    "Model",
+    "RequestStream",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestStatus",
+    "InvalidRequestError",
+    "UnknownRequestError",
+    "Scheduler",
+    "SchedulerConfig",
+]
