@@ -441,3 +441,17 @@ def test_stats_report_latencies(backend):
     assert st["num_finished"] == 4 and st["mean_ttft_s"] > 0 and st["mean_itl_s"] > 0
     assert st["num_running"] == st["num_waiting"] == 0 and st["kv_live_blocks"] == 0
     assert st["kv_cached_blocks"] + st["kv_free_blocks"] == 24
+
+
+def test_generate_alongside_background_loop_with_progress_bar(backend, capsys):
+    e = engine(backend, num_blocks=48)
+    ps = prompts(16, 6, 2, 20)
+    s = e.submit(ps[0], GREEDY)
+    outs = e.generate(ps[1:], GREEDY, use_tqdm=True)
+    assert s.result(timeout=30).token_ids == alone(ps[0])
+    assert [o.token_ids for o in outs] == [alone(p) for p in ps[1:]]
+    assert "generate" in capsys.readouterr().err
+    e.shutdown()
+    assert_clean(e)
+    with pytest.raises(ValueError, match="2 prompts but 3"):
+        e.generate(ps[:2], [GREEDY] * 3)

@@ -381,7 +381,8 @@ class LLMEngine:
             streams = []
             try:
                 for p, sp in zip(plist_in, plist):
-                    streams.append(self._streams_for(self._add(None, p, sp, None, None, stream=True)))
+                    req = self._add(None, p, sp, None, None, stream=True)
+                    streams.append(self._streams[req.request_id])
             except BaseException:
                 for s in streams:
                     s.cancel()
@@ -392,10 +393,11 @@ class LLMEngine:
 
             bar = tqdm(total=len(streams), desc="generate", unit="req")
         final: dict[str, RequestOutput] = {}
+        pending = list(streams)
         try:
-            while len(final) < len(streams):
+            while pending:
                 self.step()
-                for s in streams:
+                for s in pending:
                     for item in s._drain():
                         if isinstance(item, BaseException):
                             raise item
@@ -403,7 +405,8 @@ class LLMEngine:
                             final[s.request_id] = item
                             if bar is not None:
                                 bar.update(1)
-                if self._thread is not None and len(final) < len(streams):
+                pending = [s for s in pending if s.request_id not in final]
+                if self._thread is not None and pending:
                     time.sleep(0.0005)  # the background loop may hold the step
         finally:
             if bar is not None:
@@ -411,9 +414,6 @@ class LLMEngine:
             for s in streams:
                 s.cancel()
         return [final[s.request_id] for s in streams]
-
-    def _streams_for(self, req: Request) -> RequestStream:
-        return self._streams[req.request_id]
 
     # ---------------------------------------------------------- background loop
     def submit(
