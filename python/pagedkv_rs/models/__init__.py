@@ -1,0 +1,1 @@
+"""Model support: GGUF loading, the GGUF tokenizer, and the Llama forward pass."""
