@@ -10,5 +10,5 @@ mod py;
 #[pyo3(name = "_core", module = "pagedkv_rs")]
 mod _core {
     #[pymodule_export]
-    use super::py::core_version;
+    use super::py::{build_profile, core_version};
 }

@@ -6,3 +6,13 @@ use pyo3::prelude::*;
 pub fn core_version() -> &'static str {
     env!("CARGO_PKG_VERSION")
 }
+
+/// "release" or "debug": benchmarks refuse to measure a debug build.
+#[pyfunction]
+pub fn build_profile() -> &'static str {
+    if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    }
+}
