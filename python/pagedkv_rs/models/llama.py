@@ -115,10 +115,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np
         x1, x2 = x[..., :h], x[..., h:]
         np.subtract(x1 * c, x2 * s, out=out[..., :h])
         np.add(x2 * c, x1 * s, out=out[..., h:])
-    else:
-        # GGUF row order: pairs (2i, 2i+1). "mismatched" rotates halves of that order: wrong on purpose.
-        if mode == "mismatched":
-            return apply_rope(x, cos, sin, "half")
+    else:  # GGUF row order: rotated pairs are (2i, 2i+1)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         np.subtract(x1 * c, x2 * s, out=out[..., 0::2])
         np.add(x2 * c, x1 * s, out=out[..., 1::2])
@@ -139,7 +136,8 @@ def swiglu_mlp(h: np.ndarray, layer: dict[str, np.ndarray], f: int) -> np.ndarra
 
 
 def _rope_mode(w: LlamaWeights) -> str:
-    return {"half": "half", "adjacent": "adjacent", "mismatched": "mismatched"}[w.rope_pairs]
+    # "mismatched": GGUF row order rotated by halves, wrong on purpose (a test shows it is caught).
+    return {"half": "half", "adjacent": "adjacent", "mismatched": "half"}[w.rope_pairs]
 
 
 # ---- the paged model (engine Model protocol) ------------------------------------------------
@@ -265,8 +263,10 @@ class DenseLlama:
         shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         return [(np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)) for _ in range(cfg.num_layers)]
 
-    def forward(self, ids: np.ndarray, start: int, cache: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        """ids: [B, T] at positions start..start+T-1 -> logits [B, V] of the last position."""
+    def forward(
+        self, ids: np.ndarray, start: int, cache: list[tuple[np.ndarray, np.ndarray]], *, all_positions: bool = False
+    ) -> np.ndarray:
+        """ids: [B, T] at positions start..start+T-1 -> logits [B, V] of the last position ([B, T, V] if all)."""
         cfg, w = self.config, self.weights
         ids = np.asarray(ids, np.int64)
         b, t = ids.shape
@@ -301,6 +301,8 @@ class DenseLlama:
             o = o.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b * t, nq)
             x += o @ layer["wo"]
             x += swiglu_mlp(rms_norm(x, layer["ffn_norm"], cfg.rms_eps), layer, cfg.intermediate_size)
+        if all_positions:
+            return (rms_norm(x, w.final_norm, cfg.rms_eps) @ w.lm_head_t).reshape(b, t, -1)
         last = x.reshape(b, t, -1)[:, -1]
         return rms_norm(last, w.final_norm, cfg.rms_eps) @ w.lm_head_t
 
