@@ -34,14 +34,10 @@ ROPE_MODES = ("half", "adjacent", "mismatched")
 
 
 def kernels() -> types.ModuleType:
-    """The module providing ``new_kv_cache/write_kv/paged_attention``: the Rust core when built."""
-    import pagedkv_rs
+    """``pagedkv_rs.kernels``: ``new_kv_cache/write_kv/copy_blocks/paged_attention``, Rust when built."""
+    from pagedkv_rs import kernels as k
 
-    if hasattr(pagedkv_rs, "paged_attention") and hasattr(pagedkv_rs, "write_kv"):
-        return pagedkv_rs
-    from pagedkv_rs import reference
-
-    return reference
+    return k
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -99,6 +95,11 @@ class LlamaWeights:
 # ---- per-token math shared by both forwards -------------------------------------------------
 
 
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x: [T, in] @ w: [in, out] -> [T, out]: one sgemm (a named function so profiles can attribute it)."""
+    return x @ w
+
+
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x: [T, H] -> [T, H]."""
     ms = np.einsum("th,th->t", x, x) / np.float32(x.shape[1])
@@ -124,7 +125,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np
 
 def swiglu_mlp(h: np.ndarray, layer: dict[str, np.ndarray], f: int) -> np.ndarray:
     """h: [T, H] -> [T, H] via one fused gate/up sgemm."""
-    gu = h @ layer["wgu"]  # [T, 2F]
+    gu = linear(h, layer["wgu"])  # [T, 2F]
     g, u = gu[:, :f], gu[:, f:]
     # silu(g) * u, in place in the gate half
     act = np.negative(g)
@@ -132,7 +133,7 @@ def swiglu_mlp(h: np.ndarray, layer: dict[str, np.ndarray], f: int) -> np.ndarra
     act += 1.0
     np.divide(g, act, out=act)
     act *= u
-    return act @ layer["wdown"]
+    return linear(act, layer["wdown"])
 
 
 def _rope_mode(w: LlamaWeights) -> str:
@@ -188,7 +189,7 @@ class LlamaModel:
             raise ValueError("every sequence in a forward batch needs at least one scheduled token")
         last = hidden[qsl[1:] - 1]  # [B, H]
         w = self.weights
-        return rms_norm(last, w.final_norm, self.config.rms_eps) @ w.lm_head_t
+        return linear(rms_norm(last, w.final_norm, self.config.rms_eps), w.lm_head_t)
 
     def forward_hidden(self, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         """Residual stream ``[T, H]`` after the last layer (before the final norm)."""
@@ -209,7 +210,7 @@ class LlamaModel:
         attn = np.empty((n, hq, d), np.float32)
         for layer, (k_cache, v_cache) in zip(w.layers, kv_caches):
             h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
-            qkv = h @ layer["wqkv"]  # [T, (Hq + 2 Hkv) D]
+            qkv = linear(h, layer["wqkv"])  # [T, (Hq + 2 Hkv) D]
             q = apply_rope(qkv[:, :nq].reshape(n, hq, d), cos, sin, self._mode)
             k = apply_rope(qkv[:, nq : nq + nk].reshape(n, hkv, d), cos, sin, self._mode)
             v = np.ascontiguousarray(qkv[:, nq + nk :]).reshape(n, hkv, d)
@@ -217,7 +218,7 @@ class LlamaModel:
             kern.paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, out=attn
             )
-            x += attn.reshape(n, nq) @ layer["wo"]
+            x += linear(attn.reshape(n, nq), layer["wo"])
             x += swiglu_mlp(rms_norm(x, layer["ffn_norm"], cfg.rms_eps), layer, cfg.intermediate_size)
         return x
 
