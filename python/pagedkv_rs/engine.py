@@ -350,10 +350,7 @@ class LLMEngine:
                     stream._put(error)
 
     def _output(self, req: Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids)
-        return RequestOutput.from_request(req, text)
+        return RequestOutput.from_request(req, None if self.tokenizer is None else self.tokenizer.decode)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
