@@ -108,11 +108,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in FINISHED
 
     @property
     def finish_reason(self) -> Optional[str]:
-        return self.value if self.finished else None
+        return self.value if self in FINISHED else None
+
+
+FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
 
 
 @dataclass
@@ -155,6 +158,7 @@ class Request:
         "request_id", "prompt_token_ids", "params", "cache_salt", "prompt", "status", "output_token_ids",
         "all_token_ids", "num_computed_tokens", "num_kv_tokens", "num_cached_tokens", "seq_id", "metrics",
         "token_times", "generator", "swapped_computed", "num_sent", "_order", "stop_ids", "max_output",
+        "final_only",
     )  # fmt: skip
 
     def __init__(
@@ -188,6 +192,7 @@ class Request:
         self._order = 0  # tie-breaker for the priority queue
         self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)  # the scheduler adds eos ids
         self.max_output = params.max_tokens  # the scheduler caps it by the context limit
+        self.final_only = False  # the engine reports only the final output (as vLLM's generate does)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -199,7 +204,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status in FINISHED
 
     @property
     def finish_reason(self) -> Optional[str]:
