@@ -636,14 +636,14 @@ mod tests {
         KVCacheManager::new(n, bs, true, Policy::Lru, bits, None).unwrap()
     }
 
-    /// Everything observable, to show a refused call changed nothing.
-    fn snapshot(
-        m: &KVCacheManager,
-    ) -> (
+    type Snapshot = (
         Vec<u32>,
         Vec<(u64, Vec<u32>, Vec<u32>, usize)>,
         ManagerStats,
-    ) {
+    );
+
+    /// Everything observable, to show a refused call changed nothing.
+    fn snapshot(m: &KVCacheManager) -> Snapshot {
         let seqs = m
             .seq_ids()
             .into_iter()
