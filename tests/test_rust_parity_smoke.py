@@ -279,8 +279,8 @@ BAD_CALLS: list[tuple[str, tuple, dict]] = [
     ("prepare_batch", ([1, 2], [1, 2**41]), {}),
     ("prepare_batch", (5,), {}),
     ("prepare_batch", (iter([1, 3]), iter([1, 1])), {}),
-    ("prepare_batch", ((s for s in [1, 3]), [5, 1])),
-    ("prepare_batch", ((s for s in [1, 3]), [6, 1])),  # one-pass ids: the checks still apply
+    ("prepare_batch", ((s for s in [1, 3]), [5, 1]), {}),
+    ("prepare_batch", ((s for s in [1, 3]), [6, 1]), {}),  # one-pass ids: the checks still apply
     ("prepare_batch", (np.array([], np.int64),), {}),
     ("can_append", (9, "x"), {}),
     ("can_append", ("x", -1), {}),
@@ -309,7 +309,7 @@ BAD_CALLS: list[tuple[str, tuple, dict]] = [
 ]
 
 
-@pytest.mark.parametrize(("name", "args", "kw"), [c if len(c) == 3 else (*c, {}) for c in BAD_CALLS])
+@pytest.mark.parametrize(("name", "args", "kw"), BAD_CALLS)
 def test_manager_edge_inputs_match_fallback(name: str, args: tuple, kw: dict) -> None:
     r, p = _loaded(_core.KVCacheManager), _loaded(fallback.KVCacheManager)
     # Iterators are consumed by a call: give each backend its own.
