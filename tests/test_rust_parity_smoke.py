@@ -32,6 +32,14 @@ def _same(a: Any, b: Any) -> None:
             x, y = getattr(a, f.name), getattr(b, f.name)
             assert x.dtype == y.dtype and x.shape == y.shape, f.name
             np.testing.assert_array_equal(x, y, err_msg=f.name)
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), (a, b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    elif isinstance(a, dict):
+        assert type(b) is dict and list(a) == list(b), (a, b)
+        for k in a:
+            _same(a[k], b[k])
     else:
         assert type(a) is type(b) and a == b, (a, b)
 
