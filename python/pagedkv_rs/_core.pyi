@@ -11,7 +11,18 @@ from pagedkv_rs.batch import BatchInputs
 __all__ = [
     "BlockAllocator",
     "KVCacheManager",
+    "build_profile",
+    "copy_blocks",
     "core_version",
+    "fma_peak",
+    "get_num_threads",
+    "kernel_info",
+    "memory_bandwidth",
+    "new_kv_cache",
+    "paged_attention",
+    "set_kernel_backend",
+    "set_num_threads",
+    "write_kv",
 ]
 
 def core_version() -> str: ...
@@ -122,3 +133,38 @@ class KVCacheManager:
     def check_invariants(self) -> None: ...
 
 # ---- end of allocator and block tables -----------------------------------------------------
+
+# ---- paged-attention kernel (rust/attention/) ----------------------------------------------
+
+_F32 = npt.NDArray[np.float32]
+_Cache = npt.NDArray[Any]
+
+def new_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: Any = "float16"
+) -> tuple[_Cache, _Cache]: ...
+def write_kv(k_cache: _Cache, v_cache: _Cache, key: _F32, value: _F32, slot_mapping: npt.NDArray[np.int64]) -> None: ...
+def copy_blocks(
+    k_cache: _Cache, v_cache: _Cache, pairs: Union[npt.NDArray[np.int64], Sequence[tuple[int, int]]]
+) -> None: ...
+def paged_attention(
+    q: _F32,
+    k_cache: _Cache,
+    v_cache: _Cache,
+    block_tables: npt.NDArray[np.int32],
+    seq_lens: npt.NDArray[np.int32],
+    query_start_loc: npt.NDArray[np.int32],
+    *,
+    scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    out: Optional[_F32] = None,
+) -> _F32: ...
+def set_kernel_backend(name: str) -> None: ...
+def set_num_threads(n: int) -> None: ...
+def get_num_threads() -> int: ...
+def kernel_info() -> dict[str, Any]: ...
+def build_profile() -> str: ...
+def memory_bandwidth(bytes: int = ..., threads: Optional[int] = None) -> float: ...
+def fma_peak(seconds: float = 0.2, threads: Optional[int] = None) -> float: ...
+
+# ---- end of paged-attention kernel -----------------------------------------------------------
