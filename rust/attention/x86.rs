@@ -1,25 +1,39 @@
 //! AVX2 + FMA (+ F16C) attention work unit for x86-64.
 //!
-//! | variant        | when                         | K/V element load                                  |
-//! |----------------|------------------------------|---------------------------------------------------|
-//! | direct f32/f16/bf16 | one query row, group <= 4 (decode) | widened inside the FMA loops (vcvtph2ps / zext<<16), once per 4 query heads |
-//! | widened        | otherwise (prefill, big groups) | tile widened once to f32 scratch, then as f32     |
+//! | variant                 | when                                  | K/V element load                      |
+//! |-------------------------|---------------------------------------|---------------------------------------|
+//! | `attend_decode` f32/f16/bf16 | one query row, group <= 4 (decode) | widened in the FMA loops (vcvtph2ps, zext<<16), once per 4 query heads |
+//! | `attend` (widened)      | otherwise (prefill, chunked prefill)  | tile widened once to f32 scratch      |
 //!
 //! Requires head_dim % 8 == 0 (dispatch in `mod.rs` falls back to scalar otherwise).
-//! A unit walks its keys in tiles of at most 32 tokens inside one block; per tile and KV head
-//! (decode units take all KV heads of a block: one contiguous stretch of K and of V), the query
-//! vectors of the group are taken 4 (or 2, 1) at a time: logits `q.k` with 8 independent FMA
-//! chains and one 8-way horizontal sum, the tile max, one rescale of the accumulators (online
-//! softmax), a vectorised exp, and `acc += p v` with up to 8 accumulators in registers. So each
-//! K/V element is loaded once per 4 query heads. The first line of the next tile is prefetched.
+//! Keys are taken in tiles of up to 64 tokens spanning consecutive table blocks. Decode: per
+//! tile, one pass over K block by block with all KV heads of a block in memory order (one
+//! sequential stretch per block), logits for every query head, the online-softmax update, then
+//! the same pass over V. Prefill: per tile and KV head, the tile is widened once and serves every
+//! row and query head of the unit. Micro-kernels: logits for 4 (2, 1) query heads x 2 (4, 8)
+//! keys with 8 independent FMA chains and one 8-way horizontal sum; `acc += p v` with 4 x 2
+//! (2 x 4, 1 x 8) accumulators in registers. The first line of the next tile is prefetched.
 //! Tolerance: see `mod.rs` (exp is a Cephes degree-5 polynomial, rel. error ~2e-7).
 
 use std::arch::x86_64::*;
 
 use super::{Ctx, DType, Kv, State, Unit};
 
-/// Keys per tile (also bounded by the block).
-const TILE: usize = 32;
+/// Keys per tile; a tile spans consecutive blocks of the table (one segment per block piece).
+const TILE: usize = 64;
+
+/// Element type codes for the const-generic kernels.
+const F32: u8 = 0;
+const F16: u8 = 1;
+const BF16: u8 = 2;
+
+/// `n` consecutive key rows of one KV head inside one block: K and V element pointers.
+#[derive(Clone, Copy)]
+struct Seg {
+    k: *const u8,
+    v: *const u8,
+    n: usize,
+}
 
 /// Fill `st` with the partial attention of unit `u`.
 ///
@@ -37,50 +51,147 @@ pub(crate) unsafe fn attend(ctx: &Ctx, u: &Unit, st: &mut State) {
             *dst = src * scale;
         }
     }
-    let mut kbuf = vec![0.0f32; TILE * d];
-    let mut vbuf = vec![0.0f32; TILE * d];
+    // One query row and small groups (decode): widen K/V inside the FMA loops, each element
+    // once per block of 4 query heads. Otherwise (prefill): widen each tile once into f32 scratch.
+    if u.row1 - u.row0 == 1 && g <= 4 {
+        // SAFETY: same contract as this function.
+        unsafe {
+            match ctx.k.dtype() {
+                DType::F32 => attend_decode::<F32>(ctx, u, st, &qbuf),
+                DType::F16 => attend_decode::<F16>(ctx, u, st, &qbuf),
+                DType::Bf16 => attend_decode::<BF16>(ctx, u, st, &qbuf),
+            }
+        }
+        return;
+    }
+    let (mut kbuf, mut vbuf) = (vec![0.0f32; TILE * d], vec![0.0f32; TILE * d]);
     let mut s = [0.0f32; 4 * TILE];
-    // Few query vectors per KV head (decode): widen K/V inside the FMA loops, each element
-    // once per block of 4 query vectors. Many (prefill): widen each tile once into f32 scratch.
-    let direct = u.row1 - u.row0 == 1 && g <= 4;
+    // Block pieces (block, offset, n) of the current tile.
+    let mut pieces = [(0usize, 0usize, 0usize); TILE];
     let mut t = u.key_lo;
     while t < u.key_hi {
-        let (blk, off) = (ctx.block(u.seq, t), t % bs);
-        let n = (bs - off).min(TILE).min(u.key_hi - t);
-        if t + n < u.key_hi {
-            // Touch the first line of the next tile early (page walk + hardware prefetcher
-            // start); prefetching whole tiles measured slower (the miss queue fills up).
-            let nt = t + n;
-            let nb = ctx.shape.offset(ctx.block(u.seq, nt), u.h0, nt % bs);
+        let t_end = (t + TILE).min(u.key_hi);
+        let mut np = 0;
+        let mut p = t;
+        while p < t_end {
+            let (blk, off) = (ctx.block(u.seq, p), p % bs);
+            let n = (bs - off).min(t_end - p);
+            pieces[np] = (blk, off, n);
+            np += 1;
+            p += n;
+        }
+        if t_end < u.key_hi {
+            // Touch the first line of the next tile's first block early (page walk + hardware
+            // prefetcher start); prefetching whole tiles measured slower (miss queue fills up).
+            let nb = ctx.shape.offset(ctx.block(u.seq, t_end), u.h0, t_end % bs);
             prefetch(ctx.k, nb, 8);
             prefetch(ctx.v, nb, 8);
         }
+        let n = t_end - t;
         for h in u.h0..u.h1 {
-            let base = ctx.shape.offset(blk, h, off);
-            if direct {
-                // SAFETY: `tile` returns in-bounds pointers to n*d elements of the cache dtype.
-                unsafe {
-                    match ctx.k.dtype() {
-                        DType::F32 => tile_heads::<F32>(ctx, u, st, &qbuf, tile(ctx.k, base, n * d), tile(ctx.v, base, n * d), t, n, h, &mut s),
-                        DType::F16 => tile_heads::<F16>(ctx, u, st, &qbuf, tile(ctx.k, base, n * d), tile(ctx.v, base, n * d), t, n, h, &mut s),
-                        DType::Bf16 => tile_heads::<BF16>(ctx, u, st, &qbuf, tile(ctx.k, base, n * d), tile(ctx.v, base, n * d), t, n, h, &mut s),
-                    }
-                }
-            } else {
-                let kt = widen(ctx.k, base, n * d, &mut kbuf).as_ptr() as *const u8;
-                let vt = widen(ctx.v, base, n * d, &mut vbuf).as_ptr() as *const u8;
-                // SAFETY: kt/vt point to n*d f32 in kbuf/vbuf (or the f32 cache), unchanged below.
-                unsafe { tile_heads::<F32>(ctx, u, st, &qbuf, kt, vt, t, n, h, &mut s) };
+            let mut at = 0;
+            for &(blk, off, m) in &pieces[..np] {
+                let base = ctx.shape.offset(blk, h, off);
+                widen(ctx.k, base, m * d, &mut kbuf[at * d..(at + m) * d]);
+                widen(ctx.v, base, m * d, &mut vbuf[at * d..(at + m) * d]);
+                at += m;
             }
+            let sg = [Seg { k: kbuf.as_ptr() as *const u8, v: vbuf.as_ptr() as *const u8, n }];
+            // SAFETY: kbuf/vbuf hold n*d f32 written just above and are not touched below.
+            unsafe { tile_heads::<F32>(ctx, u, st, &qbuf, &sg, t, n, h, &mut s) };
         }
-        t += n;
+        t = t_end;
     }
 }
 
-/// Element type codes for the const-generic kernels.
-const F32: u8 = 0;
-const F16: u8 = 1;
-const BF16: u8 = 2;
+/// Decode unit (one query row): per tile of up to TILE keys, one pass over K block by block
+/// (all KV heads of a block in memory order: one sequential stretch per block) computing every
+/// query head's logits, the online-softmax update of every query head, then one pass over V in
+/// the same order. Each K/V element is widened in the FMA loops, once per 4 query heads.
+///
+/// # Safety
+/// As `attend`, plus u.row1 - u.row0 == 1 (so every key in u.key_lo..u.key_hi is visible).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf: &[f32]) {
+    let (g, d, bs) = (ctx.group, ctx.shape.head_dim, ctx.shape.block_size);
+    let nq = u.queries(g);
+    debug_assert!(u.row1 - u.row0 == 1);
+    let mut s = vec![0.0f32; nq * TILE];
+    let mut t = u.key_lo;
+    while t < u.key_hi {
+        let t_end = (t + TILE).min(u.key_hi);
+        if t_end < u.key_hi {
+            // Touch the first line of the next tile early (page walk + hardware prefetch start).
+            let nb = ctx.shape.offset(ctx.block(u.seq, t_end), u.h0, t_end % bs);
+            prefetch(ctx.k, nb, 8);
+            prefetch(ctx.v, nb, 8);
+        }
+        for (pass, kv) in [(0, ctx.k), (1, ctx.v)] {
+            if pass == 1 {
+                // Online softmax over this tile's logits, per query head.
+                for m in 0..nq {
+                    let sj = &mut s[m * TILE..m * TILE + (t_end - t)];
+                    if let Some(c) = ctx.params.soft_cap {
+                        for x in sj.iter_mut() {
+                            *x = c * (*x / c).tanh();
+                        }
+                    }
+                    let tmax = vmax(sj);
+                    let old = st.max[m];
+                    if tmax > old {
+                        if old != f32::NEG_INFINITY {
+                            let alpha = (old - tmax).exp();
+                            scale_in_place(&mut st.acc[m * d..(m + 1) * d], alpha);
+                            st.sum[m] *= alpha;
+                        }
+                        st.max[m] = tmax;
+                    }
+                    st.sum[m] += exp_sub(sj, st.max[m]);
+                }
+            }
+            let mut p = t;
+            while p < t_end {
+                let (blk, off) = (ctx.block(u.seq, p), p % bs);
+                let n = (bs - off).min(t_end - p);
+                let col = p - t;
+                for h in u.h0..u.h1 {
+                    let ptr = tile(kv, ctx.shape.offset(blk, h, off), n * d);
+                    let mut hg = 0;
+                    while hg < g {
+                        let m0 = (h - u.h0) * g + hg;
+                        let mb = match g - hg {
+                            r if r >= 4 => 4,
+                            r if r >= 2 => 2,
+                            _ => 1,
+                        };
+                        let sm = &mut s[m0 * TILE..(m0 + mb) * TILE];
+                        // SAFETY: `tile` returned n*d in-bounds elements of DT; col + n <= TILE.
+                        unsafe {
+                            if pass == 0 {
+                                let q = &qbuf[m0 * d..(m0 + mb) * d];
+                                match mb {
+                                    4 => qk_block::<4, 2, DT>(q, ptr, n, d, sm, col),
+                                    2 => qk_block::<2, 4, DT>(q, ptr, n, d, sm, col),
+                                    _ => qk_block::<1, 8, DT>(q, ptr, n, d, sm, col),
+                                }
+                            } else {
+                                let acc = &mut st.acc[m0 * d..(m0 + mb) * d];
+                                match mb {
+                                    4 => pv_block::<4, 2, DT>(sm, col, ptr, n, d, acc),
+                                    2 => pv_block::<2, 4, DT>(sm, col, ptr, n, d, acc),
+                                    _ => pv_block::<1, 8, DT>(sm, col, ptr, n, d, acc),
+                                }
+                            }
+                        }
+                        hg += mb;
+                    }
+                }
+                p += n;
+            }
+        }
+        t = t_end;
+    }
+}
 
 /// Pointer to elements `base..base + len` of a cache (bounds-checked).
 fn tile(kv: Kv, base: usize, len: usize) -> *const u8 {
@@ -110,10 +221,11 @@ unsafe fn load8<const DT: u8>(p: *const u8, i: usize) -> __m256 {
     }
 }
 
-/// One tile (keys t..t+n of KV head h) against every query vector of head h in the unit.
+/// One tile (keys t..t+n of KV head h, in segments) against every query vector of head h.
 ///
 /// # Safety
-/// `kt`, `vt` point to the tile's n*d elements of type DT; `ctx` validated; head_dim % 8 == 0.
+/// Each segment's `k`, `v` point to `n * d` elements of type DT; the segments' n sum to `n`;
+/// `ctx` validated; head_dim % 8 == 0.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_heads<const DT: u8>(
@@ -121,8 +233,7 @@ unsafe fn tile_heads<const DT: u8>(
     u: &Unit,
     st: &mut State,
     qbuf: &[f32],
-    kt: *const u8,
-    vt: *const u8,
+    segs: &[Seg],
     t: usize,
     n: usize,
     h: usize,
@@ -136,9 +247,7 @@ unsafe fn tile_heads<const DT: u8>(
         if lo >= hi {
             continue;
         }
-        let (j0, nj) = (lo - t, hi - lo);
-        // SAFETY: j0 + nj <= n, so these stay inside the tile.
-        let (kj, vj) = unsafe { (kt.add(j0 * d * es), vt.add(j0 * d * es)) };
+        let (j0, j1) = (lo - t, hi - t);
         // The group's query vectors of this row share the key range: blocks of 4/2/1.
         let mut hg = 0;
         while hg < g {
@@ -150,17 +259,27 @@ unsafe fn tile_heads<const DT: u8>(
             };
             let q = &qbuf[m0 * d..(m0 + mb) * d];
             let sm = &mut s[..mb * TILE];
-            // SAFETY: kj holds nj * d elements of DT (tile contract); q and sm are sized above.
-            unsafe {
-                match mb {
-                    4 => qk_block::<4, 2, DT>(q, kj, nj, d, sm),
-                    2 => qk_block::<2, 4, DT>(q, kj, nj, d, sm),
-                    _ => qk_block::<1, 8, DT>(q, kj, nj, d, sm),
+            // Logits of the rows j0..j1 of the tile, segment by segment, into columns 0..j1-j0.
+            let mut at = 0;
+            for sg in segs {
+                let (a, b) = (at.max(j0), (at + sg.n).min(j1));
+                if a < b {
+                    // SAFETY: rows a-at..b-at of the segment are inside it (a >= at, b <= at+n);
+                    // columns a-j0..b-j0 are inside 0..TILE; q and sm are sized above.
+                    unsafe {
+                        let kp = sg.k.add((a - at) * d * es);
+                        match mb {
+                            4 => qk_block::<4, 2, DT>(q, kp, b - a, d, sm, a - j0),
+                            2 => qk_block::<2, 4, DT>(q, kp, b - a, d, sm, a - j0),
+                            _ => qk_block::<1, 8, DT>(q, kp, b - a, d, sm, a - j0),
+                        }
+                    }
                 }
+                at += sg.n;
             }
             for r in 0..mb {
                 let m = m0 + r;
-                let sj = &mut sm[r * TILE..r * TILE + nj];
+                let sj = &mut sm[r * TILE..r * TILE + (j1 - j0)];
                 if let Some(c) = ctx.params.soft_cap {
                     for x in sj.iter_mut() {
                         *x = c * (*x / c).tanh();
@@ -179,46 +298,46 @@ unsafe fn tile_heads<const DT: u8>(
                 st.sum[m] += exp_sub(sj, st.max[m]);
             }
             let acc = &mut st.acc[m0 * d..(m0 + mb) * d];
-            // SAFETY: vj holds nj * d elements of DT; acc is [mb, d].
-            unsafe {
-                match mb {
-                    4 => pv_block::<4, 2, DT>(sm, vj, nj, d, acc),
-                    2 => pv_block::<2, 4, DT>(sm, vj, nj, d, acc),
-                    _ => pv_block::<1, 8, DT>(sm, vj, nj, d, acc),
+            let mut at = 0;
+            for sg in segs {
+                let (a, b) = (at.max(j0), (at + sg.n).min(j1));
+                if a < b {
+                    // SAFETY: as for the logits; acc is [mb, d].
+                    unsafe {
+                        let vp = sg.v.add((a - at) * d * es);
+                        match mb {
+                            4 => pv_block::<4, 2, DT>(sm, a - j0, vp, b - a, d, acc),
+                            2 => pv_block::<2, 4, DT>(sm, a - j0, vp, b - a, d, acc),
+                            _ => pv_block::<1, 8, DT>(sm, a - j0, vp, b - a, d, acc),
+                        }
+                    }
                 }
+                at += sg.n;
             }
             hg += mb;
         }
     }
 }
 
-/// Tile `base..base+len` of a cache as f32: in place for f32, else widened into `buf`.
+/// Elements `base..base+len` of a cache, widened to f32 into `dst` (`dst.len() == len`).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn widen<'b>(kv: Kv<'b>, base: usize, len: usize, buf: &'b mut [f32]) -> &'b [f32] {
+fn widen(kv: Kv, base: usize, len: usize, dst: &mut [f32]) {
+    assert!(dst.len() == len && len % 8 == 0);
     match kv {
-        Kv::F32(c) => &c[base..base + len],
+        Kv::F32(c) => dst.copy_from_slice(&c[base..base + len]),
         Kv::F16(c) => {
-            let (src, dst) = (&c[base..base + len], &mut buf[..len]);
+            let src = &c[base..base + len];
             for i in (0..len).step_by(8) {
-                // SAFETY: len % 8 == 0 (head_dim % 8 == 0), so i + 8 <= len for src and dst.
-                unsafe {
-                    let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-                    _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-                }
+                // SAFETY: len % 8 == 0, so i + 8 <= len for src and dst.
+                unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(i), load8::<F16>(src.as_ptr() as *const u8, i)) };
             }
-            dst
         }
         Kv::Bf16(c) => {
-            let (src, dst) = (&c[base..base + len], &mut buf[..len]);
+            let src = &c[base..base + len];
             for i in (0..len).step_by(8) {
                 // SAFETY: as above.
-                unsafe {
-                    let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-                    let w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-                    _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_castsi256_ps(w));
-                }
+                unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(i), load8::<BF16>(src.as_ptr() as *const u8, i)) };
             }
-            dst
         }
     }
 }
@@ -256,14 +375,22 @@ fn hsum(a: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<0x55>(s, s)))
 }
 
-/// `s[r * TILE + j] = q[r] . k[j]` for MB query vectors `q` `[MB, d]` and keys `k` `[n, d]` of
+/// `s[r * TILE + col + j] = q[r] . k[j]` for MB query vectors `q` `[MB, d]` and keys `k` `[n, d]` of
 /// type DT, TB keys at a time (MB * TB = 8 independent FMA chains, one 8-way horizontal sum).
 ///
 /// # Safety
 /// `kp` points to n * d elements of type DT.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(q: &[f32], kp: *const u8, n: usize, d: usize, s: &mut [f32]) {
-    assert!(MB * TB == 8 && q.len() == MB * d && n <= TILE && s.len() >= MB * TILE && d % 8 == 0);
+unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
+    q: &[f32],
+    kp: *const u8,
+    n: usize,
+    d: usize,
+    s: &mut [f32],
+    col: usize,
+) {
+    assert!(MB * TB == 8 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d % 8 == 0);
+    let s = &mut s[col..];
     let qp = q.as_ptr();
     let mut j = 0;
     while j + TB <= n {
@@ -303,14 +430,22 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(q: &[f32], kp
     }
 }
 
-/// `acc[r] += sum_j p[r * TILE + j] * v[j]` for MB accumulators `acc` `[MB, d]`, v `[n, d]` of
+/// `acc[r] += sum_j p[r * TILE + col + j] * v[j]` for MB accumulators `acc` `[MB, d]`, v `[n, d]` of
 /// type DT; NV vectors of head_dim at a time (MB * NV accumulators in registers).
 ///
 /// # Safety
 /// `vp` points to n * d elements of type DT.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(p: &[f32], vp: *const u8, n: usize, d: usize, acc: &mut [f32]) {
-    assert!(acc.len() == MB * d && n <= TILE && p.len() >= MB * TILE && d % 8 == 0);
+unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
+    p: &[f32],
+    col: usize,
+    vp: *const u8,
+    n: usize,
+    d: usize,
+    acc: &mut [f32],
+) {
+    assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d % 8 == 0);
+    let p = &p[col..];
     let ap = acc.as_mut_ptr();
     let mut c = 0;
     while c + 8 * NV <= d {
