@@ -3,6 +3,9 @@
 //! The core modules know nothing of Python; `py` is the only border.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod allocator;
+pub mod attention;
+pub mod block_table;
 pub mod error;
 mod py;
 
@@ -10,5 +13,16 @@ mod py;
 #[pyo3(name = "_core", module = "pagedkv_rs")]
 mod _core {
     #[pymodule_export]
-    use super::py::{build_profile, core_version};
+    use super::py::core_version;
+
+    // Block allocator and block tables.
+    #[pymodule_export]
+    use super::py::{BlockAllocator, KVCacheManager};
+
+    // Kernel functions (attention, cache writes, threads, probes).
+    #[pymodule_export]
+    use super::py::{
+        build_profile, copy_blocks, fma_peak, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache,
+        paged_attention, set_kernel_backend, set_num_threads, write_kv,
+    };
 }

@@ -29,7 +29,39 @@ except ImportError:  # pragma: no cover - only without a compiled core
 
 __version__ = "0.1.0"
 
-_HAVE_RUST = _core is not None and hasattr(_core, "KVCacheManager")
+# Kernel functions (Rust only; the float64 numpy spec of the first four is pagedkv_rs.reference).
+from pagedkv_rs import reference  # noqa: E402
+
+if _core is not None:
+    from pagedkv_rs._core import (  # noqa: E402
+        build_profile,
+        copy_blocks,
+        fma_peak,
+        get_num_threads,
+        kernel_info,
+        memory_bandwidth,
+        new_kv_cache,
+        paged_attention,
+        set_kernel_backend,
+        set_num_threads,
+        write_kv,
+    )
+
+_KERNEL_NAMES = [
+    "new_kv_cache",
+    "write_kv",
+    "copy_blocks",
+    "paged_attention",
+    "set_kernel_backend",
+    "kernel_info",
+    "set_num_threads",
+    "get_num_threads",
+    "memory_bandwidth",
+    "fma_peak",
+    "build_profile",
+]
+
+_HAVE_RUST = _core is not None
 BACKENDS: tuple[str, ...] = ("rust", "python") if _HAVE_RUST else ("python",)
 
 
@@ -68,4 +100,32 @@ __all__ = [
     "DuplicateSequenceError",
     "SequenceTooLongError",
     "DoubleFreeError",
+    "reference",
+    *(_KERNEL_NAMES if _core is not None else []),
+]
+
+# Scheduler, requests, sampling and engine (pure Python over either allocator backend).
+from pagedkv_rs.engine import LLMEngine, Model, RequestStream  # noqa: E402
+from pagedkv_rs.request import (  # noqa: E402
+    CompletionOutput,
+    InvalidRequestError,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    UnknownRequestError,
+)
+from pagedkv_rs.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+__all__ += [
+    "LLMEngine",
+    "Model",
+    "RequestStream",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestStatus",
+    "InvalidRequestError",
+    "UnknownRequestError",
+    "Scheduler",
+    "SchedulerConfig",
 ]

@@ -1,0 +1,172 @@
+"""Plain numpy reference of the paged KV-cache kernels: the executable spec of the Rust ones.
+
+Same names, signatures and semantics as ``pagedkv_rs.new_kv_cache / write_kv / copy_blocks /
+paged_attention``; attention is computed in float64 and returned as float32. It gathers, per
+sequence, exactly its ``seq_len`` cached tokens through its block table (never a slot beyond),
+so a cache whose unused slots hold NaN still gives finite results.
+
+Layout
+------
+``k_cache`` and ``v_cache``: ``[num_blocks, num_kv_heads, block_size, head_dim]``, C-contiguous.
+Slot ``s`` is block ``s // block_size``, offset ``s % block_size``; a block is one contiguous
+stretch of memory and each (block, kv_head) a contiguous ``block_size * head_dim`` tile.
+
+Attention
+---------
+Sequence ``i`` owns q rows ``query_start_loc[i]:query_start_loc[i+1]`` (``q_len`` rows), its last
+tokens, at positions ``seq_lens[i] - q_len ... seq_lens[i] - 1``. Row at position ``p`` attends to
+key positions ``t`` with ``t <= p`` and, with a ``sliding_window`` ``w``, ``t > p - w``.
+Logits are ``scale * q.k`` (default ``scale = 1/sqrt(head_dim)``), then ``soft_cap * tanh(l / soft_cap)``
+when ``soft_cap`` is set. Query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Union
+
+import numpy as np
+
+__all__ = ["new_kv_cache", "write_kv", "copy_blocks", "paged_attention", "cache_dtype"]
+
+DTypeLike = Union[str, np.dtype, type]
+
+
+def cache_dtype(dtype: Any) -> np.dtype:
+    """Resolve ``"float32" | "float16" | "bfloat16"`` (or such a numpy dtype) to a numpy dtype."""
+    if isinstance(dtype, str):
+        if dtype == "bfloat16":
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        if dtype not in ("float32", "float16"):
+            raise ValueError(f"cache dtype must be 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+        return np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"cache dtype must be a str or numpy dtype, got {dtype!r}") from exc
+    if dt.name not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"cache dtype must be float32, float16 or bfloat16, got {dt.name}")
+    return dt
+
+
+def new_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike = "float16"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Zeroed ``(k_cache, v_cache)``, each ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
+    dt = cache_dtype(dtype)
+    for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
+                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if int(v) < (0 if name == "num_blocks" else 1):
+            raise ValueError(f"{name} must be positive, got {v}")
+    shape = (int(num_blocks), int(num_kv_heads), int(block_size), int(head_dim))
+    return np.zeros(shape, dt), np.zeros(shape, dt)
+
+
+def _check_caches(k_cache: np.ndarray, v_cache: np.ndarray) -> None:
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"k_cache and v_cache must be 4-d with one shape and dtype, got {k_cache.shape} {k_cache.dtype}"
+            f" and {v_cache.shape} {v_cache.dtype}"
+        )
+    cache_dtype(k_cache.dtype)
+
+
+def write_kv(
+    k_cache: np.ndarray, v_cache: np.ndarray, key: np.ndarray, value: np.ndarray, slot_mapping: np.ndarray
+) -> None:
+    """Scatter ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into slots ``slot_mapping`` ``[T]`` (-1 = skip)."""
+    _check_caches(k_cache, v_cache)
+    nb, hkv, bs, d = k_cache.shape
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    if key.shape != value.shape or key.shape != (slots.shape[0], hkv, d):
+        raise ValueError(f"key/value must be [{slots.shape[0]}, {hkv}, {d}], got {key.shape} and {value.shape}")
+    if np.any((slots < -1) | (slots >= nb * bs)):
+        raise ValueError(f"slot ids must be -1 or in [0, {nb * bs})")
+    keep = slots >= 0
+    s = slots[keep]
+    # Advanced indices split by a slice: the result is [n, hkv, d], matching key[keep].
+    k_cache[s // bs, :, s % bs, :] = key[keep].astype(k_cache.dtype)
+    v_cache[s // bs, :, s % bs, :] = value[keep].astype(v_cache.dtype)
+
+
+def copy_blocks(k_cache: np.ndarray, v_cache: np.ndarray, pairs: Any) -> None:
+    """Copy whole blocks ``src -> dst`` for each ``(src, dst)`` in ``pairs`` (``[n, 2]``), in order."""
+    _check_caches(k_cache, v_cache)
+    p = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    nb = k_cache.shape[0]
+    if np.any((p < 0) | (p >= nb)):
+        raise ValueError(f"block ids must be in [0, {nb})")
+    for src, dst in p:
+        k_cache[dst] = k_cache[src]
+        v_cache[dst] = v_cache[src]
+
+
+def paged_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    query_start_loc: np.ndarray,
+    *,
+    scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    out: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """Causal varlen attention over the paged cache; float64 inside, float32 ``out`` ``[T, Hq, D]``."""
+    _check_caches(k_cache, v_cache)
+    nb, hkv, bs, d = k_cache.shape
+    if q.ndim != 3 or q.shape[2] != d or q.shape[1] % hkv:
+        raise ValueError(f"q must be [T, Hq, {d}] with Hq a multiple of {hkv}, got {q.shape}")
+    t_total, hq, _ = q.shape
+    group = hq // hkv
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    tables = np.asarray(block_tables, dtype=np.int64)
+    n_seq = seq_lens.shape[0]
+    if qsl.shape != (n_seq + 1,) or tables.ndim != 2 or tables.shape[0] != n_seq:
+        raise ValueError("need seq_lens [B], query_start_loc [B+1], block_tables [B, max_blocks]")
+    if qsl[0] != 0 or qsl[-1] != t_total or np.any(np.diff(qsl) < 0):
+        raise ValueError("query_start_loc must rise from 0 to num_tokens")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError("sliding_window must be >= 1")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError("soft_cap must be > 0")
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if out is None:
+        out = np.empty(q.shape, np.float32)
+    elif out.shape != q.shape or out.dtype != np.float32:
+        raise ValueError(f"out must be float32 {q.shape}")
+
+    for i in range(n_seq):
+        lo, hi = int(qsl[i]), int(qsl[i + 1])
+        q_len, seq_len = hi - lo, int(seq_lens[i])
+        if q_len == 0:
+            continue
+        if not q_len <= seq_len <= tables.shape[1] * bs:
+            raise ValueError(f"sequence {i}: q_len {q_len}, seq_len {seq_len}, table capacity {tables.shape[1] * bs}")
+        pos = np.arange(seq_len)
+        blocks = tables[i, pos // bs]
+        if np.any((blocks < 0) | (blocks >= nb)):
+            raise ValueError(f"sequence {i}: block id out of [0, {nb})")
+        # Exactly this sequence's seq_len tokens: [L, hkv, d].
+        k = k_cache[blocks, :, pos % bs, :].astype(np.float64)
+        v = v_cache[blocks, :, pos % bs, :].astype(np.float64)
+        qi = q[lo:hi].astype(np.float64).reshape(q_len, hkv, group, d)
+        logits = np.einsum("qhgd,khd->hgqk", qi, k) * sc  # [hkv, group, q_len, L]
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
+        qpos = np.arange(seq_len - q_len, seq_len)[:, None]
+        allowed = pos[None, :] <= qpos
+        if sliding_window is not None:
+            allowed &= pos[None, :] > qpos - sliding_window
+        logits = np.where(allowed, logits, -np.inf)
+        logits -= logits.max(axis=-1, keepdims=True)
+        p = np.exp(logits)
+        p /= p.sum(axis=-1, keepdims=True)
+        o = np.einsum("hgqk,khd->qhgd", p, v)
+        out[lo:hi] = o.reshape(q_len, hq, d).astype(np.float32)
+    return out

@@ -1,0 +1,193 @@
+//! SIMD vs scalar spec on random shapes, split-KV vs unsplit, write/copy round trips.
+
+use half::{bf16, f16};
+
+use super::*;
+
+/// xorshift64*: deterministic test data without a dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn normal(&mut self) -> f32 {
+        // Sum of uniforms: good enough, bounded.
+        (0..4).map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32).sum::<f32>() - 2.0
+    }
+}
+
+struct Case {
+    shape: CacheShape,
+    hq: usize,
+    k32: Vec<f32>,
+    v32: Vec<f32>,
+    q: Vec<f32>,
+    tables: Vec<i32>,
+    max_blocks: usize,
+    seq_lens: Vec<i32>,
+    qsl: Vec<i32>,
+}
+
+fn random_case(r: &mut Rng, d: usize, max_len: usize) -> Case {
+    let bs = [1, 3, 16, 32, 128][r.below(5)];
+    let hkv = 1 + r.below(3);
+    let hq = hkv * [1, 2, 3, 4][r.below(4)];
+    let nseq = 1 + r.below(4);
+    let seq_lens: Vec<i32> = (0..nseq).map(|_| 1 + r.below(max_len) as i32).collect();
+    let q_lens: Vec<i32> = seq_lens
+        .iter()
+        .map(|&l| match r.below(3) {
+            0 => 1,
+            1 => l,
+            _ => 1 + r.below(l as usize) as i32,
+        })
+        .collect();
+    let max_blocks = seq_lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap() + r.below(2);
+    let num_blocks = max_blocks * nseq / 2 + 2;
+    let shape = CacheShape { num_blocks, num_kv_heads: hkv, block_size: bs, head_dim: d };
+    let n = shape.numel().unwrap();
+    let k32 = (0..n).map(|_| r.normal()).collect();
+    let v32 = (0..n).map(|_| r.normal()).collect();
+    // Random ids, repeats allowed; -1 padding past each sequence's blocks.
+    let mut tables = vec![-1; nseq * max_blocks];
+    for (i, &l) in seq_lens.iter().enumerate() {
+        for j in 0..(l as usize).div_ceil(bs) {
+            tables[i * max_blocks + j] = r.below(num_blocks) as i32;
+        }
+    }
+    let mut qsl = vec![0];
+    for ql in &q_lens {
+        qsl.push(qsl.last().unwrap() + ql);
+    }
+    let t = *qsl.last().unwrap() as usize;
+    let q = (0..t * hq * d).map(|_| r.normal()).collect();
+    Case { shape, hq, k32, v32, q, tables, max_blocks, seq_lens, qsl }
+}
+
+fn run_case(c: &Case, dt: DType, isa: Isa, threads: usize, params: Params) -> Vec<f32> {
+    let kf16: Vec<f16> = c.k32.iter().map(|&x| f16::from_f32(x)).collect();
+    let vf16: Vec<f16> = c.v32.iter().map(|&x| f16::from_f32(x)).collect();
+    let kb: Vec<bf16> = c.k32.iter().map(|&x| bf16::from_f32(x)).collect();
+    let vb: Vec<bf16> = c.v32.iter().map(|&x| bf16::from_f32(x)).collect();
+    let (k, v) = match dt {
+        DType::F32 => (Kv::F32(&c.k32), Kv::F32(&c.v32)),
+        DType::F16 => (Kv::F16(&kf16), Kv::F16(&vf16)),
+        DType::Bf16 => (Kv::Bf16(&kb), Kv::Bf16(&vb)),
+    };
+    let b = Batch {
+        q: &c.q,
+        num_q_heads: c.hq,
+        block_tables: &c.tables,
+        max_blocks: c.max_blocks,
+        seq_lens: &c.seq_lens,
+        query_start_loc: &c.qsl,
+    };
+    let mut out = vec![f32::NAN; c.q.len()];
+    paged_attention_with(isa, threads, k, v, c.shape, b, params, &mut out).unwrap();
+    out
+}
+
+fn max_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| if x.is_finite() && y.is_finite() { (x - y).abs() } else { f32::INFINITY }).fold(0.0, f32::max)
+}
+
+#[test]
+fn simd_matches_scalar_on_random_shapes() {
+    if detected_isa() != Isa::Avx2 {
+        eprintln!("no AVX2 on this CPU: only the scalar path exists");
+        return;
+    }
+    let mut r = Rng(0x9e37_79b9_7f4a_7c15);
+    for case in 0..60 {
+        let d = [8, 64, 80, 96, 128, 256][case % 6];
+        let c = random_case(&mut r, d, 300);
+        let window = if r.below(3) == 0 { Some(1 + r.below(40)) } else { None };
+        let cap = if r.below(4) == 0 { Some(5.0) } else { None };
+        let p = Params { scale: 1.0 / (d as f32).sqrt(), sliding_window: window, soft_cap: cap };
+        for dt in [DType::F32, DType::F16, DType::Bf16] {
+            let want = run_case(&c, dt, Isa::Scalar, 1, p);
+            let got = run_case(&c, dt, Isa::Avx2, 1 + r.below(3), p);
+            let e = max_err(&want, &got);
+            assert!(e < 2e-5, "case {case} {dt:?} d={d} shape={:?} window={window:?}: max err {e}", c.shape);
+        }
+    }
+}
+
+#[test]
+fn split_kv_matches_unsplit() {
+    let mut r = Rng(7);
+    for case in 0..12 {
+        let c = random_case(&mut r, 64, 3000);
+        let window = if case % 3 == 0 { Some(700) } else { None };
+        let p = Params { scale: 0.125, sliding_window: window, soft_cap: None };
+        for isa in [Isa::Scalar, detected_isa()] {
+            let whole = run_case(&c, DType::F32, isa, 1, p);
+            let split = run_case(&c, DType::F32, isa, 64, p);
+            let e = max_err(&whole, &split);
+            assert!(e < 2e-5, "case {case} {isa:?}: max err {e}");
+        }
+    }
+}
+
+#[test]
+fn plan_splits_long_single_sequence() {
+    let shape = CacheShape { num_blocks: 300, num_kv_heads: 1, block_size: 16, head_dim: 8 };
+    let tables: Vec<i32> = (0..256).collect();
+    let q = vec![0.0; 8];
+    let b = Batch { q: &q, num_q_heads: 1, block_tables: &tables, max_blocks: 256, seq_lens: &[4000], query_start_loc: &[0, 1] };
+    let z = vec![0.0f32; shape.numel().unwrap()];
+    let ctx = Ctx { k: Kv::F32(&z), v: Kv::F32(&z), shape, batch: b, params: Params::new(8, None, None, None).unwrap(), group: 1 };
+    let units = plan(&ctx, 2);
+    assert_eq!(units.len(), 1);
+    assert_eq!(units[0].len(), 8);
+    assert_eq!(units[0][0].key_lo, 0);
+    assert_eq!(units[0].last().unwrap().key_hi, 4000);
+    for w in units[0].windows(2) {
+        assert_eq!(w[0].key_hi, w[1].key_lo);
+        assert_eq!(w[1].key_lo % 16, 0);
+    }
+}
+
+#[test]
+fn write_then_copy_round_trip() {
+    let shape = CacheShape { num_blocks: 4, num_kv_heads: 2, block_size: 3, head_dim: 8 };
+    let n = shape.numel().unwrap();
+    let (mut k, mut v) = (vec![f16::ZERO; n], vec![f16::ZERO; n]);
+    let key: Vec<f32> = (0..2 * 16).map(|x| x as f32).collect();
+    let val: Vec<f32> = key.iter().map(|x| -x).collect();
+    write_kv(KvMut::F16(&mut k), KvMut::F16(&mut v), shape, &key, &val, &[4, -1]).unwrap();
+    // slot 4 = block 1, offset 1; head 1 holds key[8..16].
+    let o = shape.offset(1, 1, 1);
+    assert_eq!(k[o..o + 8].iter().map(|x| x.to_f32()).collect::<Vec<_>>(), key[8..16]);
+    copy_blocks(KvMut::F16(&mut k), KvMut::F16(&mut v), shape, &[1, 3]).unwrap();
+    let o3 = shape.offset(3, 1, 1);
+    assert_eq!(v[o3..o3 + 8], v[o..o + 8]);
+    assert!(write_kv(KvMut::F16(&mut k), KvMut::F16(&mut v), shape, &key, &val, &[12, 0]).is_err());
+    assert!(copy_blocks(KvMut::F16(&mut k), KvMut::F16(&mut v), shape, &[0, 4]).is_err());
+}
+
+#[test]
+fn validate_rejects_bad_tables() {
+    let shape = CacheShape { num_blocks: 2, num_kv_heads: 1, block_size: 4, head_dim: 8 };
+    let z = vec![0.0f32; shape.numel().unwrap()];
+    let q = vec![0.0f32; 8];
+    let mut out = vec![0.0f32; 8];
+    let p = Params::new(8, None, None, None).unwrap();
+    let go = |tables: &[i32], seq: i32, out: &mut [f32]| {
+        let b = Batch { q: &q, num_q_heads: 1, block_tables: tables, max_blocks: 2, seq_lens: &[seq], query_start_loc: &[0, 1] };
+        paged_attention(Kv::F32(&z), Kv::F32(&z), shape, b, p, out)
+    };
+    assert!(go(&[0, 1], 8, &mut out).is_ok());
+    assert!(go(&[0, -1], 8, &mut out).is_err());
+    assert!(go(&[0, 2], 8, &mut out).is_err());
+    assert!(go(&[0, 1], 9, &mut out).is_err());
+    assert!(go(&[0, -1], 0, &mut out).is_err()); // q_len 1 > seq_len 0
+    assert!(go(&[0, -1], 4, &mut out).is_ok()); // padding past the used blocks is fine
+}

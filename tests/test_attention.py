@@ -1,0 +1,262 @@
+"""paged_attention / write_kv / copy_blocks against the float64 numpy reference, both backends."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pagedkv_rs as pk
+from pagedkv_rs import reference as ref
+
+from kernel_util import TOL, make_case, max_err
+
+pytestmark = pytest.mark.skipif(not hasattr(pk, "paged_attention"), reason="compiled core not built")
+
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+@pytest.fixture(params=["scalar", "auto"])
+def kernel_backend(request):
+    pk.set_kernel_backend(request.param)
+    yield request.param
+    pk.set_kernel_backend("auto")
+
+
+def check(case, dtype, **kw):
+    want = ref.paged_attention(*case.args(), **kw).astype(np.float64)
+    # Recompute the reference in float64 end to end (its output is rounded to float32).
+    got = pk.paged_attention(*case.args(), **kw)
+    err = max_err(got, want)
+    assert err <= TOL[dtype] + 1e-6, f"max abs err {err}"
+    return got
+
+
+def test_backend_switch_and_info():
+    pk.set_kernel_backend("scalar")
+    assert pk.kernel_info()["isa"] == "scalar" and pk.kernel_info()["backend"] == "scalar"
+    pk.set_kernel_backend("auto")
+    info = pk.kernel_info()
+    assert info["isa"] == info["detected_isa"] and info["backend"] == "auto"
+    with pytest.raises(ValueError, match="'auto' or 'scalar'"):
+        pk.set_kernel_backend("avx9000")
+
+
+def test_env_var_forces_scalar():
+    code = "import pagedkv_rs as p; print(p.kernel_info()['isa'])"
+    env = dict(os.environ, PAGEDKV_KERNEL="scalar")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "scalar"
+
+
+def test_threads_settable():
+    n = pk.get_num_threads()
+    try:
+        pk.set_num_threads(1)
+        assert pk.get_num_threads() == 1
+        pk.set_num_threads(3)
+        assert pk.get_num_threads() == 3
+        with pytest.raises(ValueError):
+            pk.set_num_threads(0)
+    finally:
+        pk.set_num_threads(n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (9, 3), (32, 8)])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+def test_gqa_and_head_dims(kernel_backend, dtype, hq, hkv, d):
+    rng = np.random.default_rng(hq * 1000 + d)
+    case = make_case(rng, seq_lens=[1, 37, 20], q_lens=[1, 1, 20], hq=hq, hkv=hkv, d=d, bs=16, dtype=dtype)
+    check(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bs", [1, 16, 32, 128])
+def test_block_sizes_and_edge_lengths(kernel_backend, dtype, bs):
+    rng = np.random.default_rng(bs)
+    lens = sorted({1, max(bs - 1, 1), bs, bs + 1})
+    seq_lens = lens + lens
+    q_lens = [1] * len(lens) + [max(1, L // 2) for L in lens]  # decode rows, then chunked prefill
+    case = make_case(rng, seq_lens=seq_lens, q_lens=q_lens, hq=8, hkv=2, d=64, bs=bs, dtype=dtype, share=True)
+    check(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_random_long_mixed_batch(kernel_backend, dtype):
+    rng = np.random.default_rng(42)
+    seq_lens = rng.integers(1, 4096, size=4)
+    q_lens = [1, 1, int(min(seq_lens[2], 64)), int(seq_lens[3] % 300 + 1 if seq_lens[3] > 300 else seq_lens[3])]
+    case = make_case(rng, seq_lens=seq_lens, q_lens=q_lens, hq=9, hkv=3, d=64, bs=32, dtype=dtype, share=True)
+    check(case, dtype)
+
+
+@pytest.mark.parametrize("window,cap", [(1, None), (7, None), (100, None), (None, 2.5), (13, 10.0)])
+def test_sliding_window_and_soft_cap(kernel_backend, window, cap):
+    rng = np.random.default_rng(window or 0)
+    case = make_case(rng, seq_lens=[50, 200, 3], q_lens=[50, 1, 2], hq=4, hkv=2, d=64, bs=16)
+    check(case, "float32", sliding_window=window, soft_cap=cap)
+
+
+def test_custom_scale_and_out(kernel_backend):
+    rng = np.random.default_rng(5)
+    case = make_case(rng, seq_lens=[30], q_lens=[5], hq=2, hkv=1, d=64, bs=8)
+    out = np.full(case.q.shape, np.nan, np.float32)
+    res = pk.paged_attention(*case.args(), scale=0.3, out=out)
+    assert res is out
+    assert max_err(out, ref.paged_attention(*case.args(), scale=0.3)) < 3e-5
+
+
+def test_empty_and_zero_length_rows(kernel_backend):
+    rng = np.random.default_rng(6)
+    # A sequence scheduling no tokens (q_len 0) next to one decoding, and one with seq_len 0.
+    case = make_case(rng, seq_lens=[10, 0, 5], q_lens=[0, 0, 1], hq=2, hkv=1, d=64, bs=4)
+    check(case, "float32")
+    empty = make_case(rng, seq_lens=[], q_lens=[], hq=2, hkv=1, d=64, bs=4)
+    assert pk.paged_attention(*empty.args()).shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_split_kv_long_single_sequence(kernel_backend, dtype):
+    # B=1, one KV head: one work item < 4 * threads, so the keys are split and LSE-merged.
+    rng = np.random.default_rng(9)
+    case = make_case(rng, seq_lens=[4000], q_lens=[1], hq=4, hkv=1, d=128, bs=16, dtype=dtype)
+    n = pk.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 5):
+            pk.set_num_threads(t)
+            outs.append(check(case, dtype))
+        np.testing.assert_allclose(outs[0], outs[2], atol=3e-6)
+    finally:
+        pk.set_num_threads(n)
+
+
+def test_simd_equals_scalar_closely():
+    rng = np.random.default_rng(11)
+    case = make_case(rng, seq_lens=[300, 77], q_lens=[1, 40], hq=8, hkv=2, d=96, bs=16, dtype="float16")
+    pk.set_kernel_backend("scalar")
+    a = pk.paged_attention(*case.args())
+    pk.set_kernel_backend("auto")
+    b = pk.paged_attention(*case.args())
+    assert np.abs(a - b).max() < 2e-5
+
+
+def test_gil_released_during_long_call():
+    rng = np.random.default_rng(3)
+    case = make_case(rng, seq_lens=[2048] * 4, q_lens=[256] * 4, hq=8, hkv=2, d=128, bs=32)
+    stamps: list[float] = []
+    done = threading.Event()
+
+    def spin():
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+
+    pk.set_kernel_backend("scalar")  # slow on purpose: a call of ~0.5 s
+    th = threading.Thread(target=spin)
+    th.start()
+    try:
+        time.sleep(0.02)
+        t0 = time.perf_counter()
+        pk.paged_attention(*case.args())
+        t1 = time.perf_counter()
+    finally:
+        done.set()
+        th.join()
+        pk.set_kernel_backend("auto")
+    assert t1 - t0 > 0.1, "call too short to tell"
+    inside = [s for s in stamps if t0 + 0.03 < s < t1 - 0.03]
+    assert len(inside) > 100, f"the other thread made {len(inside)} steps during a {t1 - t0:.2f} s call"
+
+
+# ------------------------------------------------------------------------------ cache writes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_new_kv_cache_layout(dtype):
+    k, v = pk.new_kv_cache(5, 16, 3, 64, dtype)
+    assert k.shape == v.shape == (5, 3, 16, 64) and k.dtype.name == dtype
+    assert k.flags.c_contiguous and not np.shares_memory(k, v) and not k.any()
+    assert pk.new_kv_cache(1, 1, 1, 8)[0].dtype == np.float16
+    assert pk.new_kv_cache(1, 1, 1, 8, np.float32)[0].dtype == np.float32
+    with pytest.raises(ValueError):
+        pk.new_kv_cache(1, 1, 1, 8, "int8")
+    with pytest.raises(ValueError):
+        pk.new_kv_cache(1, 0, 1, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_matches_reference(dtype):
+    rng = np.random.default_rng(1)
+    k1, v1 = pk.new_kv_cache(6, 4, 2, 16, dtype)
+    k2, v2 = ref.new_kv_cache(6, 4, 2, 16, dtype)
+    key = rng.standard_normal((9, 2, 16), dtype=np.float32) * 100
+    val = rng.standard_normal((9, 2, 16), dtype=np.float32)
+    slots = np.array([0, 5, -1, 23, 7, -1, 12, 3, 22], np.int64)
+    pk.write_kv(k1, v1, key, val, slots)
+    ref.write_kv(k2, v2, key, val, slots)
+    assert k1.tobytes() == k2.tobytes() and v1.tobytes() == v2.tobytes()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        pk.write_kv(k1, v1, key, val, np.array([0] * 8 + [24], np.int64))
+    with pytest.raises(TypeError, match="int64"):
+        pk.write_kv(k1, v1, key, val, slots.astype(np.int32))
+    with pytest.raises(TypeError, match="float32"):
+        pk.write_kv(k1, v1, key.astype(np.float64), val, slots)
+    k1.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        pk.write_kv(k1, v1, key, val, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_matches_reference(dtype):
+    rng = np.random.default_rng(2)
+    k1, v1 = pk.new_kv_cache(5, 4, 2, 8, dtype)
+    k1[...] = rng.standard_normal(k1.shape).astype(k1.dtype)
+    v1[...] = rng.standard_normal(v1.shape).astype(v1.dtype)
+    k2, v2 = k1.copy(), v1.copy()
+    pairs = np.array([[0, 3], [3, 4], [2, 2], [1, 0]], np.int64)
+    pk.copy_blocks(k1, v1, pairs)
+    ref.copy_blocks(k2, v2, pairs)
+    assert k1.tobytes() == k2.tobytes() and v1.tobytes() == v2.tobytes()
+    pk.copy_blocks(k1, v1, [(4, 1)])
+    assert k1[1].tobytes() == k1[4].tobytes()
+    pk.copy_blocks(k1, v1, [])
+    with pytest.raises(ValueError, match="block id"):
+        pk.copy_blocks(k1, v1, [(0, 5)])
+    with pytest.raises(TypeError):
+        pk.copy_blocks(k1, v1, "nope")
+
+
+def test_end_to_end_with_kv_manager():
+    """Inputs exactly as KVCacheManager.prepare_batch returns them; fork + copy-on-write blocks."""
+    from pagedkv_rs import fallback
+
+    rng = np.random.default_rng(8)
+    bs, hkv, hq, d = 4, 2, 4, 64
+    m = fallback.KVCacheManager(32, bs, enable_prefix_caching=False)
+    k, v = pk.new_kv_cache(32, bs, hkv, d, "float16")
+    k[...] = np.nan
+    v[...] = np.nan
+    m.allocate(1, list(range(10)))
+    m.allocate(2, list(range(3)))
+    seqs, n_new = [1, 2], [10, 3]
+    for step in range(4):
+        if step == 1:
+            m.fork(1, 3)  # shares seq 1's blocks, including its partial last block
+            seqs = [1, 2, 3]
+        if step >= 1:
+            for sid in seqs:
+                pk.copy_blocks(k, v, m.append(sid, [7]))
+            n_new = [1] * len(seqs)
+        batch = m.prepare_batch(seqs, n_new)
+        T = batch.num_tokens
+        pk.write_kv(k, v, rng.standard_normal((T, hkv, d), dtype=np.float32),
+                    rng.standard_normal((T, hkv, d), dtype=np.float32), batch.slot_mapping)
+        q = rng.standard_normal((T, hq, d), dtype=np.float32)
+        args = (q, k, v, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+        assert max_err(pk.paged_attention(*args), ref.paged_attention(*args).astype(np.float64)) < 3e-5
