@@ -21,7 +21,8 @@ SAMPLES = [
     "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }",
     "    leading spaces, trailing spaces    ",
     "tabs\t\tand\nnewlines\n\n\n  mixed \t \n whitespace runs",
-    "Ünïcödé: naïve café, Straße, 日本語のテキスト, 中文, Ελληνικά, русский, עברית, عربى",
+    "Ünïcödé: naïve café, Straße, 日本語のテキスト, 中文, "
+    "Ελληνικά, русский, עברית, عربى",
     "emoji 🎉🚀👩‍💻 and symbols ∑∫√∞ ≠ ≤ → ©®",
     "mixed1a2b3c 0x1F 1e-9 v2.0.1 #42 @user $3.50 50% 12:30pm",
     "'s 't 're 've 'm 'll 'd — contractions don't won't it's",
