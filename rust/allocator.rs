@@ -67,13 +67,119 @@ impl Policy {
     }
 }
 
-/// What a registered block was hashed from; a lookup must match all of it (collision safety).
+/// What each registered block was hashed from (a lookup must match all of it: collision
+/// check), in fixed-size slots of one vector: `[hash, parent, tokens]` as u32 words, so
+/// registering a block allocates nothing once the store has grown. Salts (first blocks
+/// only, usually empty) live in a side map.
 #[derive(Debug)]
-struct BlockKey {
-    hash: u128,
-    parent: u128,
-    salt: Box<[u8]>,
-    tokens: Box<[u32]>,
+struct KeyStore {
+    /// Per block: its slot, or `NONE`.
+    slot_of: Vec<u32>,
+    words: usize,
+    data: Vec<u32>,
+    free: Vec<u32>,
+    salts: MixMap<u32, Box<[u8]>>,
+}
+
+const NONE: u32 = u32::MAX;
+
+fn put_u128(dst: &mut [u32], x: u128) {
+    for (i, w) in dst[..4].iter_mut().enumerate() {
+        *w = (x >> (32 * i)) as u32;
+    }
+}
+
+fn get_u128(src: &[u32]) -> u128 {
+    src[..4]
+        .iter()
+        .enumerate()
+        .fold(0, |acc, (i, &w)| acc | (u128::from(w) << (32 * i)))
+}
+
+impl KeyStore {
+    fn new(num_blocks: usize, block_size: usize) -> KeyStore {
+        KeyStore {
+            slot_of: vec![NONE; num_blocks],
+            words: 8 + block_size,
+            data: Vec::new(),
+            free: Vec::new(),
+            salts: MixMap::default(),
+        }
+    }
+
+    fn has(&self, b: u32) -> bool {
+        self.slot_of[b as usize] != NONE
+    }
+
+    fn slot(&self, b: u32) -> Option<&[u32]> {
+        let s = self.slot_of[b as usize];
+        (s != NONE).then(|| &self.data[s as usize * self.words..(s as usize + 1) * self.words])
+    }
+
+    fn hash(&self, b: u32) -> Option<u128> {
+        self.slot(b).map(get_u128)
+    }
+
+    #[cfg(test)]
+    fn tokens(&self, b: u32) -> Option<&[u32]> {
+        self.slot(b).map(|w| &w[8..])
+    }
+
+    fn insert(&mut self, b: u32, hash: u128, parent: u128, salt: &[u8], toks: &[u32]) {
+        debug_assert!(
+            toks.len() + 8 == self.words && !self.has(b),
+            "I4 bad key insert"
+        );
+        let s = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.data.resize(self.data.len() + self.words, 0);
+                (self.data.len() / self.words - 1) as u32
+            }
+        };
+        let w = &mut self.data[s as usize * self.words..(s as usize + 1) * self.words];
+        put_u128(&mut w[..4], hash);
+        put_u128(&mut w[4..8], parent);
+        w[8..].copy_from_slice(toks);
+        if !salt.is_empty() {
+            self.salts.insert(s, salt.into());
+        }
+        self.slot_of[b as usize] = s;
+    }
+
+    /// Forget a block's key; returns its hash.
+    fn remove(&mut self, b: u32) -> Option<u128> {
+        let h = self.hash(b)?;
+        let s = std::mem::replace(&mut self.slot_of[b as usize], NONE);
+        if !self.salts.is_empty() {
+            self.salts.remove(&s);
+        }
+        self.free.push(s);
+        Some(h)
+    }
+
+    fn matches(&self, b: u32, parent: u128, salt: &[u8], toks: &[u32]) -> bool {
+        let Some(w) = self.slot(b) else { return false };
+        let stored_salt = self
+            .salts
+            .get(&self.slot_of[b as usize])
+            .map_or(&[][..], |s| &s[..]);
+        get_u128(&w[4..8]) == parent && &w[8..] == toks && stored_salt == salt
+    }
+
+    /// Forget every key; `blocks` are all blocks that hold one.
+    fn clear(&mut self, blocks: impl Iterator<Item = u32>) {
+        for b in blocks {
+            self.slot_of[b as usize] = NONE;
+        }
+        self.data.clear();
+        self.free.clear();
+        self.salts.clear();
+    }
+
+    fn count(&self) -> usize {
+        self.data.len() / self.words - self.free.len()
+    }
 }
 
 /// Counters reported by `stats()`.
@@ -126,7 +232,7 @@ pub struct BlockAllocator {
     next: Vec<u32>,
     prev: Vec<u32>,
     num_on_list: usize,
-    keys: Vec<Option<Box<BlockKey>>>,
+    keys: KeyStore,
     index: MixMap<u128, u32>,
     num_cached: usize,
     evictions: u64,
@@ -188,7 +294,7 @@ impl BlockAllocator {
             next,
             prev,
             num_on_list: n,
-            keys: (0..n).map(|_| None).collect(),
+            keys: KeyStore::new(n, block_size),
             index: MixMap::default(),
             num_cached: 0,
             evictions: 0,
@@ -280,8 +386,8 @@ impl BlockAllocator {
     }
 
     fn drop_hash(&mut self, b: u32) {
-        if let Some(key) = self.keys[b as usize].take() {
-            self.index.remove(&key.hash);
+        if let Some(h) = self.keys.remove(b) {
+            self.index.remove(&h);
         }
     }
 
@@ -329,7 +435,7 @@ impl BlockAllocator {
         );
         for _ in 0..k {
             let b = self.pop();
-            if self.keys[b as usize].is_some() {
+            if self.keys.has(b) {
                 self.drop_hash(b);
                 self.num_cached -= 1;
                 self.evictions += 1;
@@ -347,7 +453,7 @@ impl BlockAllocator {
     pub fn incref(&mut self, ids: &[u32]) -> Result<()> {
         self.check_blocks(ids)?;
         for &b in ids {
-            if self.refs[b as usize] == 0 && self.keys[b as usize].is_none() {
+            if self.refs[b as usize] == 0 && !self.keys.has(b) {
                 return Err(Error::Invalid(format!(
                     "block {b} is free and holds no prefix hash; allocate it instead"
                 )));
@@ -369,10 +475,7 @@ impl BlockAllocator {
     pub(crate) fn incref_unchecked(&mut self, ids: &[u32]) {
         for &b in ids {
             if self.refs[b as usize] == 0 {
-                debug_assert!(
-                    self.keys[b as usize].is_some(),
-                    "I4 incref of a free unhashed block"
-                );
+                debug_assert!(self.keys.has(b), "I4 incref of a free unhashed block");
                 self.unlink(b);
                 self.num_cached -= 1;
             }
@@ -408,7 +511,7 @@ impl BlockAllocator {
             self.refs[b as usize] -= 1;
             if self.refs[b as usize] == 0 {
                 self.push_tail(b);
-                if self.keys[b as usize].is_some() {
+                if self.keys.has(b) {
                     self.num_cached += 1;
                 }
             }
@@ -423,7 +526,7 @@ impl BlockAllocator {
     /// The tokens a block is registered with (tests check what a prefix hit shares).
     #[cfg(test)]
     pub(crate) fn registered_tokens(&self, b: u32) -> Option<&[u32]> {
-        self.keys[b as usize].as_ref().map(|k| &*k.tokens)
+        self.keys.tokens(b)
     }
 
     pub(crate) fn ref_of(&self, b: u32) -> u32 {
@@ -463,7 +566,7 @@ impl BlockAllocator {
     /// The prefix hash a block is registered under, or None.
     pub fn block_hash(&self, b: u64) -> Result<Option<u128>> {
         let b = self.check_block(b)?;
-        Ok(self.keys[b as usize].as_ref().map(|k| k.hash))
+        Ok(self.keys.hash(b))
     }
 
     /// Register a live, full block under its chained hash; returns the hash.
@@ -492,14 +595,9 @@ impl BlockAllocator {
 
     pub(crate) fn cache(&mut self, b: u32, parent: u128, salt: &[u8], toks: &[u32]) -> u128 {
         let h = self.hash_of(parent, salt, toks);
-        if self.caching && self.keys[b as usize].is_none() && !self.index.contains_key(&h) {
+        if self.caching && !self.keys.has(b) && !self.index.contains_key(&h) {
             self.index.insert(h, b);
-            self.keys[b as usize] = Some(Box::new(BlockKey {
-                hash: h,
-                parent,
-                salt: salt.into(),
-                tokens: toks.into(),
-            }));
+            self.keys.insert(b, h, parent, salt, toks);
         }
         debug_assert!(
             self.index.len() <= self.num_blocks,
@@ -527,20 +625,14 @@ impl BlockAllocator {
         } else {
             None
         };
-        let hit = hit.filter(|&b| {
-            self.keys[b as usize]
-                .as_ref()
-                .is_some_and(|k| k.parent == parent && *k.salt == *salt && *k.tokens == *toks)
-        });
+        let hit = hit.filter(|&b| self.keys.matches(b, parent, salt, toks));
         (hit, h)
     }
 
     /// Forget every prefix hash (cached blocks become plain free blocks); returns how many.
     pub fn reset_prefix_cache(&mut self) -> usize {
         let dropped = self.index.len();
-        for (_, b) in self.index.drain() {
-            self.keys[b as usize] = None;
-        }
+        self.keys.clear(self.index.drain().map(|(_, b)| b));
         self.num_cached = 0;
         dropped
     }
@@ -557,10 +649,7 @@ impl BlockAllocator {
         if self.refs.iter().filter(|&&r| r == 0).count() != on_list.len() {
             return Err("I3 ref-0 block off the free list".into());
         }
-        let cached = on_list
-            .iter()
-            .filter(|&&b| self.keys[b as usize].is_some())
-            .count();
+        let cached = on_list.iter().filter(|&&b| self.keys.has(b)).count();
         if cached != self.num_cached {
             return Err("I1 cached count".into());
         }
@@ -571,11 +660,12 @@ impl BlockAllocator {
         let index_ok = self
             .index
             .iter()
-            .all(|(&h, &b)| self.keys[b as usize].as_ref().is_some_and(|k| k.hash == h));
+            .all(|(&h, &b)| self.keys.hash(b) == Some(h));
         if !index_ok {
             return Err("I4 index -> block".into());
         }
-        if self.keys.iter().filter(|k| k.is_some()).count() != self.index.len() {
+        let registered = self.keys.slot_of.iter().filter(|&&s| s != NONE).count();
+        if registered != self.index.len() || registered != self.keys.count() {
             return Err("I4 block -> index".into());
         }
         Ok(())
