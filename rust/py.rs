@@ -1415,7 +1415,7 @@ mod kernel {
 
     /// Read bandwidth in GB/s: multithreaded SIMD read-sum over a `bytes` buffer, best of 5.
     #[pyfunction]
-    #[pyo3(signature = (bytes = 1 << 30, threads = None))]
+    #[pyo3(signature = (bytes = 1 << 30, threads = None), text_signature = "(bytes=1073741824, threads=None)")]
     pub fn memory_bandwidth(py: Python<'_>, bytes: i64, threads: Option<i64>) -> PyResult<f64> {
         let th = threads_or_pool(threads)?;
         if !(1 << 20..=1 << 36).contains(&bytes) {

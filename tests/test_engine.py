@@ -28,11 +28,13 @@ def engine(backend, num_blocks=128, block_size=4, **kw) -> LLMEngine:
     return LLMEngine(MODEL, num_blocks=num_blocks, block_size=block_size, backend=backend, **kw)
 
 
-def alone(prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+def alone(prompt: list[int], params: SamplingParams = GREEDY, dtype: str = "float32") -> list[int]:
     """Output of the request run by itself with ample memory (python allocator, no prefix reuse)."""
-    key = (tuple(prompt), params)
+    key = (tuple(prompt), params, dtype)
     if key not in _alone_cache:
-        e = LLMEngine(MODEL, num_blocks=64, block_size=16, backend="python", enable_prefix_caching=False)
+        e = LLMEngine(
+            MODEL, num_blocks=64, block_size=16, backend="python", enable_prefix_caching=False, kv_cache_dtype=dtype
+        )
         _alone_cache[key] = e.generate([prompt], params)[0].token_ids
     return _alone_cache[key]
 
@@ -90,6 +92,17 @@ def test_memory_pressure_preemption_keeps_outputs(backend, mode):
     if mode == "swap":
         assert st["num_swaps"] >= 3
     assert [o.token_ids for o in outs] == [alone(p) for p in ps]
+    assert_clean(e)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_cache_under_pressure(backend, dtype):
+    ps = prompts(15, 8, 2, 30)
+    e = engine(backend, num_blocks=20, block_size=4, kv_cache_dtype=dtype, preemption_mode="swap")
+    outs = e.generate(ps, GREEDY)
+    assert e.stats()["num_swaps"] > 0
+    assert [o.token_ids for o in outs] == [alone(p, dtype=dtype) for p in ps]
+    assert e.kv_caches[0][0].dtype.name == dtype
     assert_clean(e)
 
 
@@ -428,3 +441,17 @@ def test_stats_report_latencies(backend):
     assert st["num_finished"] == 4 and st["mean_ttft_s"] > 0 and st["mean_itl_s"] > 0
     assert st["num_running"] == st["num_waiting"] == 0 and st["kv_live_blocks"] == 0
     assert st["kv_cached_blocks"] + st["kv_free_blocks"] == 24
+
+
+def test_generate_alongside_background_loop_with_progress_bar(backend, capsys):
+    e = engine(backend, num_blocks=48)
+    ps = prompts(16, 6, 2, 20)
+    s = e.submit(ps[0], GREEDY)
+    outs = e.generate(ps[1:], GREEDY, use_tqdm=True)
+    assert s.result(timeout=30).token_ids == alone(ps[0])
+    assert [o.token_ids for o in outs] == [alone(p) for p in ps[1:]]
+    assert "generate" in capsys.readouterr().err
+    e.shutdown()
+    assert_clean(e)
+    with pytest.raises(ValueError, match="2 prompts but 3"):
+        e.generate(ps[:2], [GREEDY] * 3)

@@ -179,9 +179,15 @@ def paged_greedy(model, mgr, caches, prompts, max_new, *, chunk=1 << 30, first_i
     return [out[first_id + i] for i in range(len(prompts))], hits
 
 
+_DENSE: dict = {}
+
+
 def dense_greedy(weights, prompts, max_new, kv_dtype):
-    d = DenseLlama(weights, kv_dtype=kv_dtype)
-    return [d.generate_greedy([p], max_new)[0] for p in prompts]
+    key = (id(weights), tuple(map(tuple, prompts)), max_new, kv_dtype)
+    if key not in _DENSE:  # shared by the backend-parametrized tests
+        d = DenseLlama(weights, kv_dtype=kv_dtype)
+        _DENSE[key] = [d.generate_greedy([p], max_new)[0] for p in prompts]
+    return _DENSE[key]
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16"])
@@ -224,7 +230,96 @@ def test_forward_rejects_bad_input(weights):
 
 
 def test_kernels_come_from_rust_when_built():
-    if hasattr(pagedkv_rs, "paged_attention"):
-        assert kernels() is pagedkv_rs
-    else:
-        assert kernels().__name__ == "pagedkv_rs.reference"
+    built = pagedkv_rs._core is not None and hasattr(pagedkv_rs._core, "paged_attention")
+    assert kernels().kernel_source() == ("rust" if built else "reference")
+
+
+# ---- through the engine: continuous batching == dense, every scheduling feature on and off -----
+
+ENGINE_CONFIGS = {
+    # name: (engine kwargs, expect preemptions)
+    "plain": (dict(enable_prefix_caching=False, enable_chunked_prefill=False, num_blocks=256), False),
+    "chunked": (dict(enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=16,
+                     num_blocks=256), False),
+    "prefix": (dict(enable_prefix_caching=True, enable_chunked_prefill=False, num_blocks=256), False),
+    "preempt": (dict(enable_prefix_caching=False, enable_chunked_prefill=False, num_blocks=20), True),
+    "all": (dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=24,
+                 num_blocks=14), True),
+}
+
+
+@pytest.fixture(scope="module")
+def dense_f16(weights, prompts):
+    return dense_greedy(weights, prompts, 10, "float16")
+
+
+@pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
+def test_engine_greedy_equals_dense(backend, weights, prompts, dense_f16, config):
+    from pagedkv_rs.engine import LLMEngine
+    from pagedkv_rs.request import SamplingParams
+
+    kwargs, preempts = ENGINE_CONFIGS[config]
+    engine = LLMEngine(LlamaModel(weights, eos_token_ids=(2, 0)), block_size=4, kv_cache_dtype="float16",
+                       backend=backend.name, **kwargs)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    # The third prompt shares the system-prompt prefix with the others and arrives after them.
+    outs = engine.generate(prompts[:2], params)
+    outs += engine.generate(prompts[2:], params)
+    assert [o.token_ids for o in outs] == dense_f16
+    stats = engine.stats()
+    assert (stats["num_preemptions"] > 0) == preempts
+    if kwargs["enable_prefix_caching"]:
+        assert outs[2].num_cached_tokens > 0
+    engine.kv_manager.check_invariants()
+
+
+def test_llm_api(prompts, tok):
+    from pagedkv_rs.llm import LLM, SamplingParams
+
+    llm = LLM(kv_memory="64MiB")
+    assert llm.engine.kv_manager.num_blocks == (64 << 20) // llm.model.kv_bytes_per_block(16, "float16")
+    t = llm.get_tokenizer()
+    assert t.decode(t.encode("Hello 123")) == "Hello 123"
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy)
+    assert len(chat) == 1 and "Paris" in chat[0].text and "<|im_end|>" not in chat[0].text
+    assert chat[0].prompt_token_ids == prompts[0]
+    many = llm.chat([[{"role": "user", "content": "Name three colors."}],
+                     [{"role": "user", "content": "What is the capital of France?"}]], greedy)
+    assert many[1].token_ids == chat[0].token_ids
+    raw = llm.generate(["The capital of France is", prompts[0]], greedy)
+    assert raw[1].token_ids == chat[0].token_ids and raw[0].prompt == "The capital of France is"
+    sampled = llm.generate("Once upon a time", SamplingParams(max_tokens=8, temperature=0.8, seed=7))
+    again = llm.generate("Once upon a time", SamplingParams(max_tokens=8, temperature=0.8, seed=7))
+    assert sampled[0].token_ids == again[0].token_ids and len(sampled[0].token_ids) == 8
+    with pytest.raises(ValueError, match="conversation"):
+        llm.chat("not a conversation")
+    with pytest.raises(ValueError, match="not both"):
+        LLM(num_blocks=8, kv_memory="1MiB")
+    llm.shutdown()
+
+
+def test_generate_cli(capsys):
+    from pagedkv_rs.generate_cli import main
+
+    assert main(["What is the capital of France?", "Name three colors.", "--max-tokens", "12", "--kv-memory",
+                 "32MiB", "--backend", "python"]) == 0
+    out = capsys.readouterr().out
+    assert "[1/2] What is the capital of France?" in out and "Paris" in out and "[2/2]" in out
+    assert main(["x", "--model", "/no/such/model.gguf"]) == 2
+    assert "no such GGUF file" in capsys.readouterr().err
+
+
+def test_bench_e2e_smoke(capsys):
+    from pagedkv_rs.bench_e2e import main, synthetic_requests
+
+    reqs = synthetic_requests(6, 20, 10, 0.5, 8, 1000, special_ids=range(17), seed=1)
+    assert reqs == synthetic_requests(6, 20, 10, 0.5, 8, 1000, special_ids=range(17), seed=1)
+    assert all(10 + 8 <= len(p) <= 30 + 8 and 5 <= n <= 15 and min(p) >= 17 for p, n in reqs)
+    assert len({tuple(p[:8]) for p, _ in reqs}) == 1
+    assert main(["--num-requests", "3", "--input-len", "12", "--output-len", "4", "--kv-memory", "16MiB",
+                 "--no-progress", "--profile"]) == 0
+    out = capsys.readouterr().out
+    for key in ("Output token throughput (tok/s):", "Mean TTFT (ms):", "P99 ITL (ms):", "weight matmuls"):
+        assert key in out
+    assert "Successful requests:                    3" in out

@@ -26,6 +26,7 @@ import numpy as np
 from pagedkv_rs import kernels
 from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.request import (
+    FINISHED,
     InvalidRequestError,
     Request,
     RequestOutput,
@@ -274,7 +275,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass; returns an output for every request that got a token (or finished)."""
+        """Run one forward pass; returns an output per request that got a token (``generate``'s: final only)."""
         with self._step_lock:
             with self._lock:
                 so = self.scheduler.schedule()
@@ -286,8 +287,9 @@ class LLMEngine:
                 self._idle_steps = 0
                 self._apply_memory_ops(so)
                 rows = so.sample_rows
-                params = [so.requests[i].params for i in rows]
-                gens = [so.requests[i].generator for i in rows]
+                to_sample = [so.requests[i] for i in rows]
+                params = [r.params for r in to_sample]
+                gens = [r.generator for r in to_sample]
             try:
                 logits = self.model.forward(so.batch, self.kv_caches)
                 if not isinstance(logits, np.ndarray) or logits.shape != (so.batch.num_seqs, self.model.vocab_size):
@@ -295,15 +297,17 @@ class LLMEngine:
                         f"model.forward returned {getattr(logits, 'shape', type(logits))}, expected "
                         f"({so.batch.num_seqs}, {self.model.vocab_size})"
                     )
-                tokens = sample(logits[rows], params, gens) if rows else np.empty(0, np.int64)
+                if len(rows) < logits.shape[0]:
+                    logits = logits[rows]
+                tokens = sample(logits, params, gens) if rows else np.empty(0, np.int64)
             except BaseException as e:
                 self._fail_step(so, e)
                 raise
             with self._lock:
                 changed = self.scheduler.update_from_output(so, tokens.tolist())
-                outputs = [self._output(r) for r in changed]
+                outputs = [self._output(r) for r in changed if not r.final_only or r.status in FINISHED]
                 for r in changed:
-                    if r.finished:
+                    if r.status in FINISHED:
                         self._finished_metrics.append(
                             (r.metrics.time_to_first_token or 0.0, r.inter_token_latencies())
                         )
@@ -350,10 +354,7 @@ class LLMEngine:
                     stream._put(error)
 
     def _output(self, req: Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids)
-        return RequestOutput.from_request(req, text)
+        return RequestOutput.from_request(req, None if self.tokenizer is None else self.tokenizer.decode)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
@@ -381,7 +382,9 @@ class LLMEngine:
             streams = []
             try:
                 for p, sp in zip(plist_in, plist):
-                    streams.append(self._streams_for(self._add(None, p, sp, None, None, stream=True)))
+                    req = self._add(None, p, sp, None, None, stream=True)
+                    req.final_only = True
+                    streams.append(self._streams[req.request_id])
             except BaseException:
                 for s in streams:
                     s.cancel()
@@ -392,10 +395,11 @@ class LLMEngine:
 
             bar = tqdm(total=len(streams), desc="generate", unit="req")
         final: dict[str, RequestOutput] = {}
+        pending = list(streams)
         try:
-            while len(final) < len(streams):
+            while pending:
                 self.step()
-                for s in streams:
+                for s in pending:
                     for item in s._drain():
                         if isinstance(item, BaseException):
                             raise item
@@ -403,7 +407,8 @@ class LLMEngine:
                             final[s.request_id] = item
                             if bar is not None:
                                 bar.update(1)
-                if self._thread is not None and len(final) < len(streams):
+                pending = [s for s in pending if s.request_id not in final]
+                if self._thread is not None and pending:
                     time.sleep(0.0005)  # the background loop may hold the step
         finally:
             if bar is not None:
@@ -411,9 +416,6 @@ class LLMEngine:
             for s in streams:
                 s.cancel()
         return [final[s.request_id] for s in streams]
-
-    def _streams_for(self, req: Request) -> RequestStream:
-        return self._streams[req.request_id]
 
     # ---------------------------------------------------------- background loop
     def submit(

@@ -6,7 +6,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 
@@ -108,11 +108,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in FINISHED
 
     @property
     def finish_reason(self) -> Optional[str]:
-        return self.value if self.finished else None
+        return self.value if self in FINISHED else None
+
+
+FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
 
 
 @dataclass
@@ -155,6 +158,7 @@ class Request:
         "request_id", "prompt_token_ids", "params", "cache_salt", "prompt", "status", "output_token_ids",
         "all_token_ids", "num_computed_tokens", "num_kv_tokens", "num_cached_tokens", "seq_id", "metrics",
         "token_times", "generator", "swapped_computed", "num_sent", "_order", "stop_ids", "max_output",
+        "final_only",
     )  # fmt: skip
 
     def __init__(
@@ -188,6 +192,7 @@ class Request:
         self._order = 0  # tie-breaker for the priority queue
         self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)  # the scheduler adds eos ids
         self.max_output = params.max_tokens  # the scheduler caps it by the context limit
+        self.final_only = False  # the engine reports only the final output (as vLLM's generate does)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -199,7 +204,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status in FINISHED
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -216,14 +221,46 @@ class Request:
         )
 
 
-@dataclass
 class CompletionOutput:
-    """One generated continuation (vLLM's ``CompletionOutput``); token_ids are cumulative."""
+    """One generated continuation (vLLM's ``CompletionOutput``); token_ids are cumulative.
 
-    index: int
-    text: Optional[str]
-    token_ids: list[int]
-    finish_reason: Optional[str] = None
+    ``text`` is decoded on first access (``detokenize``), so steps nobody reads cost no decoding.
+    """
+
+    __slots__ = ("index", "token_ids", "finish_reason", "_text", "_detokenize")
+
+    def __init__(
+        self,
+        index: int,
+        text: Optional[str],
+        token_ids: list[int],
+        finish_reason: Optional[str] = None,
+        detokenize: Optional[Callable[[list[int]], str]] = None,
+    ) -> None:
+        self.index = index
+        self.token_ids = token_ids
+        self.finish_reason = finish_reason
+        self._text = text
+        self._detokenize = detokenize
+
+    @property
+    def text(self) -> Optional[str]:
+        if self._text is None and self._detokenize is not None:
+            self._text = self._detokenize(self.token_ids)
+        return self._text
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return (self.index, self.text, self.token_ids, self.finish_reason) == (
+            other.index, other.text, other.token_ids, other.finish_reason,
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+            f"finish_reason={self.finish_reason!r})"
+        )
 
 
 @dataclass
@@ -255,11 +292,13 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     @classmethod
-    def from_request(cls, req: Request, text: Optional[str] = None) -> RequestOutput:
+    def from_request(
+        cls, req: Request, detokenize: Optional[Callable[[list[int]], str]] = None
+    ) -> RequestOutput:
         """Snapshot of ``req``; the delta covers tokens not yet reported (and marks them reported)."""
         new = req.output_token_ids[req.num_sent :]
         req.num_sent = len(req.output_token_ids)
-        out = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason)
+        out = CompletionOutput(0, None, list(req.output_token_ids), req.finish_reason, detokenize)
         return cls(
             request_id=req.request_id,
             prompt=req.prompt,

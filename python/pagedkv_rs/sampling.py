@@ -30,6 +30,8 @@ def sample(
     out = np.empty(b, np.int64)
     temps = np.fromiter((p.temperature for p in params), np.float64, count=b)
     greedy = temps == 0.0
+    if greedy.all():
+        return logits.argmax(axis=1).astype(np.int64, copy=False)
     if greedy.any():
         out[greedy] = logits[greedy].argmax(axis=1)
     rows = np.flatnonzero(~greedy).tolist()

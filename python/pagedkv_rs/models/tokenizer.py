@@ -144,24 +144,28 @@ def _compile_template(source: str) -> Any:
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8."""
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8.
 
-    def __init__(self, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True):
+    Each push decodes only the tokens since the last character boundary (plus that window's
+    start), so streaming costs O(new tokens), not O(all tokens).
+    """
+
+    def __init__(self, tokenizer: GGUFTokenizer, *, skip_special_tokens: bool = True):
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = []
-        self._emitted = ""
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # tokens whose text has been emitted
+        self.text = ""
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Add new tokens; return the text that is now final."""
         self._ids.extend(int(t) for t in token_ids)
-        text = self._tok.decode(self._ids, skip_special_tokens=self._skip)
-        if text.endswith("\ufffd"):  # a multi-byte character is still arriving
+        done = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        full = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        if full.endswith("\ufffd"):  # a multi-byte character is still arriving
             return ""
-        delta = text[len(self._emitted) :] if text.startswith(self._emitted) else text
-        self._emitted = text
+        delta = full[len(done) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
         return delta
-
-    @property
-    def text(self) -> str:
-        return self._emitted
