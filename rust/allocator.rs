@@ -460,12 +460,13 @@ impl BlockAllocator {
             }
         }
         // Overflow is unreachable in practice (4e9 holders of one block) but must not wrap.
-        let mut extra: MixMap<u32, u64> = MixMap::default();
-        for &b in ids {
-            let e = extra.entry(b).or_insert(0);
-            *e += 1;
-            if u64::from(self.refs[b as usize]) + *e > u64::from(u32::MAX) {
-                return Err(Error::Invalid(format!("block {b}: ref count overflow")));
+        let room = u64::from(u32::MAX) - ids.len() as u64;
+        if ids.iter().any(|&b| u64::from(self.refs[b as usize]) > room) {
+            for (i, &b) in ids.iter().enumerate() {
+                let times = ids[..=i].iter().filter(|&&x| x == b).count() as u64;
+                if u64::from(self.refs[b as usize]) + times > u64::from(u32::MAX) {
+                    return Err(Error::Invalid(format!("block {b}: ref count overflow")));
+                }
             }
         }
         self.incref_unchecked(ids);
@@ -486,17 +487,24 @@ impl BlockAllocator {
     /// Drop one reference per listed block; blocks reaching 0 join the free-list tail in list order.
     pub fn free(&mut self, ids: &[u32]) -> Result<()> {
         self.check_blocks(ids)?;
-        let mut need: MixMap<u32, u32> = MixMap::default();
-        for &b in ids {
-            let n = need.entry(b).or_insert(0);
-            *n += 1;
-            if *n > self.refs[b as usize] {
-                return Err(Error::DoubleFree {
-                    block: b,
-                    times: *n,
-                    ref_count: self.refs[b as usize],
-                });
-            }
+        // Dry run on the ref counts themselves: the first drop below zero is the double free.
+        let bad = ids.iter().position(|&b| {
+            let r = &mut self.refs[b as usize];
+            let ok = *r > 0;
+            *r = r.wrapping_sub(u32::from(ok));
+            !ok
+        });
+        let done = bad.unwrap_or(ids.len());
+        for &b in &ids[..done] {
+            self.refs[b as usize] += 1;
+        }
+        if let Some(i) = bad {
+            let b = ids[i];
+            return Err(Error::DoubleFree {
+                block: b,
+                times: self.refs[b as usize] + 1,
+                ref_count: self.refs[b as usize],
+            });
         }
         self.release(ids.iter().copied());
         Ok(())
