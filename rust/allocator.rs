@@ -833,6 +833,27 @@ mod tests {
     }
 
     #[test]
+    fn i4_key_slots_are_reused_without_stale_salt() {
+        let mut a = pool(2, 2, Policy::Lru, 128);
+        let b = a.allocate(2).unwrap();
+        a.cache_block(b[0].into(), 0, b"salt", &[1, 2]).unwrap();
+        assert_eq!(a.lookup(0, b"salt", &[1, 2]).unwrap(), Some(b[0]));
+        assert_eq!(a.lookup(0, b"", &[1, 2]).unwrap(), None);
+        a.free(&b).unwrap();
+        // Evict the salted block, register its slot again without a salt.
+        let c = a.allocate(2).unwrap();
+        assert_eq!(a.num_evictions(), 1);
+        a.cache_block(c[0].into(), 0, b"", &[1, 2]).unwrap();
+        assert_eq!(a.lookup(0, b"", &[1, 2]).unwrap(), Some(c[0]));
+        assert_eq!(a.lookup(0, b"salt", &[1, 2]).unwrap(), None);
+        a.cache_block(c[1].into(), 7, b"pepper", &[3, 4]).unwrap();
+        assert_eq!(a.keys.count(), 2);
+        assert_eq!(a.reset_prefix_cache(), 2);
+        assert_eq!((a.keys.count(), a.keys.salts.len()), (0, 0));
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
     fn check_invariants_names_the_broken_one() {
         let mut a = pool(4, 2, Policy::Lru, 128);
         a.allocate(2).unwrap();
