@@ -67,13 +67,119 @@ impl Policy {
     }
 }
 
-/// What a registered block was hashed from; a lookup must match all of it (collision safety).
+/// What each registered block was hashed from (a lookup must match all of it: collision
+/// check), in fixed-size slots of one vector: `[hash, parent, tokens]` as u32 words, so
+/// registering a block allocates nothing once the store has grown. Salts (first blocks
+/// only, usually empty) live in a side map.
 #[derive(Debug)]
-struct BlockKey {
-    hash: u128,
-    parent: u128,
-    salt: Box<[u8]>,
-    tokens: Box<[u32]>,
+struct KeyStore {
+    /// Per block: its slot, or `NONE`.
+    slot_of: Vec<u32>,
+    words: usize,
+    data: Vec<u32>,
+    free: Vec<u32>,
+    salts: MixMap<u32, Box<[u8]>>,
+}
+
+const NONE: u32 = u32::MAX;
+
+fn put_u128(dst: &mut [u32], x: u128) {
+    for (i, w) in dst[..4].iter_mut().enumerate() {
+        *w = (x >> (32 * i)) as u32;
+    }
+}
+
+fn get_u128(src: &[u32]) -> u128 {
+    src[..4]
+        .iter()
+        .enumerate()
+        .fold(0, |acc, (i, &w)| acc | (u128::from(w) << (32 * i)))
+}
+
+impl KeyStore {
+    fn new(num_blocks: usize, block_size: usize) -> KeyStore {
+        KeyStore {
+            slot_of: vec![NONE; num_blocks],
+            words: 8 + block_size,
+            data: Vec::new(),
+            free: Vec::new(),
+            salts: MixMap::default(),
+        }
+    }
+
+    fn has(&self, b: u32) -> bool {
+        self.slot_of[b as usize] != NONE
+    }
+
+    fn slot(&self, b: u32) -> Option<&[u32]> {
+        let s = self.slot_of[b as usize];
+        (s != NONE).then(|| &self.data[s as usize * self.words..(s as usize + 1) * self.words])
+    }
+
+    fn hash(&self, b: u32) -> Option<u128> {
+        self.slot(b).map(get_u128)
+    }
+
+    #[cfg(test)]
+    fn tokens(&self, b: u32) -> Option<&[u32]> {
+        self.slot(b).map(|w| &w[8..])
+    }
+
+    fn insert(&mut self, b: u32, hash: u128, parent: u128, salt: &[u8], toks: &[u32]) {
+        debug_assert!(
+            toks.len() + 8 == self.words && !self.has(b),
+            "I4 bad key insert"
+        );
+        let s = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.data.resize(self.data.len() + self.words, 0);
+                (self.data.len() / self.words - 1) as u32
+            }
+        };
+        let w = &mut self.data[s as usize * self.words..(s as usize + 1) * self.words];
+        put_u128(&mut w[..4], hash);
+        put_u128(&mut w[4..8], parent);
+        w[8..].copy_from_slice(toks);
+        if !salt.is_empty() {
+            self.salts.insert(s, salt.into());
+        }
+        self.slot_of[b as usize] = s;
+    }
+
+    /// Forget a block's key; returns its hash.
+    fn remove(&mut self, b: u32) -> Option<u128> {
+        let h = self.hash(b)?;
+        let s = std::mem::replace(&mut self.slot_of[b as usize], NONE);
+        if !self.salts.is_empty() {
+            self.salts.remove(&s);
+        }
+        self.free.push(s);
+        Some(h)
+    }
+
+    fn matches(&self, b: u32, parent: u128, salt: &[u8], toks: &[u32]) -> bool {
+        let Some(w) = self.slot(b) else { return false };
+        let stored_salt = self
+            .salts
+            .get(&self.slot_of[b as usize])
+            .map_or(&[][..], |s| &s[..]);
+        get_u128(&w[4..8]) == parent && &w[8..] == toks && stored_salt == salt
+    }
+
+    /// Forget every key; `blocks` are all blocks that hold one.
+    fn clear(&mut self, blocks: impl Iterator<Item = u32>) {
+        for b in blocks {
+            self.slot_of[b as usize] = NONE;
+        }
+        self.data.clear();
+        self.free.clear();
+        self.salts.clear();
+    }
+
+    fn count(&self) -> usize {
+        self.data.len() / self.words - self.free.len()
+    }
 }
 
 /// Counters reported by `stats()`.
@@ -126,7 +232,7 @@ pub struct BlockAllocator {
     next: Vec<u32>,
     prev: Vec<u32>,
     num_on_list: usize,
-    keys: Vec<Option<Box<BlockKey>>>,
+    keys: KeyStore,
     index: MixMap<u128, u32>,
     num_cached: usize,
     evictions: u64,
@@ -188,7 +294,7 @@ impl BlockAllocator {
             next,
             prev,
             num_on_list: n,
-            keys: (0..n).map(|_| None).collect(),
+            keys: KeyStore::new(n, block_size),
             index: MixMap::default(),
             num_cached: 0,
             evictions: 0,
@@ -280,8 +386,8 @@ impl BlockAllocator {
     }
 
     fn drop_hash(&mut self, b: u32) {
-        if let Some(key) = self.keys[b as usize].take() {
-            self.index.remove(&key.hash);
+        if let Some(h) = self.keys.remove(b) {
+            self.index.remove(&h);
         }
     }
 
@@ -329,7 +435,7 @@ impl BlockAllocator {
         );
         for _ in 0..k {
             let b = self.pop();
-            if self.keys[b as usize].is_some() {
+            if self.keys.has(b) {
                 self.drop_hash(b);
                 self.num_cached -= 1;
                 self.evictions += 1;
@@ -347,19 +453,20 @@ impl BlockAllocator {
     pub fn incref(&mut self, ids: &[u32]) -> Result<()> {
         self.check_blocks(ids)?;
         for &b in ids {
-            if self.refs[b as usize] == 0 && self.keys[b as usize].is_none() {
+            if self.refs[b as usize] == 0 && !self.keys.has(b) {
                 return Err(Error::Invalid(format!(
                     "block {b} is free and holds no prefix hash; allocate it instead"
                 )));
             }
         }
         // Overflow is unreachable in practice (4e9 holders of one block) but must not wrap.
-        let mut extra: MixMap<u32, u64> = MixMap::default();
-        for &b in ids {
-            let e = extra.entry(b).or_insert(0);
-            *e += 1;
-            if u64::from(self.refs[b as usize]) + *e > u64::from(u32::MAX) {
-                return Err(Error::Invalid(format!("block {b}: ref count overflow")));
+        let room = u64::from(u32::MAX) - ids.len() as u64;
+        if ids.iter().any(|&b| u64::from(self.refs[b as usize]) > room) {
+            for (i, &b) in ids.iter().enumerate() {
+                let times = ids[..=i].iter().filter(|&&x| x == b).count() as u64;
+                if u64::from(self.refs[b as usize]) + times > u64::from(u32::MAX) {
+                    return Err(Error::Invalid(format!("block {b}: ref count overflow")));
+                }
             }
         }
         self.incref_unchecked(ids);
@@ -369,10 +476,7 @@ impl BlockAllocator {
     pub(crate) fn incref_unchecked(&mut self, ids: &[u32]) {
         for &b in ids {
             if self.refs[b as usize] == 0 {
-                debug_assert!(
-                    self.keys[b as usize].is_some(),
-                    "I4 incref of a free unhashed block"
-                );
+                debug_assert!(self.keys.has(b), "I4 incref of a free unhashed block");
                 self.unlink(b);
                 self.num_cached -= 1;
             }
@@ -383,17 +487,24 @@ impl BlockAllocator {
     /// Drop one reference per listed block; blocks reaching 0 join the free-list tail in list order.
     pub fn free(&mut self, ids: &[u32]) -> Result<()> {
         self.check_blocks(ids)?;
-        let mut need: MixMap<u32, u32> = MixMap::default();
-        for &b in ids {
-            let n = need.entry(b).or_insert(0);
-            *n += 1;
-            if *n > self.refs[b as usize] {
-                return Err(Error::DoubleFree {
-                    block: b,
-                    times: *n,
-                    ref_count: self.refs[b as usize],
-                });
-            }
+        // Dry run on the ref counts themselves: the first drop below zero is the double free.
+        let bad = ids.iter().position(|&b| {
+            let r = &mut self.refs[b as usize];
+            let ok = *r > 0;
+            *r = r.wrapping_sub(u32::from(ok));
+            !ok
+        });
+        let done = bad.unwrap_or(ids.len());
+        for &b in &ids[..done] {
+            self.refs[b as usize] += 1;
+        }
+        if let Some(i) = bad {
+            let b = ids[i];
+            return Err(Error::DoubleFree {
+                block: b,
+                times: self.refs[b as usize] + 1,
+                ref_count: self.refs[b as usize],
+            });
         }
         self.release(ids.iter().copied());
         Ok(())
@@ -408,7 +519,7 @@ impl BlockAllocator {
             self.refs[b as usize] -= 1;
             if self.refs[b as usize] == 0 {
                 self.push_tail(b);
-                if self.keys[b as usize].is_some() {
+                if self.keys.has(b) {
                     self.num_cached += 1;
                 }
             }
@@ -423,7 +534,7 @@ impl BlockAllocator {
     /// The tokens a block is registered with (tests check what a prefix hit shares).
     #[cfg(test)]
     pub(crate) fn registered_tokens(&self, b: u32) -> Option<&[u32]> {
-        self.keys[b as usize].as_ref().map(|k| &*k.tokens)
+        self.keys.tokens(b)
     }
 
     pub(crate) fn ref_of(&self, b: u32) -> u32 {
@@ -463,7 +574,7 @@ impl BlockAllocator {
     /// The prefix hash a block is registered under, or None.
     pub fn block_hash(&self, b: u64) -> Result<Option<u128>> {
         let b = self.check_block(b)?;
-        Ok(self.keys[b as usize].as_ref().map(|k| k.hash))
+        Ok(self.keys.hash(b))
     }
 
     /// Register a live, full block under its chained hash; returns the hash.
@@ -492,14 +603,9 @@ impl BlockAllocator {
 
     pub(crate) fn cache(&mut self, b: u32, parent: u128, salt: &[u8], toks: &[u32]) -> u128 {
         let h = self.hash_of(parent, salt, toks);
-        if self.caching && self.keys[b as usize].is_none() && !self.index.contains_key(&h) {
+        if self.caching && !self.keys.has(b) && !self.index.contains_key(&h) {
             self.index.insert(h, b);
-            self.keys[b as usize] = Some(Box::new(BlockKey {
-                hash: h,
-                parent,
-                salt: salt.into(),
-                tokens: toks.into(),
-            }));
+            self.keys.insert(b, h, parent, salt, toks);
         }
         debug_assert!(
             self.index.len() <= self.num_blocks,
@@ -527,20 +633,14 @@ impl BlockAllocator {
         } else {
             None
         };
-        let hit = hit.filter(|&b| {
-            self.keys[b as usize]
-                .as_ref()
-                .is_some_and(|k| k.parent == parent && *k.salt == *salt && *k.tokens == *toks)
-        });
+        let hit = hit.filter(|&b| self.keys.matches(b, parent, salt, toks));
         (hit, h)
     }
 
     /// Forget every prefix hash (cached blocks become plain free blocks); returns how many.
     pub fn reset_prefix_cache(&mut self) -> usize {
         let dropped = self.index.len();
-        for (_, b) in self.index.drain() {
-            self.keys[b as usize] = None;
-        }
+        self.keys.clear(self.index.drain().map(|(_, b)| b));
         self.num_cached = 0;
         dropped
     }
@@ -557,10 +657,7 @@ impl BlockAllocator {
         if self.refs.iter().filter(|&&r| r == 0).count() != on_list.len() {
             return Err("I3 ref-0 block off the free list".into());
         }
-        let cached = on_list
-            .iter()
-            .filter(|&&b| self.keys[b as usize].is_some())
-            .count();
+        let cached = on_list.iter().filter(|&&b| self.keys.has(b)).count();
         if cached != self.num_cached {
             return Err("I1 cached count".into());
         }
@@ -571,11 +668,12 @@ impl BlockAllocator {
         let index_ok = self
             .index
             .iter()
-            .all(|(&h, &b)| self.keys[b as usize].as_ref().is_some_and(|k| k.hash == h));
+            .all(|(&h, &b)| self.keys.hash(b) == Some(h));
         if !index_ok {
             return Err("I4 index -> block".into());
         }
-        if self.keys.iter().filter(|k| k.is_some()).count() != self.index.len() {
+        let registered = self.keys.slot_of.iter().filter(|&&s| s != NONE).count();
+        if registered != self.index.len() || registered != self.keys.count() {
             return Err("I4 block -> index".into());
         }
         Ok(())
@@ -732,6 +830,27 @@ mod tests {
                 Err(Error::Invalid(_))
             ));
         }
+    }
+
+    #[test]
+    fn i4_key_slots_are_reused_without_stale_salt() {
+        let mut a = pool(2, 2, Policy::Lru, 128);
+        let b = a.allocate(2).unwrap();
+        a.cache_block(b[0].into(), 0, b"salt", &[1, 2]).unwrap();
+        assert_eq!(a.lookup(0, b"salt", &[1, 2]).unwrap(), Some(b[0]));
+        assert_eq!(a.lookup(0, b"", &[1, 2]).unwrap(), None);
+        a.free(&b).unwrap();
+        // Evict the salted block, register its slot again without a salt.
+        let c = a.allocate(2).unwrap();
+        assert_eq!(a.num_evictions(), 1);
+        a.cache_block(c[0].into(), 0, b"", &[1, 2]).unwrap();
+        assert_eq!(a.lookup(0, b"", &[1, 2]).unwrap(), Some(c[0]));
+        assert_eq!(a.lookup(0, b"salt", &[1, 2]).unwrap(), None);
+        a.cache_block(c[1].into(), 7, b"pepper", &[3, 4]).unwrap();
+        assert_eq!(a.keys.count(), 2);
+        assert_eq!(a.reset_prefix_cache(), 2);
+        assert_eq!((a.keys.count(), a.keys.salts.len()), (0, 0));
+        a.check_invariants().unwrap();
     }
 
     #[test]

@@ -80,17 +80,30 @@ fn range_error(name: &str, lo: u128, hi: u128, got: &str) -> PyErr {
 }
 
 /// Fallback `_check_int`: TypeError unless an int (not bool), ValueError outside [lo, hi].
+#[inline]
 fn check_int(name: &str, obj: &Bound<'_, PyAny>, lo: u128, hi: u128) -> PyResult<u128> {
-    if obj.is_exact_instance_of::<PyInt>() {
-        if let Ok(v) = obj.extract::<u64>() {
-            let v = u128::from(v);
-            return if (lo..=hi).contains(&v) {
-                Ok(v)
-            } else {
-                Err(range_error(name, lo, hi, &v.to_string()))
-            };
-        }
+    match exact_u64(obj) {
+        Some(v) if (lo..=hi).contains(&u128::from(v)) => Ok(v.into()),
+        _ => check_int_slow(name, obj, lo, hi),
     }
+}
+
+/// The value of an exact `int` that fits in u64 (the hot case: token and sequence ids), else None.
+#[inline(always)]
+fn exact_u64(obj: &Bound<'_, PyAny>) -> Option<u64> {
+    if !obj.is_exact_instance_of::<PyInt>() {
+        return None;
+    }
+    // SAFETY: `obj` is a live object of exact type `int` and we are attached to the interpreter.
+    let v = unsafe { pyo3::ffi::PyLong_AsUnsignedLongLong(obj.as_ptr()) };
+    if v == u64::MAX && PyErr::take(obj.py()).is_some() {
+        return None; // negative or too large: the slow path words the error
+    }
+    Some(v)
+}
+
+#[cold]
+fn check_int_slow(name: &str, obj: &Bound<'_, PyAny>, lo: u128, hi: u128) -> PyResult<u128> {
     let i = as_index(name, obj)?;
     match i.extract::<u128>() {
         Ok(v) if (lo..=hi).contains(&v) => Ok(v),
@@ -142,13 +155,15 @@ fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         return Err(PyTypeError::new_err("token_ids must be a sequence of ints"));
     }
     if let Some(v) = int_array(obj) {
-        return v
-            .into_iter()
-            .map(|t| {
-                u32::try_from(t)
-                    .map_err(|_| range_error("token id", 0, MAX_TOKEN_ID.into(), &t.to_string()))
-            })
-            .collect();
+        if let Some(&t) = v.iter().find(|&&t| u32::try_from(t).is_err()) {
+            return Err(range_error(
+                "token id",
+                0,
+                MAX_TOKEN_ID.into(),
+                &t.to_string(),
+            ));
+        }
+        return Ok(v.into_iter().map(|t| t as u32).collect());
     }
     let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
     for_each_item(obj, |x| {
@@ -188,12 +203,16 @@ fn unknown_sequence(obj: &Bound<'_, PyAny>) -> PyErr {
 }
 
 /// A sequence id for lookup: TypeError unless an int; an int outside u64 is unknown.
+#[inline]
 fn seq_id(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
-    if obj.is_exact_instance_of::<PyInt>() {
-        if let Ok(v) = obj.extract::<u64>() {
-            return Ok(v);
-        }
+    if let Some(v) = exact_u64(obj) {
+        return Ok(v);
     }
+    seq_id_slow(obj)
+}
+
+#[cold]
+fn seq_id_slow(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
     as_index("seq_id", obj)?
         .extract::<u64>()
         .map_err(|_| unknown_sequence(obj))
@@ -208,17 +227,12 @@ struct SeqIds {
 
 fn seq_ids(obj: &Bound<'_, PyAny>) -> PyResult<SeqIds> {
     if let Some(v) = int_array(obj) {
-        let mut ids = Vec::with_capacity(v.len());
-        for t in v {
-            match u64::try_from(t) {
-                Ok(id) => ids.push(id),
-                Err(_) => {
-                    let stop = Some(Error::UnknownSequence(t.to_string()).into());
-                    return Ok(SeqIds { ids, stop });
-                }
-            }
-        }
-        return Ok(SeqIds { ids, stop: None });
+        let valid = v.iter().position(|&t| t < 0).unwrap_or(v.len());
+        let stop = v
+            .get(valid)
+            .map(|t| Error::UnknownSequence(t.to_string()).into());
+        let ids = v[..valid].iter().map(|&t| t as u64).collect();
+        return Ok(SeqIds { ids, stop });
     }
     if let Ok(a) = obj.cast::<PyArray1<u64>>() {
         if let (true, Ok(ids)) = (obj.is_exact_instance_of::<PyUntypedArray>(), a.to_vec()) {
@@ -247,17 +261,15 @@ struct Counts {
 fn counts(obj: &Bound<'_, PyAny>) -> Counts {
     let len = obj.len();
     let values = match int_array(obj) {
-        Some(v) => v
-            .into_iter()
-            .map(|n| {
-                u64::try_from(n)
-                    .ok()
-                    .filter(|&n| n <= MAX_COUNT)
-                    .ok_or_else(|| {
-                        range_error("num_new_tokens", 0, MAX_COUNT.into(), &n.to_string())
-                    })
-            })
-            .collect(),
+        Some(v) => match v.iter().find(|&&n| !(0..=MAX_COUNT as i64).contains(&n)) {
+            Some(n) => Err(range_error(
+                "num_new_tokens",
+                0,
+                MAX_COUNT.into(),
+                &n.to_string(),
+            )),
+            None => Ok(v.into_iter().map(|n| n as u64).collect()),
+        },
         None => {
             let mut out = Vec::with_capacity(*len.as_ref().unwrap_or(&0));
             for_each_item(obj, |x| {

@@ -15,8 +15,11 @@ sequence releases its blocks tail first, so a sequence's deepest prefix blocks g
 
 Prefix caching: once a full block of a sequence has been computed, it gets the chained hash
 ``H(parent hash, its token ids, cache_salt if it is the first block)`` where ``H`` is SHA-256
-truncated to ``hash_bits`` (128 by default) bits, little-endian. A hit is collision-safe: the
-stored (parent hash, salt, token ids) of the block must equal the query's. A hit never covers
+truncated to ``hash_bits`` (128 by default) bits, little-endian. A hit is collision-checked per
+block: the stored (parent hash, salt, token ids) of the block must equal the query's. The parent
+is known only by its (truncated) hash, so with few ``hash_bits`` two different prefixes whose
+hashes collide share their children (a block computed after prefix A can serve prefix B);
+``hash_bits < 128`` exists to make collisions testable, not for serving. A hit never covers
 the whole prompt: at least one token is left to compute.
 
 Invariants (tags used in assertions, debug_assert! and test names)
