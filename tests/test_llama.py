@@ -227,6 +227,9 @@ def test_forward_rejects_bad_input(weights):
     bad = type(batch)(**{**batch.__dict__, "input_ids": np.array([1, 2, 10**6])})
     with pytest.raises(ValueError, match="token ids"):
         model.forward(bad, caches)
+    empty = type(batch)(**{**batch.__dict__, "query_start_loc": np.array([0, 0], np.int32)})
+    with pytest.raises(ValueError, match="at least one scheduled token"):
+        model.forward(empty, caches)
 
 
 def test_kernels_come_from_rust_when_built():
