@@ -420,6 +420,12 @@ impl BlockAllocator {
         Ok(self.refs[self.check_block(b)? as usize])
     }
 
+    /// The tokens a block is registered with (tests check what a prefix hit shares).
+    #[cfg(test)]
+    pub(crate) fn registered_tokens(&self, b: u32) -> Option<&[u32]> {
+        self.keys[b as usize].as_ref().map(|k| &*k.tokens)
+    }
+
     pub(crate) fn ref_of(&self, b: u32) -> u32 {
         self.refs[b as usize]
     }
@@ -573,5 +579,184 @@ impl BlockAllocator {
             return Err("I4 block -> index".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(n: usize, bs: usize, policy: Policy, bits: u32) -> BlockAllocator {
+        BlockAllocator::new(n, bs, true, policy, bits).unwrap()
+    }
+
+    #[test]
+    fn lru_hands_out_block_0_first_and_oldest_freed_next() {
+        let mut a = pool(4, 2, Policy::Lru, 128);
+        assert_eq!(a.free_order(), vec![0, 1, 2, 3]);
+        assert_eq!(a.allocate(3).unwrap(), vec![0, 1, 2]);
+        a.free(&[2, 0]).unwrap();
+        assert_eq!(a.free_order(), vec![3, 2, 0]);
+        assert_eq!(a.allocate(2).unwrap(), vec![3, 2]);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn mru_hands_out_block_0_first_and_last_freed_next() {
+        let mut a = pool(4, 2, Policy::Mru, 128);
+        assert_eq!(a.free_order(), vec![0, 1, 2, 3]);
+        assert_eq!(a.allocate(3).unwrap(), vec![0, 1, 2]);
+        a.free(&[2, 0]).unwrap();
+        assert_eq!(a.free_order(), vec![0, 2, 3]);
+        assert_eq!(a.allocate(1).unwrap(), vec![0]);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn out_of_blocks_changes_nothing() {
+        let mut a = pool(3, 2, Policy::Lru, 128);
+        a.allocate(2).unwrap();
+        assert_eq!(a.allocate(2), Err(Error::OutOfBlocks { need: 2, free: 1 }));
+        assert_eq!(a.free_order(), vec![2]);
+        assert_eq!(a.num_live_blocks(), 2);
+    }
+
+    #[test]
+    fn i2_ref_counts_and_double_free() {
+        let mut a = pool(4, 2, Policy::Lru, 128);
+        let b = a.allocate(1).unwrap()[0];
+        a.incref(&[b]).unwrap();
+        assert_eq!(a.ref_count(b.into()).unwrap(), 2);
+        // Three drops of a block held twice: refused as a whole.
+        assert!(matches!(
+            a.free(&[b, b, b]),
+            Err(Error::DoubleFree {
+                times: 3,
+                ref_count: 2,
+                ..
+            })
+        ));
+        assert_eq!(a.ref_count(b.into()).unwrap(), 2);
+        a.free(&[b, b]).unwrap();
+        assert_eq!(a.ref_count(b.into()).unwrap(), 0);
+        assert!(matches!(a.free(&[b]), Err(Error::DoubleFree { .. })));
+        // A free block without a hash cannot be increfed (it must be allocated).
+        assert!(matches!(a.incref(&[b]), Err(Error::Invalid(_))));
+        assert!(matches!(a.ref_count(4), Err(Error::Invalid(_))));
+        assert!(matches!(a.free(&[9]), Err(Error::Invalid(_))));
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn hash_matches_the_fallback_spec_vectors() {
+        // Values from pagedkv_rs.fallback.BlockAllocator._hash_of (hashlib).
+        assert_eq!(
+            prefix_hash(0, b"", &[1, 2, 3], u128::MAX),
+            0xe41b66e0b25da0f3dda84b19c7f65e98
+        );
+        assert_eq!(
+            prefix_hash(5, b"salt", &[7; 70], u128::MAX),
+            0x9af0fff1346a2dd909e898beb5b3b9df
+        );
+        assert_eq!(
+            prefix_hash(0, b"", &[], u128::MAX),
+            0xc332e653c3f2b5db00d3b87eb2c947de
+        );
+        assert_eq!(pool(2, 3, Policy::Lru, 7).hash_of(0, b"", &[1, 2, 3]), 24);
+    }
+
+    #[test]
+    fn i4_cached_block_is_reclaimed_then_evicted() {
+        let mut a = pool(3, 2, Policy::Lru, 128);
+        let b = a.allocate(1).unwrap()[0];
+        let h = a.cache_block(b.into(), 0, b"", &[5, 6]).unwrap();
+        assert_eq!(a.block_hash(b.into()).unwrap(), Some(h));
+        a.free(&[b]).unwrap();
+        assert_eq!((a.num_cached_blocks(), a.num_free_blocks()), (1, 2));
+        assert_eq!(a.lookup(0, b"", &[5, 6]).unwrap(), Some(b));
+        assert_eq!(a.lookup(0, b"x", &[5, 6]).unwrap(), None);
+        a.incref(&[b]).unwrap();
+        assert_eq!((a.num_cached_blocks(), a.num_live_blocks()), (0, 1));
+        a.free(&[b]).unwrap();
+        // LRU: two fresh blocks come first, the cached one is evicted last.
+        assert_eq!(a.allocate(3).unwrap(), vec![1, 2, 0]);
+        assert_eq!(a.num_evictions(), 1);
+        assert_eq!(a.block_hash(0).unwrap(), None);
+        assert_eq!(a.lookup(0, b"", &[5, 6]).unwrap(), None);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn cache_block_refuses_bad_input_and_keeps_first_owner() {
+        let mut a = pool(4, 2, Policy::Lru, 128);
+        let ids = a.allocate(2).unwrap();
+        assert!(matches!(
+            a.cache_block(3, 0, b"", &[1, 2]),
+            Err(Error::Invalid(_))
+        )); // not live
+        assert!(matches!(
+            a.cache_block(0, 0, b"", &[1]),
+            Err(Error::Invalid(_))
+        )); // not full
+        let h0 = a.cache_block(ids[0].into(), 0, b"", &[1, 2]).unwrap();
+        let h1 = a.cache_block(ids[1].into(), 0, b"", &[1, 2]).unwrap();
+        assert_eq!(h0, h1);
+        assert_eq!(a.block_hash(ids[1].into()).unwrap(), None);
+        assert_eq!(a.reset_prefix_cache(), 1);
+        assert_eq!(a.block_hash(ids[0].into()).unwrap(), None);
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn i4_collisions_with_few_hash_bits_are_rejected_by_key_check() {
+        for bits in 1..=4u32 {
+            let mut a = pool(8, 2, Policy::Lru, bits);
+            let b = a.allocate(1).unwrap()[0];
+            let h = a.cache_block(b.into(), 0, b"", &[0, 0]).unwrap();
+            let mut collisions = 0;
+            for x in 0..40u32 {
+                let toks = [x / 8, x % 8 + 1]; // never [0, 0]
+                if a.hash_of(0, b"", &toks) == h {
+                    collisions += 1;
+                    assert_eq!(
+                        a.lookup(0, b"", &toks).unwrap(),
+                        None,
+                        "bits {bits}: {toks:?}"
+                    );
+                }
+            }
+            assert!(collisions > 0, "bits {bits}: no collision to test");
+            assert_eq!(a.lookup(0, b"", &[0, 0]).unwrap(), Some(b));
+            assert!(matches!(
+                a.lookup(1 << bits, b"", &[0, 0]),
+                Err(Error::Invalid(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn check_invariants_names_the_broken_one() {
+        let mut a = pool(4, 2, Policy::Lru, 128);
+        a.allocate(2).unwrap();
+        a.refs[3] = 1; // live but still on the free list
+        assert!(a.check_invariants().unwrap_err().starts_with("I3"));
+        a.refs[3] = 0;
+        a.num_cached = 1;
+        assert!(a.check_invariants().unwrap_err().starts_with("I1"));
+        a.num_cached = 0;
+        a.index.insert(77, 0);
+        assert!(a.check_invariants().unwrap_err().starts_with("I4"));
+    }
+
+    #[test]
+    fn constructor_bounds() {
+        assert!(BlockAllocator::new(0, 1, true, Policy::Lru, 128).is_err());
+        assert!(BlockAllocator::new(1 << 24, 1, true, Policy::Lru, 128).is_ok());
+        assert!(BlockAllocator::new((1 << 24) + 1, 1, true, Policy::Lru, 128).is_err());
+        assert!(BlockAllocator::new(1, (1 << 16) + 1, true, Policy::Lru, 128).is_err());
+        assert!(BlockAllocator::new(1, 1, true, Policy::Lru, 0).is_err());
+        assert!(BlockAllocator::new(1, 1, true, Policy::Lru, 129).is_err());
+        assert_eq!(Policy::parse("mru"), Some(Policy::Mru));
+        assert_eq!(Policy::parse("fifo"), None);
     }
 }

@@ -627,3 +627,244 @@ fn register_full_blocks(alloc: &mut BlockAllocator, s: &mut Seq, bs: Bs) {
         s.hashes.push(h);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mgr(n: usize, bs: usize, bits: u32) -> KVCacheManager {
+        KVCacheManager::new(n, bs, true, Policy::Lru, bits, None).unwrap()
+    }
+
+    type Snapshot = (
+        Vec<u32>,
+        Vec<(u64, Vec<u32>, Vec<u32>, usize)>,
+        ManagerStats,
+    );
+
+    /// Everything observable, to show a refused call changed nothing.
+    fn snapshot(m: &KVCacheManager) -> Snapshot {
+        let seqs = m
+            .seq_ids()
+            .into_iter()
+            .map(|s| {
+                let (b, t) = (
+                    m.block_table(s).unwrap().to_vec(),
+                    m.token_ids(s).unwrap().to_vec(),
+                );
+                (s, b, t, m.num_computed_tokens(s).unwrap())
+            })
+            .collect();
+        (m.allocator().free_order(), seqs, m.stats())
+    }
+
+    #[test]
+    fn prepare_batch_builds_tables_csr_and_slots() {
+        let mut m = mgr(8, 4, 128);
+        assert_eq!(m.allocate(7, (10..16).collect(), b"").unwrap(), 0);
+        assert_eq!(m.allocate(3, vec![1, 2], b"").unwrap(), 0);
+        let b = m.prepare_batch(&[7, 3], Some(&[6, 1])).unwrap();
+        assert_eq!(b.input_ids, vec![10, 11, 12, 13, 14, 15, 1]);
+        assert_eq!(b.positions, vec![0, 1, 2, 3, 4, 5, 0]);
+        assert_eq!(b.query_start_loc, vec![0, 6, 7]);
+        assert_eq!(b.seq_lens, vec![6, 1]);
+        assert_eq!((b.width, b.block_tables.clone()), (2, vec![0, 1, 2, -1]));
+        assert_eq!(b.indptr, vec![0, 2, 3]);
+        assert_eq!(b.indices, vec![0, 1, 2]);
+        assert_eq!(b.last_page_len, vec![2, 1]);
+        assert_eq!(b.slot_mapping, vec![0, 1, 2, 3, 4, 5, 8]);
+        // The full computed block of seq 7 entered the prefix cache.
+        assert!(m.allocator().block_hash(0).unwrap().is_some());
+        assert_eq!(m.allocator().block_hash(1).unwrap(), None);
+        let empty = m.prepare_batch(&[], None).unwrap();
+        assert_eq!(
+            (
+                empty.width,
+                empty.query_start_loc.clone(),
+                empty.indptr.clone()
+            ),
+            (0, vec![0], vec![0])
+        );
+        let again = m.prepare_batch(&[3], None).unwrap();
+        assert_eq!(
+            (again.seq_lens.clone(), again.last_page_len.clone()),
+            (vec![1], vec![1])
+        );
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn i6_prefix_hit_shares_blocks_and_leaves_a_token() {
+        let mut m = mgr(16, 4, 128);
+        let prompt: Vec<u32> = (0..9).collect();
+        m.allocate(1, prompt.clone(), b"").unwrap();
+        m.prepare_batch(&[1], Some(&[9])).unwrap();
+        // Same 8 leading tokens: two full blocks hit.
+        let mut p2 = prompt[..8].to_vec();
+        p2.push(99);
+        assert_eq!(m.blocks_needed(&p2, b""), 1);
+        assert_eq!(m.allocate(2, p2, b"").unwrap(), 8);
+        assert_eq!(
+            m.block_table(2).unwrap()[..2],
+            m.block_table(1).unwrap()[..2]
+        );
+        assert_eq!(m.allocator().ref_count(0).unwrap(), 2);
+        assert_eq!(m.num_computed_tokens(2).unwrap(), 8);
+        // Exactly the 8 cached tokens: only one block may hit (I6).
+        assert_eq!(m.allocate(3, prompt[..8].to_vec(), b"").unwrap(), 4);
+        // Another salt misses.
+        assert_eq!(m.allocate(4, prompt.clone(), b"s").unwrap(), 0);
+        let s = m.stats();
+        assert_eq!(
+            (s.prefix_query_tokens, s.prefix_hit_tokens),
+            (9 + 9 + 8 + 9, 12)
+        );
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn fork_then_append_copies_the_shared_partial_block() {
+        let mut m = mgr(8, 4, 128);
+        m.allocate(1, vec![1, 2, 3, 4, 5], b"").unwrap();
+        m.fork(1, 2).unwrap();
+        assert_eq!(m.allocator().ref_count(1).unwrap(), 2);
+        assert_eq!(m.blocks_needed_to_append(2, 1).unwrap(), 1);
+        let pairs = m.append(2, &[6]).unwrap();
+        assert_eq!(pairs, vec![(1, 2)]);
+        assert_eq!(m.block_table(2).unwrap(), &[0, 2]);
+        assert_eq!(m.allocator().ref_count(1).unwrap(), 1);
+        // The parent's last block is now its own: no copy.
+        assert_eq!(m.append(1, &[6]).unwrap(), vec![]);
+        assert!(matches!(m.fork(1, 2), Err(Error::DuplicateSequence(2))));
+        assert!(matches!(m.fork(9, 3), Err(Error::UnknownSequence(_))));
+        m.check_invariants().unwrap();
+        m.free(1).unwrap();
+        m.free(2).unwrap();
+        assert_eq!(m.allocator().num_live_blocks(), 0);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn free_releases_tail_first() {
+        let mut m = mgr(4, 2, 128);
+        m.allocate(1, vec![1, 2, 3, 4, 5], b"").unwrap();
+        m.free(1).unwrap();
+        assert_eq!(m.allocator().free_order(), vec![3, 2, 1, 0]);
+        assert!(matches!(m.free(1), Err(Error::UnknownSequence(_))));
+    }
+
+    #[test]
+    fn refused_calls_change_nothing() {
+        let mut m = KVCacheManager::new(6, 2, true, Policy::Lru, 128, Some(9)).unwrap();
+        m.allocate(1, vec![1, 2, 3, 4, 5], b"").unwrap();
+        m.allocate(2, vec![4, 5], b"").unwrap();
+        m.fork(2, 3).unwrap();
+        let before = snapshot(&m);
+        // 4 blocks live, 2 free.
+        assert!(matches!(
+            m.allocate(4, vec![9; 5], b""),
+            Err(Error::OutOfBlocks { need: 3, free: 2 })
+        ));
+        assert!(matches!(
+            m.append_batch(&[1, 1], &[0, 0]),
+            Err(Error::Invalid(_))
+        ));
+        assert!(matches!(
+            m.append_batch(&[1, 7], &[0, 0]),
+            Err(Error::UnknownSequence(_))
+        ));
+        assert!(matches!(
+            m.append(1, &[0; 5]),
+            Err(Error::SequenceTooLong {
+                len: 10,
+                limit: 9,
+                ..
+            })
+        ));
+        assert!(matches!(
+            m.append(2, &[0; 5]),
+            Err(Error::OutOfBlocks { need: 3, free: 2 })
+        ));
+        assert!(matches!(
+            m.allocate(2, vec![1], b""),
+            Err(Error::DuplicateSequence(2))
+        ));
+        assert!(matches!(m.allocate(5, vec![], b""), Err(Error::Invalid(_))));
+        assert!(matches!(
+            m.prepare_batch(&[1], Some(&[6])),
+            Err(Error::Invalid(_))
+        ));
+        assert!(matches!(
+            m.prepare_batch(&[1, 1], None),
+            Err(Error::Invalid(_))
+        ));
+        assert_eq!(snapshot(&m), before);
+        // Exactly enough: seqs 2 and 3 each open a block, seq 1 fills its last one.
+        assert_eq!(m.append_batch(&[1, 2, 3], &[7, 7, 7]).unwrap(), vec![]);
+        assert_eq!(m.allocator().num_reclaimable(), 0);
+        assert!(!m.can_allocate(&[1], b""));
+        assert!(!m.can_append(1, 1).unwrap() && m.can_append(1, 0).unwrap());
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn i6_few_hash_bits_never_share_blocks_with_other_content() {
+        // With 1-4 hash bits almost every lookup collides; key verification must keep every
+        // shared block's registered tokens equal to the prompt's tokens at that position.
+        for bits in 1..=4u32 {
+            let mut m = mgr(400, 2, bits);
+            let mut x: u32 = 12345;
+            let mut next = || {
+                x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                (x >> 16) % 3
+            };
+            for id in 0..60u64 {
+                let len = 2 + (next() * 3 + next()) as usize;
+                let toks: Vec<u32> = (0..len).map(|_| next()).collect();
+                let hit = m.allocate(id, toks.clone(), b"").unwrap();
+                let table = m.block_table(id).unwrap().to_vec();
+                for (j, &b) in table[..hit / 2].iter().enumerate() {
+                    let key = m
+                        .alloc
+                        .registered_tokens(b)
+                        .expect("a hit block is registered");
+                    assert_eq!(
+                        key,
+                        &toks[2 * j..2 * j + 2],
+                        "bits {bits} seq {id} block {j}"
+                    );
+                }
+                m.prepare_batch(&[id], Some(&[(len - hit) as u64])).unwrap();
+                if id % 3 == 0 {
+                    m.free(id).unwrap();
+                }
+            }
+            m.check_invariants().unwrap();
+        }
+    }
+
+    #[test]
+    fn check_invariants_names_i2_and_i5() {
+        let mut m = mgr(4, 2, 128);
+        m.allocate(1, vec![1, 2, 3], b"").unwrap();
+        m.seqs[0].computed = 9;
+        assert!(m.check_invariants().unwrap_err().starts_with("I5"));
+        m.seqs[0].computed = 0;
+        m.seqs[0].blocks.swap(0, 1);
+        m.check_invariants().unwrap();
+        m.seqs[0].blocks[1] = 3;
+        assert!(m.check_invariants().unwrap_err().starts_with("I2"));
+    }
+
+    #[test]
+    fn non_power_of_two_block_size() {
+        let mut m = mgr(10, 3, 128);
+        m.allocate(1, (0..7).collect(), b"").unwrap();
+        let b = m.prepare_batch(&[1], Some(&[7])).unwrap();
+        assert_eq!(b.slot_mapping, vec![0, 1, 2, 3, 4, 5, 6]);
+        assert_eq!((b.width, b.last_page_len.clone()), (3, vec![1]));
+        assert_eq!(m.blocks_needed_to_append(1, 3).unwrap(), 1);
+        assert_eq!(m.blocks_needed_to_append(1, 2).unwrap(), 0);
+        m.check_invariants().unwrap();
+    }
+}

@@ -25,6 +25,8 @@ pyo3::import_exception!(pagedkv_rs.errors, SequenceTooLongError);
 pyo3::import_exception!(pagedkv_rs.errors, DoubleFreeError);
 
 const MAX_SEQ_ID: u128 = u64::MAX as u128;
+/// Calls touching at least this many tokens (hashing, batch building) release the GIL.
+const DETACH_TOKENS: u64 = 1 << 14;
 
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {
@@ -851,7 +853,12 @@ impl KVCacheManager {
         let id = check_int("seq_id", seq_id, 0, MAX_SEQ_ID)? as u64;
         let toks = tokens(token_ids)?;
         let salt = salt(cache_salt)?;
-        Ok(self.core(py)?.allocate(id, toks, &salt)?)
+        let mut guard = self.core(py)?;
+        if (toks.len() as u64) < DETACH_TOKENS {
+            return Ok(guard.allocate(id, toks, &salt)?);
+        }
+        let core = &mut *guard;
+        Ok(py.detach(|| core.allocate(id, toks, &salt))?)
     }
 
     /// Add tokens to a sequence, growing its table; returns (src, dst) block copies to do first.
@@ -950,7 +957,12 @@ impl KVCacheManager {
                     values?
                 }
             };
-            core.prepare_at(&pos, &ns)?
+            if ns.iter().fold(0u64, |a, &n| a.saturating_add(n)) < DETACH_TOKENS {
+                core.prepare_at(&pos, &ns)?
+            } else {
+                let core = &mut *core;
+                py.detach(|| core.prepare_at(&pos, &ns))?
+            }
         };
         batch_inputs(py, batch)
     }
@@ -1391,7 +1403,7 @@ mod kernel {
 
     /// Read bandwidth in GB/s: multithreaded SIMD read-sum over a `bytes` buffer, best of 5.
     #[pyfunction]
-    #[pyo3(signature = (bytes = 1 << 30, threads = None))]
+    #[pyo3(signature = (bytes = 1 << 30, threads = None), text_signature = "(bytes=1073741824, threads=None)")]
     pub fn memory_bandwidth(py: Python<'_>, bytes: i64, threads: Option<i64>) -> PyResult<f64> {
         let th = threads_or_pool(threads)?;
         if !(1 << 20..=1 << 36).contains(&bytes) {

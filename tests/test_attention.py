@@ -260,3 +260,37 @@ def test_end_to_end_with_kv_manager():
         q = rng.standard_normal((T, hq, d), dtype=np.float32)
         args = (q, k, v, batch.block_tables, batch.seq_lens, batch.query_start_loc)
         assert max_err(pk.paged_attention(*args), ref.paged_attention(*args).astype(np.float64)) < 3e-5
+
+
+def test_validation_messages():
+    rng = np.random.default_rng(4)
+    c = make_case(rng, seq_lens=[9, 4], q_lens=[2, 1], hq=4, hkv=2, d=16, bs=4, dtype="float32", spare_blocks=0)
+    q, k, v, bt, sl, qsl = c.args()
+    with pytest.raises(ValueError, match="out must not share memory with q"):
+        pk.paged_attention(q, k, v, bt, sl, qsl, out=q)
+    alias = k.reshape(-1)[: q.size].reshape(q.shape)
+    with pytest.raises(ValueError, match="out must not share memory with k_cache"):
+        pk.paged_attention(q, k, v, bt, sl, qsl, out=alias)
+    bad = bt.copy()
+    bad[0, 2] = k.shape[0]
+    nb = k.shape[0]
+    with pytest.raises(ValueError, match=rf"block_tables\[0, 2\] = {nb} is not a block id in \[0, {nb}\)"):
+        pk.paged_attention(q, k, v, bad, sl, qsl)
+    with pytest.raises(ValueError, match="needs 5 blocks, block_tables has 4 columns"):
+        pk.paged_attention(q, k, v, bt, np.array([17, 4], np.int32), qsl)
+    with pytest.raises(ValueError, match=r"block_tables\[0, 3\] = -1"):
+        pk.paged_attention(q, k, v, bt, np.array([13, 4], np.int32), qsl)
+    with pytest.raises(ValueError, match="q_len 2 > seq_len 1"):
+        pk.paged_attention(q, k, v, bt, np.array([1, 4], np.int32), qsl)
+    with pytest.raises(TypeError, match="block_tables must be int32, got int64"):
+        pk.paged_attention(q, k, v, bt.astype(np.int64), sl, qsl)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        pk.paged_attention(np.asfortranarray(q), k, v, bt, sl, qsl)
+    buf = np.zeros(q.nbytes + 1, np.uint8)
+    unaligned = np.frombuffer(buf[1:].data, np.float32).reshape(q.shape)
+    with pytest.raises(ValueError, match="not aligned"):
+        pk.paged_attention(unaligned, k, v, bt, sl, qsl)
+    with pytest.raises(TypeError, match="k_cache must be float32, float16 or bfloat16"):
+        pk.paged_attention(q, k.astype(np.float64), v.astype(np.float64), bt, sl, qsl)
+    with pytest.raises(ValueError, match="sliding_window"):
+        pk.paged_attention(q, k, v, bt, sl, qsl, sliding_window=0)

@@ -69,12 +69,13 @@ def backend(name: str = "auto") -> types.SimpleNamespace:
     """Return the allocator classes of one backend: ``.BlockAllocator``, ``.KVCacheManager``, ``.name``."""
     if name == "auto":
         name = "rust" if _HAVE_RUST else "python"
+    mod: types.ModuleType
     if name == "rust":
         if not _HAVE_RUST:
             raise ImportError("PAGEDKV_BACKEND=rust but the compiled core pagedkv_rs._core is not built")
         mod = _core
     elif name == "python":
-        mod = fallback  # type: ignore[assignment]
+        mod = fallback
     else:
         raise ValueError(f"unknown backend {name!r}: expected 'auto', 'rust' or 'python'")
     return types.SimpleNamespace(

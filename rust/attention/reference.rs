@@ -22,18 +22,20 @@ pub(crate) fn attend(ctx: &Ctx, u: &Unit, st: &mut State) {
 
 fn attend_t<T: Elem>(ctx: &Ctx, k: &[T], v: &[T], u: &Unit, st: &mut State) {
     let (g, d) = (ctx.group, ctx.shape.head_dim);
+    let pr = u.per_row(g);
     let p = ctx.params;
     for (i, row) in (u.row0..u.row1).enumerate() {
         let pos = u.pos0 + i;
         let (lo, hi) = ctx.key_range(pos, u.key_lo, u.key_hi);
-        let qs = ctx.q_row(row, u.kv_head);
-        for h in 0..g {
-            let m = i * g + h;
+        let qs = ctx.q_row(row, u);
+        for h in 0..pr {
+            let m = i * pr + h;
+            let kv_head = u.h0 + h / g;
             let q = &qs[h * d..(h + 1) * d];
             let acc = &mut st.acc[m * d..(m + 1) * d];
             let (mut mx, mut sum) = (f32::NEG_INFINITY, 0.0f32);
             for t in lo..hi {
-                let off = ctx.shape.offset(ctx.block(u.seq, t), u.kv_head, t % ctx.shape.block_size);
+                let off = ctx.shape.offset(ctx.block(u.seq, t), kv_head, t % ctx.shape.block_size);
                 let kt = &k[off..off + d];
                 let mut s = q.iter().zip(kt).map(|(a, b)| a * b.to_f32()).sum::<f32>() * p.scale;
                 if let Some(c) = p.soft_cap {

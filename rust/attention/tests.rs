@@ -191,3 +191,4 @@ fn validate_rejects_bad_tables() {
     assert!(go(&[0, -1], 0, &mut out).is_err()); // q_len 1 > seq_len 0
     assert!(go(&[0, -1], 4, &mut out).is_ok()); // padding past the used blocks is fine
 }
+

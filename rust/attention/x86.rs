@@ -1,26 +1,39 @@
 //! AVX2 + FMA (+ F16C) attention work unit for x86-64.
 //!
-//! | variant    | elements | K/V load                                      |
-//! |------------|----------|-----------------------------------------------|
-//! | avx2 f32   | f32      | tiles read in place                           |
-//! | avx2 f16   | f16      | tile widened once to f32 scratch (vcvtph2ps)  |
-//! | avx2 bf16  | bf16     | tile widened once to f32 scratch (zext << 16) |
+//! | variant                 | when                                  | K/V element load                      |
+//! |-------------------------|---------------------------------------|---------------------------------------|
+//! | `attend_decode` f32/f16/bf16 | one query row, group <= 4 (decode) | widened in the FMA loops (vcvtph2ps, zext<<16), once per 4 query heads |
+//! | `attend` (widened)      | otherwise (prefill, chunked prefill)  | tile widened once to f32 scratch      |
 //!
 //! Requires head_dim % 8 == 0 (dispatch in `mod.rs` falls back to scalar otherwise).
-//! A unit walks its keys in tiles of at most 32 tokens inside one block; each tile is widened
-//! once and then serves every query vector of the unit (all rows x all heads of the GQA group),
-//! so K/V bytes leave memory once per group. Per query vector and tile: logits `q.k` for 8
-//! tokens at a time (8 independent FMA chains, one 8x8 horizontal reduction), the tile max,
-//! one rescale of the accumulator (online softmax), a vectorised exp, and `acc += p v` with
-//! up to 8 accumulators over head_dim. The next tile is prefetched while this one computes.
+//! Keys are taken in tiles of up to 64 tokens spanning consecutive table blocks. Decode: per
+//! tile, one pass over K block by block with all KV heads of a block in memory order (one
+//! sequential stretch per block), logits for every query head, the online-softmax update, then
+//! the same pass over V. Prefill: per tile and KV head, the tile is widened once and serves every
+//! row and query head of the unit. Micro-kernels: logits for 4 (2, 1) query heads x 2 (4, 8)
+//! keys with 8 independent FMA chains and one 8-way horizontal sum; `acc += p v` with 4 x 2
+//! (2 x 4, 1 x 8) accumulators in registers. The first line of the next tile is prefetched.
 //! Tolerance: see `mod.rs` (exp is a Cephes degree-5 polynomial, rel. error ~2e-7).
 
 use std::arch::x86_64::*;
 
-use super::{Ctx, Kv, State, Unit};
+use super::{Ctx, DType, Kv, State, Unit};
 
-/// Keys per tile (also bounded by the block).
-const TILE: usize = 32;
+/// Keys per tile; a tile spans consecutive blocks of the table (one segment per block piece).
+const TILE: usize = 64;
+
+/// Element type codes for the const-generic kernels.
+const F32: u8 = 0;
+const F16: u8 = 1;
+const BF16: u8 = 2;
+
+/// `n` consecutive key rows of one KV head inside one block: K and V element pointers.
+#[derive(Clone, Copy)]
+struct Seg {
+    k: *const u8,
+    v: *const u8,
+    n: usize,
+}
 
 /// Fill `st` with the partial attention of unit `u`.
 ///
@@ -29,91 +42,302 @@ const TILE: usize = 32;
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn attend(ctx: &Ctx, u: &Unit, st: &mut State) {
     let (g, d, bs) = (ctx.group, ctx.shape.head_dim, ctx.shape.block_size);
-    let nq = u.queries(g);
+    let (nq, pr) = (u.queries(g), u.per_row(g));
     let scale = ctx.params.scale;
-    // Query vectors of the unit, pre-scaled, contiguous [nq, d].
+    // Query vectors of the unit, pre-scaled, contiguous [nq, d] (row-major over rows, heads).
     let mut qbuf = vec![0.0f32; nq * d];
     for (i, row) in (u.row0..u.row1).enumerate() {
-        for (dst, src) in qbuf[i * g * d..(i + 1) * g * d].iter_mut().zip(ctx.q_row(row, u.kv_head)) {
+        for (dst, src) in qbuf[i * pr * d..(i + 1) * pr * d].iter_mut().zip(ctx.q_row(row, u)) {
             *dst = src * scale;
         }
     }
-    let mut kbuf = vec![0.0f32; TILE * d];
-    let mut vbuf = vec![0.0f32; TILE * d];
-    let mut s = [0.0f32; TILE];
-    let tile_at = |t: usize| {
-        let off = t % bs;
-        let n = (bs - off).min(TILE).min(u.key_hi - t);
-        (ctx.shape.offset(ctx.block(u.seq, t), u.kv_head, off), n)
-    };
+    // One query row and small groups (decode): widen K/V inside the FMA loops, each element
+    // once per block of 4 query heads. Otherwise (prefill): widen each tile once into f32 scratch.
+    if u.row1 - u.row0 == 1 && g <= 4 {
+        // SAFETY: same contract as this function.
+        unsafe {
+            match ctx.k.dtype() {
+                DType::F32 => attend_decode::<F32>(ctx, u, st, &qbuf),
+                DType::F16 => attend_decode::<F16>(ctx, u, st, &qbuf),
+                DType::Bf16 => attend_decode::<BF16>(ctx, u, st, &qbuf),
+            }
+        }
+        return;
+    }
+    let (mut kbuf, mut vbuf) = (vec![0.0f32; TILE * d], vec![0.0f32; TILE * d]);
+    let mut s = [0.0f32; 4 * TILE];
+    // Block pieces (block, offset, n) of the current tile.
+    let mut pieces = [(0usize, 0usize, 0usize); TILE];
     let mut t = u.key_lo;
     while t < u.key_hi {
-        let (base, n) = tile_at(t);
-        if t + n < u.key_hi {
-            let (nb, nn) = tile_at(t + n);
-            prefetch(ctx.k, nb, nn * d);
-            prefetch(ctx.v, nb, nn * d);
+        let t_end = (t + TILE).min(u.key_hi);
+        let mut np = 0;
+        let mut p = t;
+        while p < t_end {
+            let (blk, off) = (ctx.block(u.seq, p), p % bs);
+            let n = (bs - off).min(t_end - p);
+            pieces[np] = (blk, off, n);
+            np += 1;
+            p += n;
         }
-        let kt = widen(ctx.k, base, n * d, &mut kbuf);
-        let vt = widen(ctx.v, base, n * d, &mut vbuf);
-        for m in 0..nq {
-            let (lo, hi) = ctx.key_range(u.pos0 + m / g, t, t + n);
-            if lo >= hi {
-                continue;
-            }
-            let (j0, j1) = (lo - t, hi - t);
-            let sj = &mut s[j0..j1];
-            qk(&qbuf[m * d..(m + 1) * d], &kt[j0 * d..j1 * d], d, sj);
-            if let Some(c) = ctx.params.soft_cap {
-                for x in sj.iter_mut() {
-                    *x = c * (*x / c).tanh();
-                }
-            }
-            let tmax = sj.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let acc = &mut st.acc[m * d..(m + 1) * d];
-            let old = st.max[m];
-            if tmax > old {
-                if old != f32::NEG_INFINITY {
-                    let alpha = (old - tmax).exp();
-                    scale_in_place(acc, alpha);
-                    st.sum[m] *= alpha;
-                }
-                st.max[m] = tmax;
-            }
-            st.sum[m] += exp_sub(sj, st.max[m]);
-            pv(sj, &vt[j0 * d..j1 * d], d, acc);
+        if t_end < u.key_hi {
+            // Touch the first line of the next tile's first block early (page walk + hardware
+            // prefetcher start); prefetching whole tiles measured slower (miss queue fills up).
+            let nb = ctx.shape.offset(ctx.block(u.seq, t_end), u.h0, t_end % bs);
+            prefetch(ctx.k, nb, 8);
+            prefetch(ctx.v, nb, 8);
         }
-        t += n;
+        let n = t_end - t;
+        for h in u.h0..u.h1 {
+            let mut at = 0;
+            for &(blk, off, m) in &pieces[..np] {
+                let base = ctx.shape.offset(blk, h, off);
+                widen(ctx.k, base, m * d, &mut kbuf[at * d..(at + m) * d]);
+                widen(ctx.v, base, m * d, &mut vbuf[at * d..(at + m) * d]);
+                at += m;
+            }
+            let sg = [Seg { k: kbuf.as_ptr() as *const u8, v: vbuf.as_ptr() as *const u8, n }];
+            // SAFETY: kbuf/vbuf hold n*d f32 written just above and are not touched below.
+            unsafe { tile_heads::<F32>(ctx, u, st, &qbuf, &sg, t, n, h, &mut s) };
+        }
+        t = t_end;
     }
 }
 
-/// Tile `base..base+len` of a cache as f32: in place for f32, else widened into `buf`.
+/// Decode unit (one query row): per tile of up to TILE keys, one pass over K block by block
+/// (all KV heads of a block in memory order: one sequential stretch per block) computing every
+/// query head's logits, the online-softmax update of every query head, then one pass over V in
+/// the same order. Each K/V element is widened in the FMA loops, once per 4 query heads.
+///
+/// # Safety
+/// As `attend`, plus u.row1 - u.row0 == 1 (so every key in u.key_lo..u.key_hi is visible).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn widen<'b>(kv: Kv<'b>, base: usize, len: usize, buf: &'b mut [f32]) -> &'b [f32] {
-    match kv {
-        Kv::F32(c) => &c[base..base + len],
-        Kv::F16(c) => {
-            let (src, dst) = (&c[base..base + len], &mut buf[..len]);
-            for i in (0..len).step_by(8) {
-                // SAFETY: len % 8 == 0 (head_dim % 8 == 0), so i + 8 <= len for src and dst.
-                unsafe {
-                    let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-                    _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf: &[f32]) {
+    let (g, d, bs) = (ctx.group, ctx.shape.head_dim, ctx.shape.block_size);
+    let nq = u.queries(g);
+    debug_assert!(u.row1 - u.row0 == 1);
+    let mut s = vec![0.0f32; nq * TILE];
+    let mut t = u.key_lo;
+    while t < u.key_hi {
+        let t_end = (t + TILE).min(u.key_hi);
+        if t_end < u.key_hi {
+            // Touch the first line of the next tile early (page walk + hardware prefetch start).
+            let nb = ctx.shape.offset(ctx.block(u.seq, t_end), u.h0, t_end % bs);
+            prefetch(ctx.k, nb, 8);
+            prefetch(ctx.v, nb, 8);
+        }
+        for (pass, kv) in [(0, ctx.k), (1, ctx.v)] {
+            if pass == 1 {
+                // Online softmax over this tile's logits, per query head.
+                for m in 0..nq {
+                    let sj = &mut s[m * TILE..m * TILE + (t_end - t)];
+                    if let Some(c) = ctx.params.soft_cap {
+                        for x in sj.iter_mut() {
+                            *x = c * (*x / c).tanh();
+                        }
+                    }
+                    let tmax = vmax(sj);
+                    let old = st.max[m];
+                    if tmax > old {
+                        if old != f32::NEG_INFINITY {
+                            let alpha = (old - tmax).exp();
+                            scale_in_place(&mut st.acc[m * d..(m + 1) * d], alpha);
+                            st.sum[m] *= alpha;
+                        }
+                        st.max[m] = tmax;
+                    }
+                    st.sum[m] += exp_sub(sj, st.max[m]);
                 }
             }
-            dst
+            let mut p = t;
+            while p < t_end {
+                let (blk, off) = (ctx.block(u.seq, p), p % bs);
+                let n = (bs - off).min(t_end - p);
+                let col = p - t;
+                for h in u.h0..u.h1 {
+                    let ptr = tile(kv, ctx.shape.offset(blk, h, off), n * d);
+                    let mut hg = 0;
+                    while hg < g {
+                        let m0 = (h - u.h0) * g + hg;
+                        let mb = match g - hg {
+                            r if r >= 4 => 4,
+                            r if r >= 2 => 2,
+                            _ => 1,
+                        };
+                        let sm = &mut s[m0 * TILE..(m0 + mb) * TILE];
+                        // SAFETY: `tile` returned n*d in-bounds elements of DT; col + n <= TILE.
+                        unsafe {
+                            if pass == 0 {
+                                let q = &qbuf[m0 * d..(m0 + mb) * d];
+                                match mb {
+                                    4 => qk_block::<4, 2, DT>(q, ptr, n, d, sm, col),
+                                    2 => qk_block::<2, 4, DT>(q, ptr, n, d, sm, col),
+                                    _ => qk_block::<1, 8, DT>(q, ptr, n, d, sm, col),
+                                }
+                            } else {
+                                let acc = &mut st.acc[m0 * d..(m0 + mb) * d];
+                                match mb {
+                                    4 => pv_block::<4, 2, DT>(sm, col, ptr, n, d, acc),
+                                    2 => pv_block::<2, 4, DT>(sm, col, ptr, n, d, acc),
+                                    _ => pv_block::<1, 8, DT>(sm, col, ptr, n, d, acc),
+                                }
+                            }
+                        }
+                        hg += mb;
+                    }
+                }
+                p += n;
+            }
+        }
+        t = t_end;
+    }
+}
+
+/// Pointer to elements `base..base + len` of a cache (bounds-checked).
+fn tile(kv: Kv, base: usize, len: usize) -> *const u8 {
+    match kv {
+        Kv::F32(c) => c[base..base + len].as_ptr() as *const u8,
+        Kv::F16(c) => c[base..base + len].as_ptr() as *const u8,
+        Kv::Bf16(c) => c[base..base + len].as_ptr() as *const u8,
+    }
+}
+
+/// 8 elements at element index `i` of a DT array, widened to f32.
+///
+/// # Safety
+/// `p` points to at least `i + 8` elements of type DT.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8<const DT: u8>(p: *const u8, i: usize) -> __m256 {
+    // SAFETY: per the function contract.
+    unsafe {
+        match DT {
+            F32 => _mm256_loadu_ps((p as *const f32).add(i)),
+            F16 => _mm256_cvtph_ps(_mm_loadu_si128((p as *const u16).add(i) as *const __m128i)),
+            _ => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                (p as *const u16).add(i) as *const __m128i,
+            )))),
+        }
+    }
+}
+
+/// One tile (keys t..t+n of KV head h, in segments) against every query vector of head h.
+///
+/// # Safety
+/// Each segment's `k`, `v` point to `n * d` elements of type DT; the segments' n sum to `n`;
+/// `ctx` validated; head_dim % 8 == 0.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_heads<const DT: u8>(
+    ctx: &Ctx,
+    u: &Unit,
+    st: &mut State,
+    qbuf: &[f32],
+    segs: &[Seg],
+    t: usize,
+    n: usize,
+    h: usize,
+    s: &mut [f32; 4 * TILE],
+) {
+    let (g, d) = (ctx.group, ctx.shape.head_dim);
+    let pr = u.per_row(g);
+    let es = if DT == F32 { 4 } else { 2 };
+    for i in 0..u.row1 - u.row0 {
+        let (lo, hi) = ctx.key_range(u.pos0 + i, t, t + n);
+        if lo >= hi {
+            continue;
+        }
+        let (j0, j1) = (lo - t, hi - t);
+        // The group's query vectors of this row share the key range: blocks of 4/2/1.
+        let mut hg = 0;
+        while hg < g {
+            let m0 = i * pr + (h - u.h0) * g + hg;
+            let mb = match g - hg {
+                r if r >= 4 => 4,
+                r if r >= 2 => 2,
+                _ => 1,
+            };
+            let q = &qbuf[m0 * d..(m0 + mb) * d];
+            let sm = &mut s[..mb * TILE];
+            // Logits of the rows j0..j1 of the tile, segment by segment, into columns 0..j1-j0.
+            let mut at = 0;
+            for sg in segs {
+                let (a, b) = (at.max(j0), (at + sg.n).min(j1));
+                if a < b {
+                    // SAFETY: rows a-at..b-at of the segment are inside it (a >= at, b <= at+n);
+                    // columns a-j0..b-j0 are inside 0..TILE; q and sm are sized above.
+                    unsafe {
+                        let kp = sg.k.add((a - at) * d * es);
+                        match mb {
+                            4 => qk_block::<4, 2, DT>(q, kp, b - a, d, sm, a - j0),
+                            2 => qk_block::<2, 4, DT>(q, kp, b - a, d, sm, a - j0),
+                            _ => qk_block::<1, 8, DT>(q, kp, b - a, d, sm, a - j0),
+                        }
+                    }
+                }
+                at += sg.n;
+            }
+            for r in 0..mb {
+                let m = m0 + r;
+                let sj = &mut sm[r * TILE..r * TILE + (j1 - j0)];
+                if let Some(c) = ctx.params.soft_cap {
+                    for x in sj.iter_mut() {
+                        *x = c * (*x / c).tanh();
+                    }
+                }
+                let tmax = vmax(sj);
+                let old = st.max[m];
+                if tmax > old {
+                    if old != f32::NEG_INFINITY {
+                        let alpha = (old - tmax).exp();
+                        scale_in_place(&mut st.acc[m * d..(m + 1) * d], alpha);
+                        st.sum[m] *= alpha;
+                    }
+                    st.max[m] = tmax;
+                }
+                st.sum[m] += exp_sub(sj, st.max[m]);
+            }
+            let acc = &mut st.acc[m0 * d..(m0 + mb) * d];
+            let mut at = 0;
+            for sg in segs {
+                let (a, b) = (at.max(j0), (at + sg.n).min(j1));
+                if a < b {
+                    // SAFETY: as for the logits; acc is [mb, d].
+                    unsafe {
+                        let vp = sg.v.add((a - at) * d * es);
+                        match mb {
+                            4 => pv_block::<4, 2, DT>(sm, a - j0, vp, b - a, d, acc),
+                            2 => pv_block::<2, 4, DT>(sm, a - j0, vp, b - a, d, acc),
+                            _ => pv_block::<1, 8, DT>(sm, a - j0, vp, b - a, d, acc),
+                        }
+                    }
+                }
+                at += sg.n;
+            }
+            hg += mb;
+        }
+    }
+}
+
+/// Elements `base..base+len` of a cache, widened to f32 into `dst` (`dst.len() == len`).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen(kv: Kv, base: usize, len: usize, dst: &mut [f32]) {
+    assert!(dst.len() == len && len % 8 == 0);
+    match kv {
+        Kv::F32(c) => dst.copy_from_slice(&c[base..base + len]),
+        Kv::F16(c) => {
+            let src = &c[base..base + len];
+            for i in (0..len).step_by(8) {
+                // SAFETY: len % 8 == 0, so i + 8 <= len for src and dst.
+                unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(i), load8::<F16>(src.as_ptr() as *const u8, i)) };
+            }
         }
         Kv::Bf16(c) => {
-            let (src, dst) = (&c[base..base + len], &mut buf[..len]);
+            let src = &c[base..base + len];
             for i in (0..len).step_by(8) {
                 // SAFETY: as above.
-                unsafe {
-                    let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
-                    let w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-                    _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_castsi256_ps(w));
-                }
+                unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(i), load8::<BF16>(src.as_ptr() as *const u8, i)) };
             }
-            dst
         }
     }
 }
@@ -151,90 +375,138 @@ fn hsum(a: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<0x55>(s, s)))
 }
 
-/// `s[j] = q . k[j]` for k `[n, d]`.
+/// `s[r * TILE + col + j] = q[r] . k[j]` for MB query vectors `q` `[MB, d]` and keys `k` `[n, d]` of
+/// type DT, TB keys at a time (MB * TB = 8 independent FMA chains, one 8-way horizontal sum).
+///
+/// # Safety
+/// `kp` points to n * d elements of type DT.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn qk(q: &[f32], k: &[f32], d: usize, s: &mut [f32]) {
-    let n = s.len();
-    assert!(q.len() == d && k.len() == n * d && d % 8 == 0);
-    let (qp, kp) = (q.as_ptr(), k.as_ptr());
+unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
+    q: &[f32],
+    kp: *const u8,
+    n: usize,
+    d: usize,
+    s: &mut [f32],
+    col: usize,
+) {
+    assert!(MB * TB == 8 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d % 8 == 0);
+    let s = &mut s[col..];
+    let qp = q.as_ptr();
     let mut j = 0;
-    while j + 8 <= n {
+    while j + TB <= n {
         let mut a = [_mm256_setzero_ps(); 8];
         for c in (0..d).step_by(8) {
-            // SAFETY: c + 8 <= d and (j + 7) * d + c + 8 <= n * d, checked by the assert above.
-            unsafe {
-                let qv = _mm256_loadu_ps(qp.add(c));
-                for (r, acc) in a.iter_mut().enumerate() {
-                    *acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add((j + r) * d + c)), *acc);
+            let mut kv = [_mm256_setzero_ps(); TB];
+            for (t, x) in kv.iter_mut().enumerate() {
+                // SAFETY: (j + t) < n and c + 8 <= d: inside k (function contract).
+                *x = unsafe { load8::<DT>(kp, (j + t) * d + c) };
+            }
+            for r in 0..MB {
+                // SAFETY: r < MB and c + 8 <= d: inside q (asserted length).
+                let qv = unsafe { _mm256_loadu_ps(qp.add(r * d + c)) };
+                for t in 0..TB {
+                    a[r * TB + t] = _mm256_fmadd_ps(qv, kv[t], a[r * TB + t]);
                 }
             }
         }
-        // SAFETY: j + 8 <= n = s.len().
-        unsafe { _mm256_storeu_ps(s.as_mut_ptr().add(j), hsum8(&a)) };
-        j += 8;
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: lanes holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), hsum8(&a)) };
+        for r in 0..MB {
+            s[r * TILE + j..r * TILE + j + TB].copy_from_slice(&lanes[r * TB..(r + 1) * TB]);
+        }
+        j += TB;
     }
     while j < n {
-        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let mut c = 0;
-        while c + 16 <= d {
-            // SAFETY: c + 16 <= d; row j < n.
-            unsafe {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(kp.add(j * d + c)), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c + 8)), _mm256_loadu_ps(kp.add(j * d + c + 8)), a1);
+        for r in 0..MB {
+            let mut a = _mm256_setzero_ps();
+            for c in (0..d).step_by(8) {
+                // SAFETY: j < n, r < MB, c + 8 <= d.
+                unsafe { a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(r * d + c)), load8::<DT>(kp, j * d + c), a) };
             }
-            c += 16;
+            s[r * TILE + j] = hsum(a);
         }
-        if c < d {
-            // SAFETY: c + 8 == d here since d % 8 == 0.
-            unsafe { a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(kp.add(j * d + c)), a0) };
-        }
-        s[j] = hsum(_mm256_add_ps(a0, a1));
         j += 1;
     }
 }
 
-/// `acc += sum_j p[j] * v[j]` for v `[n, d]`, in chunks of up to 8 vectors of head_dim.
+/// `acc[r] += sum_j p[r * TILE + col + j] * v[j]` for MB accumulators `acc` `[MB, d]`, v `[n, d]` of
+/// type DT; NV vectors of head_dim at a time (MB * NV accumulators in registers).
+///
+/// # Safety
+/// `vp` points to n * d elements of type DT.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn pv(p: &[f32], v: &[f32], d: usize, acc: &mut [f32]) {
-    assert!(v.len() == p.len() * d && acc.len() == d && d % 8 == 0);
+unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
+    p: &[f32],
+    col: usize,
+    vp: *const u8,
+    n: usize,
+    d: usize,
+    acc: &mut [f32],
+) {
+    assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d % 8 == 0);
+    let p = &p[col..];
+    let ap = acc.as_mut_ptr();
     let mut c = 0;
-    while c + 64 <= d {
-        pv_chunk::<8>(p, v, d, c, acc);
-        c += 64;
+    while c + 8 * NV <= d {
+        // SAFETY: c + 8 * NV <= d; lengths asserted / per contract.
+        unsafe { pv_cols::<MB, NV, DT>(p, vp, n, d, c, ap) };
+        c += 8 * NV;
     }
-    match (d - c) / 8 {
-        0 => {}
-        1 => pv_chunk::<1>(p, v, d, c, acc),
-        2 => pv_chunk::<2>(p, v, d, c, acc),
-        3 => pv_chunk::<3>(p, v, d, c, acc),
-        4 => pv_chunk::<4>(p, v, d, c, acc),
-        5 => pv_chunk::<5>(p, v, d, c, acc),
-        6 => pv_chunk::<6>(p, v, d, c, acc),
-        _ => pv_chunk::<7>(p, v, d, c, acc),
+    while c < d {
+        // SAFETY: c + 8 <= d since d % 8 == 0.
+        unsafe { pv_cols::<MB, 1, DT>(p, vp, n, d, c, ap) };
+        c += 8;
     }
 }
 
-/// Columns `c..c + 8*NV` of `pv`. Caller guarantees c + 8*NV <= d and the asserted lengths.
+/// Columns `c..c + 8 * W` of `pv_block`.
+///
+/// # Safety
+/// c + 8 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= MB * TILE.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn pv_chunk<const NV: usize>(p: &[f32], v: &[f32], d: usize, c: usize, acc: &mut [f32]) {
-    debug_assert!(c + 8 * NV <= d && acc.len() == d && v.len() == p.len() * d);
-    let ap = acc.as_mut_ptr();
-    let mut a = [_mm256_setzero_ps(); NV];
-    for (i, x) in a.iter_mut().enumerate() {
-        // SAFETY: c + 8 * i + 8 <= c + 8 * NV <= d = acc.len().
-        *x = unsafe { _mm256_loadu_ps(ap.add(c + 8 * i)) };
-    }
-    for (j, &pj) in p.iter().enumerate() {
-        let w = _mm256_set1_ps(pj);
-        for (i, x) in a.iter_mut().enumerate() {
-            // SAFETY: j < p.len(), so j * d + c + 8 * i + 8 <= p.len() * d = v.len().
-            *x = _mm256_fmadd_ps(w, unsafe { _mm256_loadu_ps(v.as_ptr().add(j * d + c + 8 * i)) }, *x);
+unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(p: &[f32], vp: *const u8, n: usize, d: usize, c: usize, ap: *mut f32) {
+    let mut a = [[_mm256_setzero_ps(); W]; MB];
+    for (r, row) in a.iter_mut().enumerate() {
+        for (w, x) in row.iter_mut().enumerate() {
+            // SAFETY: r < MB, c + 8 * w + 8 <= d: inside acc [MB, d].
+            *x = unsafe { _mm256_loadu_ps(ap.add(r * d + c + 8 * w)) };
         }
     }
-    for (i, x) in a.iter().enumerate() {
-        // SAFETY: as for the loads.
-        unsafe { _mm256_storeu_ps(ap.add(c + 8 * i), *x) };
+    for j in 0..n {
+        let mut vv = [_mm256_setzero_ps(); W];
+        for (w, x) in vv.iter_mut().enumerate() {
+            // SAFETY: j < n, c + 8 * w + 8 <= d: inside v [n, d].
+            *x = unsafe { load8::<DT>(vp, j * d + c + 8 * w) };
+        }
+        for (r, row) in a.iter_mut().enumerate() {
+            let pj = _mm256_set1_ps(p[r * TILE + j]);
+            for (w, x) in row.iter_mut().enumerate() {
+                *x = _mm256_fmadd_ps(pj, vv[w], *x);
+            }
+        }
     }
+    for (r, row) in a.iter().enumerate() {
+        for (w, x) in row.iter().enumerate() {
+            // SAFETY: as for the loads.
+            unsafe { _mm256_storeu_ps(ap.add(r * d + c + 8 * w), *x) };
+        }
+    }
+}
+
+/// Max of a slice (empty: -inf).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn vmax(x: &[f32]) -> f32 {
+    let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut chunks = x.chunks_exact(8);
+    for ch in &mut chunks {
+        // SAFETY: ch has exactly 8 elements.
+        m = _mm256_max_ps(m, unsafe { _mm256_loadu_ps(ch.as_ptr()) });
+    }
+    let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    let h = _mm_max_ss(h, _mm_shuffle_ps::<0x55>(h, h));
+    chunks.remainder().iter().fold(_mm_cvtss_f32(h), |a, &b| a.max(b))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]

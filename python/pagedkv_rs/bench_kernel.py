@@ -1,0 +1,202 @@
+"""``pagedkv bench kernel``: paged-attention speed against this machine's own limits.
+
+For each config: best time of the Rust SIMD kernel, effective GB/s of K+V read, that as a fraction
+of ``memory_bandwidth()`` measured in the same run, and the speed-up over a numpy gather+matmul
+reference run in the same process (and the forced-scalar Rust kernel). Prefill reports GFLOP/s
+and its fraction of ``fma_peak()``. Every pool exceeds the 32 MiB L3 except Prefill's, which
+is compute-bound. Block ids are a random permutation, as a long-running server's would be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+__all__ = ["Config", "CONFIGS", "build", "numpy_attention", "main"]
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    batch: int
+    seq_len: int
+    hq: int
+    hkv: int
+    d: int
+    dtype: str
+    q_len: int = 1  # rows per sequence (decode = 1)
+    layers: int = 1  # separate caches, one call each (a decode step of a whole model)
+    block_size: int = 16
+    targets: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def kv_bytes(self) -> int:
+        """K+V bytes one call sequence reads (all layers)."""
+        item = 4 if self.dtype == "float32" else 2
+        return 2 * self.layers * self.batch * self.seq_len * self.hkv * self.d * item
+
+    @property
+    def flops(self) -> float:
+        """QK and PV multiply-adds (2 flops each) over the causal pairs, all layers."""
+        L, q = self.seq_len, self.q_len
+        pairs = sum(L - q + 1 + i for i in range(q))
+        return 4.0 * self.layers * self.batch * pairs * self.hq * self.d
+
+
+CONFIGS = [
+    Config("A", 32, 1024, 32, 8, 128, "float16", targets={"bw": 0.75, "numpy": 30}),
+    Config("A", 32, 1024, 32, 8, 128, "float32", targets={"bw": 0.75, "numpy": 30}),
+    Config("Long", 1, 32768, 32, 8, 128, "float16", targets={"bw": 0.75}),
+    Config("SmolLM2", 32, 512, 9, 3, 64, "float16", layers=30),
+    Config("SmolLM2", 32, 512, 9, 3, 64, "float32", layers=30),
+    Config("Prefill", 1, 2048, 32, 8, 128, "float16", q_len=2048, targets={"fma": 0.5}),
+]
+
+
+def quick(c: Config) -> Config:
+    """A smaller version (still > L3 for the decode configs where it matters less)."""
+    scale = {"A": dict(batch=8), "Long": dict(seq_len=8192), "SmolLM2": dict(layers=4),
+             "Prefill": dict(seq_len=512, q_len=512)}[c.name]
+    return Config(**{**c.__dict__, **scale})
+
+
+def build(c: Config, seed: int = 0):
+    """Per layer ``(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)``."""
+    import pagedkv_rs as pk
+
+    rng = np.random.default_rng(seed)
+    nblk = -(-c.seq_len // c.block_size)
+    num_blocks = c.batch * nblk
+    layers = []
+    for _ in range(c.layers):
+        k, v = pk.new_kv_cache(num_blocks, c.block_size, c.hkv, c.d, c.dtype)
+        k[...] = rng.standard_normal(k.shape, dtype=np.float32).astype(k.dtype)
+        v[...] = rng.standard_normal(v.shape, dtype=np.float32).astype(v.dtype)
+        tables = rng.permutation(num_blocks).astype(np.int32).reshape(c.batch, nblk)
+        seq_lens = np.full(c.batch, c.seq_len, np.int32)
+        qsl = (np.arange(c.batch + 1) * c.q_len).astype(np.int32)
+        q = rng.standard_normal((c.batch * c.q_len, c.hq, c.d), dtype=np.float32)
+        layers.append((q, k, v, tables, seq_lens, qsl))
+    return layers
+
+
+def numpy_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out=None):
+    """The obvious numpy way: gather each sequence's blocks, float32 matmul, masked softmax."""
+    _, hkv, bs, d = k_cache.shape
+    hq = q.shape[1]
+    g = hq // hkv
+    out = np.empty(q.shape, np.float32) if out is None else out
+    scale = np.float32(1 / math.sqrt(d))
+    for i in range(len(seq_lens)):
+        L = int(seq_lens[i])
+        lo, hi = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        nq = hi - lo
+        if nq == 0:
+            continue
+        blocks = block_tables[i, : -(-L // bs)]
+        k = k_cache[blocks].transpose(1, 0, 2, 3).reshape(hkv, -1, d)[:, :L].astype(np.float32)
+        v = v_cache[blocks].transpose(1, 0, 2, 3).reshape(hkv, -1, d)[:, :L].astype(np.float32)
+        qi = q[lo:hi].reshape(nq, hkv, g, d).transpose(1, 2, 0, 3).reshape(hkv, g * nq, d)
+        s = np.matmul(qi, k.transpose(0, 2, 1)) * scale  # [hkv, g*nq, L]
+        if nq > 1:
+            qpos = np.tile(np.arange(L - nq, L), g)[:, None]
+            s = np.where(np.arange(L)[None, :] <= qpos, s, -np.inf)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        o = np.matmul(s, v).reshape(hkv, g, nq, d).transpose(2, 0, 1, 3)
+        out[lo:hi] = o.reshape(nq, hq, d)
+    return out
+
+
+def best_time(fn: Callable[[], object], repeat: int, min_time: float = 0.0) -> float:
+    fn()  # warm-up
+    best = math.inf
+    t_end = time.perf_counter() + min_time
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if i + 1 >= repeat and time.perf_counter() >= t_end:
+            break
+    return best
+
+
+def run_config(c: Config, bw: float, fma: float, repeat: int, scalar: bool, numpy_ref: bool) -> dict:
+    import pagedkv_rs as pk
+
+    layers = build(c)
+    outs = [np.empty(x[0].shape, np.float32) for x in layers]
+
+    def rust():
+        for x, o in zip(layers, outs):
+            pk.paged_attention(*x, out=o)
+
+    row: dict = {"config": c.name, "dtype": c.dtype, "kv_MiB": c.kv_bytes / 2**20}
+    t = best_time(rust, repeat)
+    row["time_ms"] = t * 1e3
+    row["GBps"] = c.kv_bytes / t / 1e9
+    row["bw_frac"] = row["GBps"] / bw
+    row["GFLOPs"] = c.flops / t / 1e9
+    row["fma_frac"] = row["GFLOPs"] / fma
+    if scalar:
+        pk.set_kernel_backend("scalar")
+        try:
+            row["scalar_ms"] = best_time(rust, 1) * 1e3
+        finally:
+            pk.set_kernel_backend("auto")
+    if numpy_ref:
+        row["numpy_ms"] = best_time(lambda: [numpy_attention(*x, out=o) for x, o in zip(layers, outs)], 1) * 1e3
+        row["vs_numpy"] = row["numpy_ms"] / row["time_ms"]
+    return row
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import pagedkv_rs as pk
+
+    ap = argparse.ArgumentParser(prog="pagedkv bench kernel", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller configs and bandwidth buffer (smoke run)")
+    ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
+    ap.add_argument("--repeat", type=int, default=None, help="timed repeats per config (best is kept)")
+    ap.add_argument("--only", default=None, help="comma-separated config names (A,Long,SmolLM2,Prefill)")
+    ap.add_argument("--no-scalar", action="store_true", help="skip the forced-scalar rows")
+    ap.add_argument("--no-numpy", action="store_true", help="skip the numpy gather+matmul rows")
+    args = ap.parse_args(argv)
+
+    if pk.build_profile() != "release":
+        ap.error("the compiled core is a debug build: rebuild with `maturin develop --release`")
+    if args.threads is not None:
+        pk.set_num_threads(args.threads)
+    threads = pk.get_num_threads()
+    repeat = args.repeat or (2 if args.quick else 5)
+    configs = [quick(c) if args.quick else c for c in CONFIGS]
+    if args.only:
+        names = {n.strip() for n in args.only.split(",")}
+        configs = [c for c in configs if c.name in names]
+
+    info = pk.kernel_info()
+    bw = pk.memory_bandwidth(1 << (28 if args.quick else 30), threads)
+    fma = pk.fma_peak(0.2, threads)
+    print(f"kernel {info['isa']}, {threads} threads; memory read bandwidth {bw:.1f} GB/s, "
+          f"FMA peak {fma:.0f} GFLOP/s (both measured now)")
+    hdr = (f"{'config':<9}{'dtype':<9}{'KV MiB':>8}{'time ms':>10}{'GB/s':>8}{'of bw':>7}"
+           f"{'GFLOP/s':>9}{'of fma':>8}{'scalar ms':>11}{'numpy ms':>10}{'x numpy':>9}")
+    print(hdr)
+    rows = []
+    for c in configs:
+        r = run_config(c, bw, fma, repeat, not args.no_scalar, not args.no_numpy)
+        rows.append(r)
+        print(f"{r['config']:<9}{r['dtype']:<9}{r['kv_MiB']:>8.0f}{r['time_ms']:>10.2f}{r['GBps']:>8.1f}"
+              f"{r['bw_frac']:>7.2f}{r['GFLOPs']:>9.1f}{r['fma_frac']:>8.2f}"
+              f"{r.get('scalar_ms', math.nan):>11.1f}{r.get('numpy_ms', math.nan):>10.1f}"
+              f"{r.get('vs_numpy', math.nan):>9.1f}", flush=True)
+    print("targets: A and Long >= 0.75 of bw (A >= 30x numpy); Prefill >= 0.5 of fma")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
