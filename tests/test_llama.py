@@ -227,6 +227,9 @@ def test_forward_rejects_bad_input(weights):
     bad = type(batch)(**{**batch.__dict__, "input_ids": np.array([1, 2, 10**6])})
     with pytest.raises(ValueError, match="token ids"):
         model.forward(bad, caches)
+    empty = type(batch)(**{**batch.__dict__, "query_start_loc": np.array([0, 0], np.int32)})
+    with pytest.raises(ValueError, match="at least one scheduled token"):
+        model.forward(empty, caches)
 
 
 def test_kernels_come_from_rust_when_built():
@@ -292,6 +295,9 @@ def test_llm_api(prompts, tok):
     sampled = llm.generate("Once upon a time", SamplingParams(max_tokens=8, temperature=0.8, seed=7))
     again = llm.generate("Once upon a time", SamplingParams(max_tokens=8, temperature=0.8, seed=7))
     assert sampled[0].token_ids == again[0].token_ids and len(sampled[0].token_ids) == 8
+    items = list(llm.stream(prompts[0], greedy))  # background loop, one output per step
+    assert [t for o in items for t in o.new_token_ids] == items[-1].token_ids == chat[0].token_ids
+    assert items[-1].finished and not any(o.finished for o in items[:-1])
     with pytest.raises(ValueError, match="conversation"):
         llm.chat("not a conversation")
     with pytest.raises(ValueError, match="not both"):

@@ -6,6 +6,10 @@ uniform in ``len * [1 - range_ratio, 1 + range_ratio]``, prompts of random vocab
 after an optional shared prefix, outputs of exactly their length (``ignore_eos``). All requests
 arrive at t=0. ``--profile`` splits the wall time into weight matmuls, attention, KV writes,
 other model math, sampling and scheduling.
+
+Weight matmuls run in OpenBLAS. On a machine whose cores are busy with other work, its threads'
+spin barriers stall (measured here: 13-17 output tok/s with 2 threads vs 73 with
+``OPENBLAS_NUM_THREADS=1`` while other jobs held the 2 cores); on an idle machine use the default.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ __all__ = ["main", "build_parser", "synthetic_requests", "run_benchmark", "forma
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv bench e2e", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="pagedkv bench e2e",
+        description=__doc__.splitlines()[0],
+        epilog="On a loaded machine set OPENBLAS_NUM_THREADS=1 (see the module docstring).",
+    )
     p.add_argument("--model", default=None, help="GGUF file (default: bundled SmolLM2-135M)")
     p.add_argument("--num-requests", type=int, default=32, help="concurrent requests (default 32)")
     p.add_argument("--input-len", type=int, default=128, help="mean prompt length in tokens")

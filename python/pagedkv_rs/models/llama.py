@@ -163,7 +163,8 @@ class LlamaModel:
         self._mode = _rope_mode(weights)
 
     @classmethod
-    def load(cls, path: Any = None, **kw: Any) -> "LlamaModel":
+    def load(cls, path: Any = None) -> "LlamaModel":
+        """Load a GGUF path (``None``: the bundled SmolLM2) with its EOS ids."""
         g = path if isinstance(path, GGUFFile) else load_gguf(path)
         return cls(LlamaWeights(g), eos_token_ids=eos_ids_from_metadata(g.metadata))
 
@@ -183,10 +184,10 @@ class LlamaModel:
 
     def forward(self, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         """Float32 logits ``[B, V]`` for each sequence's last scheduled token of this step."""
-        hidden = self.forward_hidden(batch, kv_caches)
         qsl = np.asarray(batch.query_start_loc, np.int64)
         if np.any(qsl[1:] <= qsl[:-1]):
             raise ValueError("every sequence in a forward batch needs at least one scheduled token")
+        hidden = self.forward_hidden(batch, kv_caches)
         last = hidden[qsl[1:] - 1]  # [B, H]
         w = self.weights
         return linear(rms_norm(last, w.final_norm, self.config.rms_eps), w.lm_head_t)
