@@ -163,6 +163,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     ap.add_argument("--repeat", type=int, default=None, help="timed repeats per config (best is kept)")
     ap.add_argument("--only", default=None, help="comma-separated config names (A,Long,SmolLM2,Prefill)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per cache block (default 16, vLLM's)")
     ap.add_argument("--no-scalar", action="store_true", help="skip the forced-scalar rows")
     ap.add_argument("--no-numpy", action="store_true", help="skip the numpy gather+matmul rows")
     args = ap.parse_args(argv)
@@ -174,6 +175,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     threads = pk.get_num_threads()
     repeat = args.repeat or (2 if args.quick else 5)
     configs = [quick(c) if args.quick else c for c in CONFIGS]
+    configs = [Config(**{**c.__dict__, "block_size": args.block_size}) for c in configs]
     if args.only:
         names = {n.strip() for n in args.only.split(",")}
         configs = [c for c in configs if c.name in names]
@@ -181,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     info = pk.kernel_info()
     bw = pk.memory_bandwidth(1 << (28 if args.quick else 30), threads)
     fma = pk.fma_peak(0.2, threads)
-    print(f"kernel {info['isa']}, {threads} threads; memory read bandwidth {bw:.1f} GB/s, "
+    print(f"kernel {info['isa']}, {threads} threads, block_size {args.block_size}; memory read bandwidth {bw:.1f} GB/s, "
           f"FMA peak {fma:.0f} GFLOP/s (both measured now)")
     hdr = (f"{'config':<9}{'dtype':<9}{'KV MiB':>8}{'time ms':>10}{'GB/s':>8}{'of bw':>7}"
            f"{'GFLOP/s':>9}{'of fma':>8}{'scalar ms':>11}{'numpy ms':>10}{'x numpy':>9}")

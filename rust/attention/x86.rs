@@ -161,7 +161,8 @@ unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf:
                         let m0 = (h - u.h0) * g + hg;
                         let mb = match g - hg {
                             r if r >= 4 => 4,
-                            r if r >= 2 => 2,
+                            3 => 3,
+                            2 => 2,
                             _ => 1,
                         };
                         let sm = &mut s[m0 * TILE..(m0 + mb) * TILE];
@@ -171,6 +172,7 @@ unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf:
                                 let q = &qbuf[m0 * d..(m0 + mb) * d];
                                 match mb {
                                     4 => qk_block::<4, 2, DT>(q, ptr, n, d, sm, col),
+                                    3 => qk_block::<3, 2, DT>(q, ptr, n, d, sm, col),
                                     2 => qk_block::<2, 4, DT>(q, ptr, n, d, sm, col),
                                     _ => qk_block::<1, 8, DT>(q, ptr, n, d, sm, col),
                                 }
@@ -178,6 +180,7 @@ unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf:
                                 let acc = &mut st.acc[m0 * d..(m0 + mb) * d];
                                 match mb {
                                     4 => pv_block::<4, 2, DT>(sm, col, ptr, n, d, acc),
+                                    3 => pv_block::<3, 2, DT>(sm, col, ptr, n, d, acc),
                                     2 => pv_block::<2, 4, DT>(sm, col, ptr, n, d, acc),
                                     _ => pv_block::<1, 8, DT>(sm, col, ptr, n, d, acc),
                                 }
@@ -254,7 +257,8 @@ unsafe fn tile_heads<const DT: u8>(
             let m0 = i * pr + (h - u.h0) * g + hg;
             let mb = match g - hg {
                 r if r >= 4 => 4,
-                r if r >= 2 => 2,
+                3 => 3,
+                2 => 2,
                 _ => 1,
             };
             let q = &qbuf[m0 * d..(m0 + mb) * d];
@@ -270,6 +274,7 @@ unsafe fn tile_heads<const DT: u8>(
                         let kp = sg.k.add((a - at) * d * es);
                         match mb {
                             4 => qk_block::<4, 2, DT>(q, kp, b - a, d, sm, a - j0),
+                            3 => qk_block::<3, 2, DT>(q, kp, b - a, d, sm, a - j0),
                             2 => qk_block::<2, 4, DT>(q, kp, b - a, d, sm, a - j0),
                             _ => qk_block::<1, 8, DT>(q, kp, b - a, d, sm, a - j0),
                         }
@@ -307,6 +312,7 @@ unsafe fn tile_heads<const DT: u8>(
                         let vp = sg.v.add((a - at) * d * es);
                         match mb {
                             4 => pv_block::<4, 2, DT>(sm, a - j0, vp, b - a, d, acc),
+                            3 => pv_block::<3, 2, DT>(sm, a - j0, vp, b - a, d, acc),
                             2 => pv_block::<2, 4, DT>(sm, a - j0, vp, b - a, d, acc),
                             _ => pv_block::<1, 8, DT>(sm, a - j0, vp, b - a, d, acc),
                         }
@@ -376,7 +382,7 @@ fn hsum(a: __m256) -> f32 {
 }
 
 /// `s[r * TILE + col + j] = q[r] . k[j]` for MB query vectors `q` `[MB, d]` and keys `k` `[n, d]` of
-/// type DT, TB keys at a time (MB * TB = 8 independent FMA chains, one 8-way horizontal sum).
+/// type DT, TB keys at a time (MB * TB <= 8 independent FMA chains, one 8-way horizontal sum).
 ///
 /// # Safety
 /// `kp` points to n * d elements of type DT.
@@ -389,7 +395,7 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
     s: &mut [f32],
     col: usize,
 ) {
-    assert!(MB * TB == 8 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d % 8 == 0);
+    assert!(MB * TB <= 8 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d % 8 == 0);
     let s = &mut s[col..];
     let qp = q.as_ptr();
     let mut j = 0;
@@ -556,7 +562,7 @@ pub(crate) fn exp256(x: __m256) -> __m256 {
     let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
     let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
     let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
         y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
     }
     let r2 = _mm256_mul_ps(r, r);
