@@ -65,14 +65,17 @@ def quick(c: Config) -> Config:
     return Config(**{**c.__dict__, **scale})
 
 
-def build(c: Config, seed: int = 0):
+Layer = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def build(c: Config, seed: int = 0) -> list[Layer]:
     """Per layer ``(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)``."""
     import pagedkv_rs as pk
 
     rng = np.random.default_rng(seed)
     nblk = -(-c.seq_len // c.block_size)
     num_blocks = c.batch * nblk
-    layers = []
+    layers: list[Layer] = []
     for _ in range(c.layers):
         k, v = pk.new_kv_cache(num_blocks, c.block_size, c.hkv, c.d, c.dtype)
         k[...] = rng.standard_normal(k.shape, dtype=np.float32).astype(k.dtype)
