@@ -121,10 +121,20 @@ unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf:
     while t < u.key_hi {
         let t_end = (t + TILE).min(u.key_hi);
         if t_end < u.key_hi {
-            // Touch the first line of the next tile early (page walk + hardware prefetch start).
-            let nb = ctx.shape.offset(ctx.block(u.seq, t_end), u.h0, t_end % bs);
-            prefetch(ctx.k, nb, 8);
-            prefetch(ctx.v, nb, 8);
+            // Touch the first line of every (block, head) tile of the next tile: starts the page
+            // walks and the hardware prefetcher early (~3-5% on config A, one thread). Prefetching
+            // whole tiles measured slower (the miss queue fills up).
+            let nt_end = (t_end + TILE).min(u.key_hi);
+            let mut p = t_end;
+            while p < nt_end {
+                let (blk, off) = (ctx.block(u.seq, p), p % bs);
+                for h in u.h0..u.h1 {
+                    let b = ctx.shape.offset(blk, h, off);
+                    prefetch(ctx.k, b, 8);
+                    prefetch(ctx.v, b, 8);
+                }
+                p += (bs - off).min(nt_end - p);
+            }
         }
         for (pass, kv) in [(0, ctx.k), (1, ctx.v)] {
             if pass == 1 {
