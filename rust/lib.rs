@@ -3,7 +3,9 @@
 //! The core modules know nothing of Python; `py` is the only border.
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod allocator;
 pub mod attention;
+pub mod block_table;
 pub mod error;
 mod py;
 
@@ -12,6 +14,10 @@ mod py;
 mod _core {
     #[pymodule_export]
     use super::py::core_version;
+
+    // Block allocator and block tables.
+    #[pymodule_export]
+    use super::py::{BlockAllocator, KVCacheManager};
 
     // Kernel functions (attention, cache writes, threads, probes).
     #[pymodule_export]

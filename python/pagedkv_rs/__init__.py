@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 # Kernel functions (Rust only; the float64 numpy spec of the first four is pagedkv_rs.reference).
 from pagedkv_rs import reference  # noqa: E402
 
-if _core is not None and hasattr(_core, "paged_attention"):
+if _core is not None:
     from pagedkv_rs._core import (  # noqa: E402
         build_profile,
         copy_blocks,
@@ -61,7 +61,7 @@ _KERNEL_NAMES = [
     "build_profile",
 ]
 
-_HAVE_RUST = _core is not None and hasattr(_core, "KVCacheManager")
+_HAVE_RUST = _core is not None
 BACKENDS: tuple[str, ...] = ("rust", "python") if _HAVE_RUST else ("python",)
 
 
@@ -69,12 +69,13 @@ def backend(name: str = "auto") -> types.SimpleNamespace:
     """Return the allocator classes of one backend: ``.BlockAllocator``, ``.KVCacheManager``, ``.name``."""
     if name == "auto":
         name = "rust" if _HAVE_RUST else "python"
+    mod: types.ModuleType
     if name == "rust":
         if not _HAVE_RUST:
             raise ImportError("PAGEDKV_BACKEND=rust but the compiled core pagedkv_rs._core is not built")
         mod = _core
     elif name == "python":
-        mod = fallback  # type: ignore[assignment]
+        mod = fallback
     else:
         raise ValueError(f"unknown backend {name!r}: expected 'auto', 'rust' or 'python'")
     return types.SimpleNamespace(
@@ -101,5 +102,31 @@ __all__ = [
     "SequenceTooLongError",
     "DoubleFreeError",
     "reference",
-    *(_KERNEL_NAMES if _core is not None and hasattr(_core, "paged_attention") else []),
+    *(_KERNEL_NAMES if _core is not None else []),
+]
+
+# Scheduler, requests, sampling and engine (pure Python over either allocator backend).
+from pagedkv_rs.engine import LLMEngine, Model, RequestStream  # noqa: E402
+from pagedkv_rs.request import (  # noqa: E402
+    CompletionOutput,
+    InvalidRequestError,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    UnknownRequestError,
+)
+from pagedkv_rs.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+__all__ += [
+    "LLMEngine",
+    "Model",
+    "RequestStream",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestStatus",
+    "InvalidRequestError",
+    "UnknownRequestError",
+    "Scheduler",
+    "SchedulerConfig",
 ]

@@ -406,7 +406,7 @@ class KVCacheManager:
         self._alloc = BlockAllocator(
             num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, policy=policy, hash_bits=hash_bits
         )
-        cap = num_blocks * block_size
+        cap = self._alloc.num_blocks * self._alloc.block_size
         self._max_seq_len = cap if max_seq_len is None else _check_int("max_seq_len", max_seq_len, 1, 1 << 40)
         self._max_seq_len = min(self._max_seq_len, cap)
         self._bs = self._alloc.block_size
@@ -659,7 +659,7 @@ class KVCacheManager:
         """Release a sequence's blocks, tail first."""
         with self._lock:
             seq = self._seq(seq_id)
-            del self._seqs[seq_id]
+            del self._seqs[seq_id.__index__()]
             self._alloc._free(seq.blocks[::-1])
 
     def reset_prefix_cache(self) -> int:
@@ -676,6 +676,7 @@ class KVCacheManager:
         export the tables). Newly full, computed blocks enter the prefix cache.
         """
         with self._lock:
+            seq_ids = list(seq_ids)  # iterated twice below; a one-pass iterable must not skip the checks
             seqs = [self._seq(s) for s in seq_ids]
             if len({id(s) for s in seqs}) != len(seqs):
                 raise ValueError("prepare_batch got a sequence id more than once")

@@ -1,0 +1,254 @@
+"""``pagedkv bench e2e``: N concurrent requests through the engine, reported the way vLLM's
+``benchmark_serving`` does (throughput, TTFT, TPOT, ITL), plus KV usage and prefix hit rate.
+
+Requests are a fixed-seed synthetic mix (vLLM's "random" dataset): prompt and output lengths
+uniform in ``len * [1 - range_ratio, 1 + range_ratio]``, prompts of random vocabulary tokens
+after an optional shared prefix, outputs of exactly their length (``ignore_eos``). All requests
+arrive at t=0. ``--profile`` splits the wall time into weight matmuls, attention, KV writes,
+other model math, sampling and scheduling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["main", "build_parser", "synthetic_requests", "run_benchmark", "format_report"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedkv bench e2e", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file (default: bundled SmolLM2-135M)")
+    p.add_argument("--num-requests", type=int, default=32, help="concurrent requests (default 32)")
+    p.add_argument("--input-len", type=int, default=128, help="mean prompt length in tokens")
+    p.add_argument("--output-len", type=int, default=128, help="mean output length in tokens")
+    p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*[1-r, 1+r]")
+    p.add_argument("--prefix-len", type=int, default=0, help="tokens of shared prompt prefix")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-dtype", choices=("float16", "float32", "bfloat16"), default="float16")
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--num-blocks", type=int, default=None)
+    mem.add_argument("--kv-memory", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--backend", choices=("auto", "rust", "python"), default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--profile", action="store_true", help="attribute the time (cProfile)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def synthetic_requests(
+    num: int, input_len: int, output_len: int, range_ratio: float, prefix_len: int, vocab: int,
+    special_ids: Sequence[int] = (), seed: int = 0,
+) -> list[tuple[list[int], int]]:
+    """Fixed-seed ``(prompt_ids, output_len)`` pairs; prompts avoid special tokens."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    rng = np.random.default_rng(seed)
+    allowed = np.setdiff1d(np.arange(vocab), np.asarray(list(special_ids), np.int64))
+
+    def lengths(mean: int) -> np.ndarray:
+        lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return rng.integers(lo, hi + 1, num)
+
+    ins, outs = lengths(input_len), lengths(output_len)
+    prefix = rng.choice(allowed, prefix_len).tolist()
+    return [(prefix + rng.choice(allowed, int(n)).tolist(), int(m)) for n, m in zip(ins, outs)]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: bool = True) -> dict[str, Any]:
+    """Drive the engine step by step; per-token timestamps give TTFT/TPOT/ITL."""
+    from pagedkv_rs.request import SamplingParams
+
+    engine = llm.engine
+    kv0, steps0, pre0 = engine.kv_manager.stats(), engine.scheduler.num_steps, engine.scheduler.num_preemptions
+    t0 = time.perf_counter()
+    ids = []
+    for prompt, n_out in requests:
+        ids.append(engine.add_request(None, prompt, SamplingParams(max_tokens=n_out, temperature=0.0,
+                                                                   ignore_eos=True)))
+    stamps: dict[str, list[float]] = {r: [] for r in ids}
+    done = 0
+    usage: list[float] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(ids), desc="bench e2e", unit="req", file=sys.stderr)
+    while done < len(ids):
+        outs = engine.step()
+        now = time.perf_counter()
+        usage.append(engine.scheduler.stats()["kv_usage"])
+        for o in outs:
+            stamps[o.request_id].extend([now] * len(o.new_token_ids))
+            if o.finished:
+                done += 1
+                if bar is not None:
+                    bar.update(1)
+    duration = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    stats = engine.stats()
+    kv1 = engine.kv_manager.stats()
+    queried = kv1.get("prefix_query_tokens", 0) - kv0.get("prefix_query_tokens", 0)
+    hits = kv1.get("prefix_hit_tokens", 0) - kv0.get("prefix_hit_tokens", 0)
+    ttft = [(s[0] - t0) * 1e3 for s in stamps.values()]
+    tpot = [(s[-1] - s[0]) / (len(s) - 1) * 1e3 for s in stamps.values() if len(s) > 1]
+    itl = [(b - a) * 1e3 for s in stamps.values() for a, b in zip(s, s[1:])]
+    n_in = sum(len(p) for p, _ in requests)
+    n_out = sum(len(s) for s in stamps.values())
+    return {
+        "num_requests": len(ids),
+        "duration_s": duration,
+        "total_input_tokens": n_in,
+        "total_output_tokens": n_out,
+        "request_throughput": len(ids) / duration,
+        "output_throughput": n_out / duration,
+        "total_token_throughput": (n_in + n_out) / duration,
+        **{f"{k}_ttft_ms": f(ttft) for k, f in (("mean", statistics.fmean), ("median", statistics.median))},
+        "p99_ttft_ms": _pct(ttft, 99),
+        **{f"{k}_tpot_ms": f(tpot) for k, f in (("mean", statistics.fmean), ("median", statistics.median))},
+        "p99_tpot_ms": _pct(tpot, 99),
+        **{f"{k}_itl_ms": f(itl) for k, f in (("mean", statistics.fmean), ("median", statistics.median))},
+        "p99_itl_ms": _pct(itl, 99),
+        "peak_kv_usage": max(usage, default=0.0),
+        "mean_kv_usage": statistics.fmean(usage) if usage else 0.0,
+        "prefix_hit_rate": hits / queried if queried else 0.0,
+        "num_preemptions": engine.scheduler.num_preemptions - pre0,
+        "num_steps": engine.scheduler.num_steps - steps0,
+        "kernels": stats["kernels"],
+        "backend": stats["backend"],
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    rows = [
+        ("=", " Serving Benchmark Result "),
+        ("Successful requests:", r["num_requests"]),
+        ("Benchmark duration (s):", r["duration_s"]),
+        ("Total input tokens:", r["total_input_tokens"]),
+        ("Total generated tokens:", r["total_output_tokens"]),
+        ("Request throughput (req/s):", r["request_throughput"]),
+        ("Output token throughput (tok/s):", r["output_throughput"]),
+        ("Total Token throughput (tok/s):", r["total_token_throughput"]),
+        ("-", "Time to First Token"),
+        ("Mean TTFT (ms):", r["mean_ttft_ms"]),
+        ("Median TTFT (ms):", r["median_ttft_ms"]),
+        ("P99 TTFT (ms):", r["p99_ttft_ms"]),
+        ("-", "Time per Output Token (excl. 1st token)"),
+        ("Mean TPOT (ms):", r["mean_tpot_ms"]),
+        ("Median TPOT (ms):", r["median_tpot_ms"]),
+        ("P99 TPOT (ms):", r["p99_tpot_ms"]),
+        ("-", "Inter-token Latency"),
+        ("Mean ITL (ms):", r["mean_itl_ms"]),
+        ("Median ITL (ms):", r["median_itl_ms"]),
+        ("P99 ITL (ms):", r["p99_itl_ms"]),
+        ("-", "KV cache"),
+        ("Peak KV usage:", f"{r['peak_kv_usage']:.1%}"),
+        ("Mean KV usage:", f"{r['mean_kv_usage']:.1%}"),
+        ("Prefix cache hit rate:", f"{r['prefix_hit_rate']:.1%}"),
+        ("Preemptions:", r["num_preemptions"]),
+        ("Engine steps:", r["num_steps"]),
+        ("Kernels / allocator:", f"{r['kernels']} / {r['backend']}"),
+    ]
+    lines = []
+    for k, v in rows:
+        if k in ("=", "-"):
+            lines.append(f"{v:{k}^50}")
+        elif isinstance(v, float):
+            lines.append(f"{k:<40}{v:<10.2f}")
+        else:
+            lines.append(f"{k:<40}{v!s:<10}")
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def profile_breakdown(stats: Any, total: float) -> dict[str, float]:
+    """Seconds per category from a ``pstats.Stats`` of a benchmark run (cumulative times)."""
+    cum: dict[str, float] = {}
+    wanted = {
+        ("llama.py", "linear"), ("llama.py", "forward"), ("kernels.py", "paged_attention"),
+        ("kernels.py", "write_kv"), ("sampling.py", "sample"), ("engine.py", "step"),
+    }
+    for (filename, _line, name), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
+        if (os.path.basename(filename), name) in wanted:
+            cum[name] = cum.get(name, 0.0) + ct
+    g = cum.get
+    mm, att, kv, fwd = g("linear", 0.0), g("paged_attention", 0.0), g("write_kv", 0.0), g("forward", 0.0)
+    smp, step = g("sample", 0.0), g("step", 0.0)
+    return {
+        "weight matmuls (BLAS sgemm)": mm,
+        "paged attention": att,
+        "KV write": kv,
+        "other model math (norm, RoPE, SiLU, embed)": max(0.0, fwd - mm - att - kv),
+        "sampling": smp,
+        "scheduling + engine bookkeeping": max(0.0, step - fwd - smp),
+        "benchmark loop outside engine.step": max(0.0, total - step),
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pagedkv_rs.llm import LLM
+
+    llm = LLM(
+        args.model,
+        kv_dtype=args.kv_dtype,
+        num_blocks=args.num_blocks,
+        kv_memory=args.kv_memory,
+        block_size=args.block_size,
+        backend=args.backend,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    tok = llm.get_tokenizer()
+    reqs = synthetic_requests(
+        args.num_requests, args.input_len, args.output_len, args.range_ratio, args.prefix_len,
+        llm.model.vocab_size, sorted(tok.special_ids), args.seed,
+    )
+    # warm-up: BLAS threads, kernel dispatch, first-touch of the KV pool
+    run_benchmark(llm, [(reqs[0][0][::-1][:16], 4)], progress=False)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        res = run_benchmark(llm, reqs, progress=not args.no_progress)
+        prof.disable()
+        total = time.perf_counter() - t
+        res["profile_s"] = profile_breakdown(pstats.Stats(prof), total)
+    else:
+        res = run_benchmark(llm, reqs, progress=not args.no_progress)
+    res["config"] = {k: v for k, v in vars(args).items() if k not in ("json",)}
+    print(format_report(res))
+    if "profile_s" in res:
+        total = sum(res["profile_s"].values())
+        print(f"{' Where the time goes (cProfile) ':-^60}")
+        for k, v in res["profile_s"].items():
+            print(f"{k + ':':<46}{v:7.2f} s {v / total:6.1%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

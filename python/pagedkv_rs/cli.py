@@ -1,0 +1,63 @@
+"""The ``pagedkv`` command: ``generate``, ``bench alloc|kernel|e2e``, ``simulate``, ``info``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+USAGE = """usage: pagedkv <command> [options]
+
+commands:
+  generate "prompt" ...   generate text with the bundled SmolLM2-135M through the paged cache
+  bench alloc             allocator / block-table workloads, Rust vs Python
+  bench kernel            paged-attention kernel vs memory bandwidth and numpy
+  bench e2e               end-to-end serving benchmark (requests/s, tokens/s, TTFT, TPOT)
+  simulate                replay a synthetic trace to size a KV cache (paged vs contiguous)
+  info                    backend, build profile and CPU features
+
+`pagedkv <command> --help` describes each command's options."""
+
+# command path -> module whose main(argv) runs it
+COMMANDS = {
+    ("generate",): "pagedkv_rs.generate_cli",
+    ("bench", "alloc"): "pagedkv_rs.bench_alloc",
+    ("bench", "kernel"): "pagedkv_rs.bench_kernel",
+    ("bench", "e2e"): "pagedkv_rs.bench_e2e",
+    ("simulate",): "pagedkv_rs.simulate",
+}
+
+
+def info() -> int:
+    import pagedkv_rs
+
+    print(f"pagedkv_rs {pagedkv_rs.__version__}")
+    print(f"allocator backend: {pagedkv_rs.BACKEND} (available: {', '.join(pagedkv_rs.BACKENDS)})")
+    core = pagedkv_rs._core
+    if core is not None:
+        print(f"core build: {core.build_profile()}")
+        if hasattr(core, "kernel_info"):
+            print(f"kernel: {core.kernel_info()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    if args[0] == "info":
+        return info()
+    for path, module in COMMANDS.items():
+        if tuple(args[: len(path)]) == path:
+            try:
+                mod = importlib.import_module(module)
+            except ImportError as e:
+                print(f"pagedkv {' '.join(path)}: unavailable ({e})", file=sys.stderr)
+                return 1
+            return int(mod.main(args[len(path) :]) or 0)
+    print(f"pagedkv: unknown command {' '.join(args[:2])!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

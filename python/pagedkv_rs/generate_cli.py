@@ -1,0 +1,109 @@
+"""``pagedkv generate "prompt" [...]``: stream text from a GGUF model through the paged KV cache.
+
+All prompts are submitted at once and batched continuously; the first streams to the terminal
+token by token while the others generate alongside, then each of the rest is printed (streaming
+whatever is still being produced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Optional, TextIO
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedkv generate", description=__doc__.splitlines()[0])
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts (batched together)")
+    p.add_argument("--model", default=None, help="Llama-architecture GGUF file (default: bundled SmolLM2-135M)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--kv-dtype", choices=("float16", "float32", "bfloat16"), default="float16")
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--num-blocks", type=int, default=None)
+    mem.add_argument("--kv-memory", default=None, help="KV cache size, e.g. 512MiB (default)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--backend", choices=("auto", "rust", "python"), default="auto", help="allocator backend")
+    p.add_argument("--stats", action="store_true", help="print throughput and cache stats to stderr")
+    return p
+
+
+def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
+    args = build_parser().parse_args(argv)
+    from pagedkv_rs.errors import PagedKVError
+    from pagedkv_rs.llm import LLM
+    from pagedkv_rs.models.tokenizer import IncrementalDecoder
+    from pagedkv_rs.request import SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+        llm = LLM(
+            args.model,
+            kv_dtype=args.kv_dtype,
+            num_blocks=args.num_blocks,
+            kv_memory=args.kv_memory,
+            block_size=args.block_size,
+            backend=args.backend,
+        )
+    except (PagedKVError, ValueError, TypeError, ImportError) as e:
+        print(f"pagedkv generate: {e}", file=sys.stderr)
+        return 2
+    tok = llm.get_tokenizer()
+    prompts: list = []
+    for text in args.prompts:
+        if args.raw:
+            prompts.append(text)
+        else:
+            msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": text}
+            ]
+            prompts.append(tok.apply_chat_template(msgs))
+    t0 = time.perf_counter()
+    n_out = 0
+    try:
+        streams = [llm.stream(p, params) for p in prompts]
+        for i, stream in enumerate(streams):
+            if len(streams) > 1:
+                out.write(f"{'' if i == 0 else chr(10)}--- [{i + 1}/{len(streams)}] {args.prompts[i]}\n")
+            dec = IncrementalDecoder(tok)
+            if args.raw:
+                out.write(args.prompts[i])
+            for o in stream:
+                out.write(dec.push(o.new_token_ids))
+                out.flush()
+                if o.finished:
+                    n_out += len(o.token_ids)
+            out.write("\n")
+            out.flush()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        llm.shutdown()
+    if args.stats:
+        dt = time.perf_counter() - t0
+        s = llm.stats()
+        print(
+            f"[{len(prompts)} requests, {n_out} tokens in {dt:.2f} s: {n_out / dt:.1f} tok/s; "
+            f"kv {args.kv_dtype}, {s['kernels']} kernels, {s['backend']} allocator; "
+            f"prefix hit rate {s['prefix_hit_rate']:.0%}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

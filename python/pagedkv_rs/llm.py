@@ -1,0 +1,158 @@
+"""vLLM-shaped offline API: ``LLM(model=...).generate(prompts, SamplingParams)`` and ``.chat(...)``.
+
+``LLM`` loads a Llama-architecture GGUF (default: the bundled SmolLM2-135M-Instruct), builds the
+tokenizer from its metadata, and runs requests through ``LLMEngine``: continuous batching over the
+paged KV cache, one ``write_kv`` + one varlen ``paged_attention`` per layer and step.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
+
+from pagedkv_rs.engine import LLMEngine, RequestStream
+from pagedkv_rs.models.gguf_loader import load_gguf
+from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, eos_ids_from_metadata
+from pagedkv_rs.models.tokenizer import GGUFTokenizer
+from pagedkv_rs.request import RequestOutput, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "parse_memory"]
+
+DEFAULT_KV_MEMORY = 512 << 20  # bytes of KV cache when neither num_blocks nor kv_memory is given
+
+Prompt = Union[str, Sequence[int]]
+Conversation = Sequence[Mapping[str, Any]]
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_memory(value: Union[int, str]) -> int:
+    """Bytes from an int or a string like ``"512MiB"``, ``"1.5G"``, ``"300MB"``."""
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"kv_memory must be bytes or a size like '512MiB' or '2G', got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"kv_memory must be positive, got {value!r}")
+    return n
+
+
+class _TextDecoder:
+    """The tokenizer as the engine sees it: output text without special tokens (as vLLM does)."""
+
+    def __init__(self, tok: GGUFTokenizer):
+        self._tok = tok
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class LLM:
+    """An offline engine over one GGUF model.
+
+    ``model``: path of a Llama-architecture GGUF file, or ``None`` for the bundled SmolLM2-135M.
+    ``kv_dtype``: "float16" (default), "float32" or "bfloat16". The KV pool is ``num_blocks`` blocks
+    of ``block_size`` tokens, or as many as fit in ``kv_memory`` (bytes or "512MiB"; default 512 MiB).
+    ``backend``: allocator backend, "auto" | "rust" | "python". Other keyword arguments go to the
+    scheduler (``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
+    ``preemption_mode``, ``policy``...).
+    """
+
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        *,
+        kv_dtype: str = "float16",
+        num_blocks: Optional[int] = None,
+        kv_memory: Union[int, str, None] = None,
+        block_size: int = 16,
+        backend: str = "auto",
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        **scheduler_kwargs: Any,
+    ) -> None:
+        g = load_gguf(model)
+        self.model_path = g.path
+        self.tokenizer = GGUFTokenizer(g.metadata, path=g.path)
+        self.model = LlamaModel(LlamaWeights(g), eos_token_ids=eos_ids_from_metadata(g.metadata))
+        del g
+        if num_blocks is not None and kv_memory is not None:
+            raise ValueError("pass num_blocks or kv_memory, not both")
+        if num_blocks is None:
+            per_block = self.model.kv_bytes_per_block(block_size, kv_dtype)
+            num_blocks = parse_memory(DEFAULT_KV_MEMORY if kv_memory is None else kv_memory) // per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv_memory {kv_memory!r} holds no block: one block takes {per_block} bytes")
+        self.kv_dtype = kv_dtype
+        self.engine = LLMEngine(
+            self.model,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            kv_cache_dtype=kv_dtype,
+            backend=backend,
+            enable_prefix_caching=enable_prefix_caching,
+            tokenizer=_TextDecoder(self.tokenizer),
+            seed=seed,
+            **scheduler_kwargs,
+        )
+
+    def get_tokenizer(self) -> GGUFTokenizer:
+        """The GGUF tokenizer: ``encode``, ``decode``, ``apply_chat_template``."""
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: Optional[bool] = None,
+    ) -> list[RequestOutput]:
+        """Complete raw prompts (text or token-id lists), batched continuously; outputs in prompt order."""
+        return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Conversation, Sequence[Conversation]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: Optional[bool] = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of messages) or several (a list of such lists)."""
+        convs = self._conversations(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in convs]
+        return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> RequestStream:
+        """Submit one request to the background loop; iterate the returned stream for incremental outputs."""
+        return self.engine.submit(prompt, sampling_params)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @staticmethod
+    def _conversations(messages: Any) -> list[Conversation]:
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
+            return [messages]
+        if isinstance(messages, Sequence) and all(
+            isinstance(c, Sequence) and c and all(isinstance(m, Mapping) for m in c) for c in messages
+        ) and messages:
+            return list(messages)
+        raise ValueError("chat() takes a conversation (list of {'role', 'content'} dicts) or a list of them")

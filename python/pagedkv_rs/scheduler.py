@@ -1,0 +1,530 @@
+"""Continuous-batching scheduler (vLLM v1 shape): one ``schedule()`` = one forward pass.
+
+Each step spends a token budget: running requests first (one decode token each, or the next
+chunk of a partial prefill), then admission of swapped and waiting requests. A decode token is
+appended to the KV cache manager when its request is scheduled; when that needs blocks that are
+not there, the newest (FCFS) or lowest-priority (priority policy) running request not yet
+scheduled this step is preempted, by recompute (blocks freed, request back at the front of the
+waiting queue) or by swap (its KV goes to a host buffer, the engine copies it).
+
+Progress: a request that could not fit the whole pool alone is rejected at submission
+(``max_model_len`` is capped by the pool), and the oldest / highest-priority running request is
+never preempted for a later one, so it always advances; the waiting queue is FCFS (or priority
+order) and its head waits only while something runs.
+
+The scheduler only uses the manager's public API, so either allocator backend works.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagedkv_rs.batch import BatchInputs
+from pagedkv_rs.errors import OutOfBlocksError
+from pagedkv_rs.request import (
+    InvalidRequestError,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    UnknownRequestError,
+)
+
+__all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SwapOut", "SwapIn"]
+
+POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Step limits and policies."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    enable_chunked_prefill: bool = True
+    max_model_len: Optional[int] = None  # capped by the model's and the pool's limits
+    swap_space_blocks: Optional[int] = None  # host blocks for swap (None: unbounded)
+    watermark: float = 0.01  # fraction of blocks admission keeps free while others run
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.swap_space_blocks is not None and self.swap_space_blocks < 0:
+            raise ValueError(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True)
+class SwapOut:
+    """Copy these blocks (in table order) of every layer to the request's host buffer."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """Copy host blocks ``first, first+1, ...`` of the request back into ``block_ids``, then drop the buffer."""
+
+    request_id: str
+    first: int
+    block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: the batch to run and the memory operations to apply first (swap-out, swap-in, copies)."""
+
+    requests: list[Request]  # batch order
+    num_scheduled_tokens: list[int]
+    sample_rows: list[int] = field(default_factory=list)  # rows whose request has all its KV: sample these
+    seq_ids: list[int] = field(default_factory=list)  # the requests' KV-manager sequence ids
+    batch: BatchInputs = None  # type: ignore[assignment]  # set once the step's requests are chosen
+    copy_pairs: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[SwapOut] = field(default_factory=list)
+    swap_in: list[SwapIn] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+
+class _WaitQueue:
+    """FCFS deque, or a list sorted by (priority, arrival, submission order)."""
+
+    def __init__(self, policy: str) -> None:
+        self._priority = policy == "priority"
+        self._q: Any = [] if self._priority else deque()
+        self._keys: list[tuple[int, float, int]] = []
+
+    @staticmethod
+    def _key(r: Request) -> tuple[int, float, int]:
+        return (r.params.priority, r.metrics.arrival_time, r._order)
+
+    def push(self, r: Request) -> None:
+        if self._priority:
+            self._insert(r)
+        else:
+            self._q.append(r)
+
+    def push_front(self, r: Request) -> None:
+        if self._priority:
+            self._insert(r)
+        else:
+            self._q.appendleft(r)
+
+    def _insert(self, r: Request) -> None:
+        k = self._key(r)
+        i = bisect.bisect(self._keys, k)
+        self._keys.insert(i, k)
+        self._q.insert(i, r)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        if self._priority:
+            self._keys.pop(0)
+            return self._q.pop(0)
+        return self._q.popleft()
+
+    def remove(self, r: Request) -> None:
+        i = next(i for i, x in enumerate(self._q) if x is r)
+        del self._q[i]
+        if self._priority:
+            del self._keys[i]
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._q))
+
+
+class Scheduler:
+    """Waiting / running / swapped queues over a ``KVCacheManager`` (either backend)."""
+
+    def __init__(
+        self,
+        kv_manager: Any,
+        config: Optional[SchedulerConfig] = None,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        max_model_len: Optional[int] = None,
+    ) -> None:
+        self.kv = kv_manager
+        self.config = config or SchedulerConfig()
+        self.block_size = int(kv_manager.block_size)
+        limits = [int(kv_manager.max_seq_len)]
+        limits += [x for x in (max_model_len, self.config.max_model_len) if x is not None]
+        self.max_model_len = min(limits)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.watermark_blocks = int(self.config.watermark * kv_manager.num_blocks)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = _WaitQueue(self.config.policy)
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.swap_blocks_used = 0
+        self._seq_ids = itertools.count()
+        self._order = itertools.count()
+        self.num_preemptions = 0
+        self.num_swaps = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: Optional[SamplingParams] = None,
+        *,
+        arrival_time: Optional[float] = None,
+        cache_salt: Any = None,
+        prompt: Optional[str] = None,
+    ) -> Request:
+        """Validate and queue a request; raises ``InvalidRequestError`` if it could never run."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use by an unfinished request")
+        if isinstance(prompt_token_ids, (str, bytes)):
+            raise TypeError("prompt_token_ids must be a sequence of ints (pass text to an engine with a tokenizer)")
+        toks = []
+        for t in prompt_token_ids:
+            if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= t.__index__() < (1 << 32):
+                raise InvalidRequestError(f"request {request_id!r}: bad prompt token id {t!r}")
+            toks.append(int(t.__index__()))
+        if not toks:
+            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
+        if len(toks) > self.max_model_len:
+            raise InvalidRequestError(
+                f"request {request_id!r}: prompt of {len(toks)} tokens exceeds max_model_len={self.max_model_len}"
+                f" (model context, config and KV pool of {self.kv.num_blocks} blocks x {self.block_size})"
+            )
+        req = Request(
+            request_id,
+            toks,
+            params,
+            seq_id=next(self._seq_ids),
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
+            prompt=prompt,
+        )
+        req._order = next(self._order)
+        if not params.ignore_eos:
+            req.stop_ids = req.stop_ids | self.eos_token_ids
+        req.max_output = min(params.max_tokens, self.max_model_len - len(toks))
+        self.requests[request_id] = req
+        self.waiting.push(req)
+        return req
+
+    def abort_request(self, request_id: str) -> Request:
+        """Finish a request at any status, freeing its blocks now; raises ``UnknownRequestError``."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"no unfinished request with id {request_id!r}")
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"no unfinished request with id {request_id!r}")
+        return req
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.kv.free(req.seq_id)
+        elif req.status is RequestStatus.SWAPPED:
+            self.swap_blocks_used -= self._blocks(req.swapped_computed)
+        req.status = status
+        req.metrics.finished_time = time.monotonic()
+        del self.requests[req.request_id]
+
+    def _blocks(self, n: int) -> int:
+        return -(-n // self.block_size)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> Optional[SchedulerOutput]:
+        """Pick this step's requests and token counts and build their batch; None if nothing can run."""
+        out = SchedulerOutput([], [])
+        budget = self._schedule_running(self.config.max_num_batched_tokens, out)
+        if not out.preempted:
+            budget = self._schedule_swapped(budget, out)
+            self._schedule_waiting(budget, out)
+        if not out.requests:
+            return None
+        out.batch = self.kv.prepare_batch(out.seq_ids, out.num_scheduled_tokens)
+        self.num_steps += 1
+        return out
+
+    def _emit(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """Add ``n`` of the request's tokens to the step (admission paths)."""
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_kv_tokens:
+            out.sample_rows.append(len(out.requests))
+        out.requests.append(req)
+        out.num_scheduled_tokens.append(n)
+        out.seq_ids.append(req.seq_id)
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
+        """Running requests in order; their decode tokens go to the manager in one ``append_batch``."""
+        bs = self.block_size
+        reqs, counts, rows = out.requests, out.num_scheduled_tokens, out.sample_rows
+        app_ids: list[int] = []
+        app_toks: list[int] = []
+        # bound appends: this loop runs once per running request per step
+        add_id, add_tok, add_row = app_ids.append, app_toks.append, rows.append
+        add_req, add_n = reqs.append, counts.append
+        need = i = 0
+        for req in self.running:
+            if budget == 0:
+                break
+            kv = req.num_kv_tokens
+            toks = req.all_token_ids
+            if kv < len(toks):  # decode (all kv tokens computed): the last sampled token is pending
+                if not kv % bs:
+                    need += 1
+                add_id(req.seq_id)
+                add_tok(toks[kv])
+                req.num_kv_tokens = req.num_computed_tokens = kv + 1
+                add_row(i)
+                n = 1
+            else:  # the next prefill chunk
+                n = kv - req.num_computed_tokens
+                if n >= budget:
+                    n = budget
+                elif n == 0:
+                    continue
+                req.num_computed_tokens += n
+                if req.num_computed_tokens == kv:
+                    add_row(i)
+            add_req(req)
+            add_n(n)
+            budget -= n
+            i += 1
+        if app_ids and not self._append_all(app_ids, app_toks, need, out):
+            decode = set(app_ids)
+            for req, n in zip(reqs, counts):  # undo, then go request by request
+                req.num_computed_tokens -= n
+                if req.seq_id in decode:
+                    req.num_kv_tokens -= 1
+            reqs.clear()
+            counts.clear()
+            rows.clear()
+            return self._schedule_running_slow(out)
+        out.seq_ids = app_ids if len(app_ids) == len(reqs) else [r.seq_id for r in reqs]
+        return budget
+
+    def _append_all(self, seq_ids: list[int], tokens: list[int], need: int, out: SchedulerOutput) -> bool:
+        """One ``append_batch`` for every decode token, if the blocks are there (all or nothing)."""
+        if need > self.kv.num_free_blocks + self.kv.num_cached_blocks:
+            return False
+        try:
+            out.copy_pairs += self.kv.append_batch(seq_ids, tokens)
+        except OutOfBlocksError:  # pragma: no cover - only if a copy-on-write needs a block (forked tables)
+            return False
+        return True
+
+    def _schedule_running_slow(self, out: SchedulerOutput) -> int:
+        """Request by request, preempting victims until each decode append fits."""
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.num_kv_tokens < req.num_tokens:
+                while not self.kv.can_append(req.seq_id, 1):
+                    victim = self._pick_victim(i)
+                    self._preempt(victim, out)
+                    if victim is req:
+                        break
+                if req.status is not RequestStatus.RUNNING:
+                    continue  # preempted itself; running[i] is now the next request
+                out.copy_pairs += self.kv.append(req.seq_id, [req.all_token_ids[req.num_kv_tokens]])
+                req.num_kv_tokens += 1
+                n = 1
+            else:
+                n = min(req.num_kv_tokens - req.num_computed_tokens, budget)
+            if n:
+                self._emit(out, req, n)
+                budget -= n
+            i += 1
+        return budget
+
+    def _pick_victim(self, first: int) -> Request:
+        """Newest (fcfs) or lowest-priority running request among those not yet scheduled (index >= first)."""
+        cands = self.running[first:]
+        if self.config.policy == "priority":
+            return max(cands, key=lambda r: (r.params.priority, r.metrics.arrival_time, r._order))
+        return cands[-1]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req)
+        nblk = self._blocks(req.num_computed_tokens)
+        cap = self.config.swap_space_blocks
+        if self.config.preemption_mode == "swap" and (cap is None or self.swap_blocks_used + nblk <= cap):
+            out.swap_out.append(SwapOut(req.request_id, self.kv.block_table(req.seq_id)[:nblk]))
+            self.kv.free(req.seq_id)
+            req.swapped_computed = req.num_computed_tokens
+            self.swap_blocks_used += nblk
+            self.num_swaps += 1
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            return
+        self.kv.free(req.seq_id)
+        req.num_computed_tokens = 0
+        req.num_kv_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.push_front(req)
+
+    def _admission_room(self) -> int:
+        room = self.kv.num_free_blocks + self.kv.num_cached_blocks
+        return room - self.watermark_blocks if self.running else room
+
+    def _schedule_swapped(self, budget: int, out: SchedulerOutput) -> int:
+        """Swap requests back in, oldest first; stops at the first that does not fit."""
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            kv_toks = req.all_token_ids[: req.num_kv_tokens]
+            if self.kv.blocks_needed(kv_toks, req.cache_salt) > self._admission_room():
+                break
+            self.swapped.popleft()
+            cached = self.kv.allocate(req.seq_id, kv_toks, req.cache_salt)
+            first = self._blocks(cached) if cached < req.swapped_computed else self._blocks(req.swapped_computed)
+            table = self.kv.block_table(req.seq_id)
+            out.swap_in.append(SwapIn(req.request_id, first, table[first : self._blocks(req.swapped_computed)]))
+            if req.swapped_computed > cached:  # the copied-back KV counts as computed
+                self.kv.prepare_batch([req.seq_id], [req.swapped_computed - cached])
+            req.num_computed_tokens = max(cached, req.swapped_computed)
+            self.swap_blocks_used -= self._blocks(req.swapped_computed)
+            req.swapped_computed = 0
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            budget = self._schedule_one(req, budget, out)
+        return budget
+
+    def _schedule_one(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Schedule a just-admitted request: its decode token, or the next prefill chunk."""
+        if req.num_kv_tokens < req.num_tokens:
+            if not self.kv.can_append(req.seq_id, 1):
+                return budget  # runs next step; progress comes from the requests ahead of it
+            out.copy_pairs += self.kv.append(req.seq_id, [req.all_token_ids[req.num_kv_tokens]])
+            req.num_kv_tokens += 1
+            n = 1
+        else:
+            n = min(req.num_kv_tokens - req.num_computed_tokens, budget)
+        if n:
+            self._emit(out, req, n)
+        return budget - n
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        """Admit waiting requests in queue order while blocks, budget and seats last."""
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            toks = req.all_token_ids
+            if self.kv.blocks_needed(toks, req.cache_salt) > self._admission_room():
+                break
+            if not chunked and out.requests and len(toks) > budget:
+                break  # a whole prompt must fit the rest of this step; alone it may exceed the budget
+            self.waiting.pop()
+            cached = self.kv.allocate(req.seq_id, toks, req.cache_salt)
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = cached
+            req.num_kv_tokens = len(toks)
+            req.num_computed_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            n = req.num_kv_tokens - cached
+            if chunked:
+                n = min(n, budget)
+            self._emit(out, req, n)
+            budget -= n
+
+    # -------------------------------------------------------------------- update
+    def update_from_output(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
+        """Record the tokens (Python ints) sampled for ``out.sample_rows``; returns the requests that got one.
+
+        Requests aborted since ``schedule()`` are skipped. Finished requests free their blocks.
+        """
+        rows = out.sample_rows
+        if len(sampled) != len(rows):
+            raise ValueError(f"{len(rows)} rows to sample but {len(sampled)} tokens")
+        now = time.monotonic()
+        reqs = out.requests
+        running = RequestStatus.RUNNING
+        changed: list[Request] = []
+        add = changed.append
+        for row, tok in zip(rows, sampled):
+            req = reqs[row]
+            if req.status is not running:
+                continue
+            outs = req.output_token_ids
+            outs.append(tok)
+            req.all_token_ids.append(tok)
+            req.token_times.append(now)
+            add(req)
+            if tok in req.stop_ids:
+                self._stop(req, RequestStatus.FINISHED_STOPPED)
+            elif len(outs) >= req.max_output:
+                self._stop(req, RequestStatus.FINISHED_LENGTH)
+        return changed
+
+    def _stop(self, req: Request, status: RequestStatus) -> None:
+        self.running.remove(req)
+        self._finish(req, status)
+
+    # --------------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        """Queue sizes, KV usage (live / cached / free blocks), prefix hit rate, preemptions."""
+        kv = self.kv.stats()
+        q = kv.get("prefix_query_tokens", 0)
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_swapped": len(self.swapped),
+            "kv_live_blocks": kv["live_blocks"],
+            "kv_cached_blocks": kv["cached_blocks"],
+            "kv_free_blocks": kv["free_blocks"],
+            "kv_usage": kv["usage"],
+            "prefix_hit_rate": kv.get("prefix_hit_tokens", 0) / q if q else 0.0,
+            "num_preemptions": self.num_preemptions,
+            "num_swaps": self.num_swaps,
+            "swap_blocks_used": self.swap_blocks_used,
+            "num_steps": self.num_steps,
+        }

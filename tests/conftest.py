@@ -1,0 +1,24 @@
+"""Shared fixtures: every allocator / block-table test runs on each built backend."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+import pagedkv_rs
+
+settings.register_profile(
+    "ci", max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "soak", max_examples=5000, stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(params=pagedkv_rs.BACKENDS)
+def backend(request):
+    """The allocator classes of one backend (``.BlockAllocator``, ``.KVCacheManager``, ``.name``)."""
+    return pagedkv_rs.backend(request.param)
