@@ -1392,6 +1392,9 @@ mod kernel {
         d.set_item("num_threads", att::num_threads().map_err(value_err)?)?;
         d.set_item("layout", "[num_blocks, num_kv_heads, block_size, head_dim]")?;
         d.set_item("build_profile", build_profile())?;
+        // AVX-512 is detected for information only: no AVX-512 kernel exists (AVX2 runs there).
+        #[cfg(target_arch = "x86_64")]
+        d.set_item("cpu_has_avx512f", std::arch::is_x86_feature_detected!("avx512f"))?;
         Ok(d)
     }
 

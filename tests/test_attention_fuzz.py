@@ -162,11 +162,11 @@ def _bad_attention_args(case, kind: str, rng: np.random.Generator):
     elif kind == "out_noncontig":
         kw["out"] = np.zeros((T, hq, 2 * d), np.float32)[:, :, ::2]
     elif kind == "scale_nan":
-        kw["scale"] = float(rng.choice([np.nan, np.inf]))
+        kw["scale"] = float(rng.choice([np.nan, np.inf, -np.inf, 1e300]))
     elif kind == "window_bad":
         kw["sliding_window"] = int(rng.integers(-5, 1))
     elif kind == "soft_cap_bad":
-        kw["soft_cap"] = float(rng.choice([0.0, -1.0, np.nan, np.inf]))
+        kw["soft_cap"] = float(rng.choice([0.0, -1.0, np.nan, np.inf, 1e300, 1e-300]))
     else:
         raise AssertionError(kind)
     return (q, k, v, bt, sl, qsl), kw

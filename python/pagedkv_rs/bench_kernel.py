@@ -65,14 +65,17 @@ def quick(c: Config) -> Config:
     return Config(**{**c.__dict__, **scale})
 
 
-def build(c: Config, seed: int = 0):
+Layer = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def build(c: Config, seed: int = 0) -> list[Layer]:
     """Per layer ``(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)``."""
     import pagedkv_rs as pk
 
     rng = np.random.default_rng(seed)
     nblk = -(-c.seq_len // c.block_size)
     num_blocks = c.batch * nblk
-    layers = []
+    layers: list[Layer] = []
     for _ in range(c.layers):
         k, v = pk.new_kv_cache(num_blocks, c.block_size, c.hkv, c.d, c.dtype)
         k[...] = rng.standard_normal(k.shape, dtype=np.float32).astype(k.dtype)
@@ -143,7 +146,7 @@ def run_config(c: Config, bw: float, fma: float, repeat: int, scalar: bool, nump
     row["bw_frac"] = row["GBps"] / bw
     row["GFLOPs"] = c.flops / t / 1e9
     row["fma_frac"] = row["GFLOPs"] / fma
-    if scalar:
+    if scalar and c.q_len == 1:  # the scalar path on a 2k-token prefill takes tens of seconds
         pk.set_kernel_backend("scalar")
         try:
             row["scalar_ms"] = best_time(rust, 1) * 1e3
@@ -163,6 +166,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     ap.add_argument("--repeat", type=int, default=None, help="timed repeats per config (best is kept)")
     ap.add_argument("--only", default=None, help="comma-separated config names (A,Long,SmolLM2,Prefill)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per cache block (default 16, vLLM's)")
     ap.add_argument("--no-scalar", action="store_true", help="skip the forced-scalar rows")
     ap.add_argument("--no-numpy", action="store_true", help="skip the numpy gather+matmul rows")
     args = ap.parse_args(argv)
@@ -174,6 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     threads = pk.get_num_threads()
     repeat = args.repeat or (2 if args.quick else 5)
     configs = [quick(c) if args.quick else c for c in CONFIGS]
+    configs = [Config(**{**c.__dict__, "block_size": args.block_size}) for c in configs]
     if args.only:
         names = {n.strip() for n in args.only.split(",")}
         configs = [c for c in configs if c.name in names]
@@ -181,7 +186,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     info = pk.kernel_info()
     bw = pk.memory_bandwidth(1 << (28 if args.quick else 30), threads)
     fma = pk.fma_peak(0.2, threads)
-    print(f"kernel {info['isa']}, {threads} threads; memory read bandwidth {bw:.1f} GB/s, "
+    print(f"kernel {info['isa']}, {threads} threads, block_size {args.block_size}; memory read bandwidth {bw:.1f} GB/s, "
           f"FMA peak {fma:.0f} GFLOP/s (both measured now)")
     hdr = (f"{'config':<9}{'dtype':<9}{'KV MiB':>8}{'time ms':>10}{'GB/s':>8}{'of bw':>7}"
            f"{'GFLOP/s':>9}{'of fma':>8}{'scalar ms':>11}{'numpy ms':>10}{'x numpy':>9}")

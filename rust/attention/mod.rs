@@ -214,8 +214,8 @@ pub struct Params {
 impl Params {
     pub fn new(head_dim: usize, scale: Option<f64>, sliding_window: Option<i64>, soft_cap: Option<f64>) -> Result<Self> {
         let scale = scale.unwrap_or(1.0 / (head_dim as f64).sqrt());
-        if !scale.is_finite() {
-            return Err(Error::Invalid(format!("scale must be finite, got {scale}")));
+        if !(scale as f32).is_finite() {
+            return Err(Error::Invalid(format!("scale must be finite in float32, got {scale}")));
         }
         let sliding_window = match sliding_window {
             None => None,
@@ -224,8 +224,8 @@ impl Params {
         };
         let soft_cap = match soft_cap {
             None => None,
-            Some(c) if c.is_finite() && c > 0.0 => Some(c as f32),
-            Some(c) => return Err(Error::Invalid(format!("soft_cap must be a finite number > 0, got {c}"))),
+            Some(c) if (c as f32).is_finite() && c as f32 > 0.0 => Some(c as f32),
+            Some(c) => return Err(Error::Invalid(format!("soft_cap must be a finite float32 > 0, got {c}"))),
         };
         Ok(Params { scale: scale as f32, sliding_window, soft_cap })
     }
