@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 import pagedkv_rs
 
 settings.register_profile(
-    "ci", max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "ci", max_examples=400, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
     "soak", max_examples=5000, stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow]
