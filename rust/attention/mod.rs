@@ -32,6 +32,7 @@ pub mod x86;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::error::{Error, Result};
@@ -713,7 +714,9 @@ pub fn write_kv<'a>(mut k: KvMut<'a>, mut v: KvMut<'a>, shape: CacheShape, key: 
     if let Some((t, &s)) = slots.iter().enumerate().find(|(_, &s)| s < -1 || s >= nslots as i64) {
         return Err(Error::Invalid(format!("slot_mapping[{t}] = {s} is not -1 or a slot in [0, {nslots})")));
     }
-    fn scatter<T: Elem>(dst: &mut [T], src: &[f32], slots: &[i64], shape: &CacheShape) {
+    // One head row (head_dim values) at a time; `conv` converts a whole row (half's slice
+    // conversion uses F16C when the CPU has it, detected at run time).
+    fn scatter<T>(dst: &mut [T], src: &[f32], slots: &[i64], shape: &CacheShape, conv: fn(&mut [T], &[f32])) {
         let (hkv, bs, d) = (shape.num_kv_heads, shape.block_size, shape.head_dim);
         for (t, &s) in slots.iter().enumerate() {
             if s < 0 {
@@ -722,18 +725,15 @@ pub fn write_kv<'a>(mut k: KvMut<'a>, mut v: KvMut<'a>, shape: CacheShape, key: 
             let (blk, off) = (s as usize / bs, s as usize % bs);
             for h in 0..hkv {
                 let o = shape.offset(blk, h, off);
-                let x = &src[(t * hkv + h) * d..(t * hkv + h + 1) * d];
-                for (a, b) in dst[o..o + d].iter_mut().zip(x) {
-                    *a = T::from_f32(*b);
-                }
+                conv(&mut dst[o..o + d], &src[(t * hkv + h) * d..(t * hkv + h + 1) * d]);
             }
         }
     }
     for (cache, src) in [(&mut k, key), (&mut v, value)] {
         match cache {
-            KvMut::F32(c) => scatter(c, src, slots, &shape),
-            KvMut::F16(c) => scatter(c, src, slots, &shape),
-            KvMut::Bf16(c) => scatter(c, src, slots, &shape),
+            KvMut::F32(c) => scatter(c, src, slots, &shape, <[f32]>::copy_from_slice),
+            KvMut::F16(c) => scatter(c, src, slots, &shape, HalfFloatSliceExt::convert_from_f32_slice),
+            KvMut::Bf16(c) => scatter(c, src, slots, &shape, HalfFloatSliceExt::convert_from_f32_slice),
         }
     }
     Ok(())
