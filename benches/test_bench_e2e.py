@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("gguf")
-pytest.importorskip("tokenizers")
 
 from pagedkv_rs.bench_e2e import run_benchmark, synthetic_requests  # noqa: E402
 from pagedkv_rs.llm import LLM  # noqa: E402

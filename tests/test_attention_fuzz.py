@@ -17,7 +17,6 @@ from pagedkv_rs import reference as ref
 
 from kernel_util import make_case, max_err
 
-pytestmark = pytest.mark.skipif(not hasattr(pk, "paged_attention"), reason="compiled core not built")
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -7,8 +7,6 @@ import os
 import numpy as np
 import pytest
 
-pytest.importorskip("gguf")
-pytest.importorskip("tokenizers")
 
 import pagedkv_rs  # noqa: E402
 from pagedkv_rs.models.gguf_loader import GGUFError, bundled_model_path, load_gguf  # noqa: E402

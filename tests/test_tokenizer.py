@@ -8,8 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("tokenizers")
-pytest.importorskip("gguf")
 
 from pagedkv_rs.models.gguf_loader import load_gguf  # noqa: E402
 from pagedkv_rs.models.tokenizer import GGUFTokenizer, IncrementalDecoder  # noqa: E402
