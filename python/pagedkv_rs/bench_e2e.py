@@ -29,24 +29,20 @@ __all__ = ["main", "build_parser", "synthetic_requests", "run_benchmark", "forma
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedkv_rs.llm import add_llm_args
+
     p = argparse.ArgumentParser(
         prog="pagedkv bench e2e",
         description=__doc__.splitlines()[0],
         epilog="On a loaded machine set OPENBLAS_NUM_THREADS=1 (see the module docstring).",
     )
-    p.add_argument("--model", default=None, help="GGUF file (default: bundled SmolLM2-135M)")
     p.add_argument("--num-requests", type=int, default=32, help="concurrent requests (default 32)")
     p.add_argument("--input-len", type=int, default=128, help="mean prompt length in tokens")
     p.add_argument("--output-len", type=int, default=128, help="mean output length in tokens")
     p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*[1-r, 1+r]")
     p.add_argument("--prefix-len", type=int, default=0, help="tokens of shared prompt prefix")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-dtype", choices=("float16", "float32", "bfloat16"), default="float16")
-    mem = p.add_mutually_exclusive_group()
-    mem.add_argument("--num-blocks", type=int, default=None)
-    mem.add_argument("--kv-memory", default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--backend", choices=("auto", "rust", "python"), default="auto")
+    add_llm_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -212,15 +208,10 @@ def profile_breakdown(stats: Any, total: float) -> dict[str, float]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from pagedkv_rs.llm import LLM
+    from pagedkv_rs.llm import llm_from_args
 
-    llm = LLM(
-        args.model,
-        kv_dtype=args.kv_dtype,
-        num_blocks=args.num_blocks,
-        kv_memory=args.kv_memory,
-        block_size=args.block_size,
-        backend=args.backend,
+    llm = llm_from_args(
+        args,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

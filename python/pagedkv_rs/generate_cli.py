@@ -16,9 +16,10 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagedkv_rs.llm import add_llm_args
+
     p = argparse.ArgumentParser(prog="pagedkv generate", description=__doc__.splitlines()[0])
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts (batched together)")
-    p.add_argument("--model", default=None, help="Llama-architecture GGUF file (default: bundled SmolLM2-135M)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", default=None, help="system message for the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -26,12 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--kv-dtype", choices=("float16", "float32", "bfloat16"), default="float16")
-    mem = p.add_mutually_exclusive_group()
-    mem.add_argument("--num-blocks", type=int, default=None)
-    mem.add_argument("--kv-memory", default=None, help="KV cache size, e.g. 512MiB (default)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--backend", choices=("auto", "rust", "python"), default="auto", help="allocator backend")
+    add_llm_args(p)
     p.add_argument("--stats", action="store_true", help="print throughput and cache stats to stderr")
     return p
 
@@ -39,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
     args = build_parser().parse_args(argv)
     from pagedkv_rs.errors import PagedKVError
-    from pagedkv_rs.llm import LLM
+    from pagedkv_rs.llm import llm_from_args
     from pagedkv_rs.models.tokenizer import IncrementalDecoder
     from pagedkv_rs.request import SamplingParams
 
@@ -51,14 +47,7 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        llm = LLM(
-            args.model,
-            kv_dtype=args.kv_dtype,
-            num_blocks=args.num_blocks,
-            kv_memory=args.kv_memory,
-            block_size=args.block_size,
-            backend=args.backend,
-        )
+        llm = llm_from_args(args)
     except (PagedKVError, ValueError, TypeError, ImportError) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return 2
