@@ -7,6 +7,7 @@ pub mod allocator;
 pub mod attention;
 pub mod block_table;
 pub mod error;
+pub mod linear;
 mod py;
 
 #[pyo3::pymodule]
@@ -25,4 +26,8 @@ mod _core {
         build_profile, copy_blocks, fma_peak, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache,
         paged_attention, set_kernel_backend, set_num_threads, write_kv,
     };
+
+    // Block-quantized linear layers.
+    #[pymodule_export]
+    use super::py::QLinear;
 }

@@ -1010,6 +1010,8 @@ mod kernel {
     use pyo3::types::{PyDict, PyTuple};
 
     use crate::attention::{self as att, Batch, CacheShape, DType, Kv, KvMut, Params};
+    use crate::linear as lin;
+    use numpy::IntoPyArray;
     use crate::error::Error;
 
     fn value_err(e: Error) -> PyErr {
@@ -1365,6 +1367,137 @@ mod kernel {
         Ok(out_obj)
     }
 
+    /// A weight matrix `[n, k]` in the block-quantized 8-bit layout of `rust/linear` (codes
+    /// `c`, per-32 block `d`, `m`: `w = d*c + m`), applied as `x @ W.T` on the kernel threads.
+    #[pyclass(frozen, module = "pagedkv_rs._core")]
+    pub struct QLinear {
+        w: std::sync::Arc<lin::QWeight>,
+    }
+
+    fn u8_2d<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<(PyReadonlyArrayDyn<'py, u8>, Vec<usize>)> {
+        let r = typed::<u8>(obj, name, 2, "uint8")?;
+        Ok((readonly::<u8>(&r, name)?, r.shape))
+    }
+
+    fn f32_2d<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<(PyReadonlyArrayDyn<'py, f32>, Vec<usize>)> {
+        let r = typed::<f32>(obj, name, 2, "float32")?;
+        Ok((readonly::<f32>(&r, name)?, r.shape))
+    }
+
+    #[pymethods]
+    impl QLinear {
+        /// From GGUF rows `data: uint8 [n, row_bytes]` of type `"Q4_1"` or `"Q8_0"` and width `k`.
+        #[staticmethod]
+        fn from_gguf(py: Python<'_>, data: &Bound<'_, PyAny>, ggml_type: &str, k: i64) -> PyResult<Self> {
+            let (g, shape) = u8_2d(data, "data")?;
+            let raw = slice_of(&g, "data")?;
+            let k = dim("k", k, 1)?;
+            let n = shape[0];
+            let w = match ggml_type {
+                "Q4_1" => py.detach(|| lin::QWeight::from_q4_1(raw, n, k)),
+                "Q8_0" => py.detach(|| lin::QWeight::from_q8_0(raw, n, k)),
+                _ => return Err(PyValueError::new_err(format!("ggml_type must be 'Q4_1' or 'Q8_0', got {ggml_type:?}"))),
+            }
+            .map_err(value_err)?;
+            Ok(QLinear { w: std::sync::Arc::new(w) })
+        }
+
+        /// Quantize float32 weights `[n, k]` (k a multiple of 32) per 32-wide block, asymmetric 8-bit.
+        #[staticmethod]
+        fn from_float(py: Python<'_>, w: &Bound<'_, PyAny>) -> PyResult<Self> {
+            let (g, shape) = f32_2d(w, "w")?;
+            let v = slice_of(&g, "w")?;
+            let q = py.detach(|| lin::QWeight::from_f32(v, shape[0], shape[1])).map_err(value_err)?;
+            Ok(QLinear { w: std::sync::Arc::new(q) })
+        }
+
+        /// From `codes: uint8 [n, k]`, `d`, `m`: float32 `[n, k/32]` (the inverse of `unpack`).
+        #[staticmethod]
+        fn from_parts(codes: &Bound<'_, PyAny>, d: &Bound<'_, PyAny>, m: &Bound<'_, PyAny>) -> PyResult<Self> {
+            let (cg, cs) = u8_2d(codes, "codes")?;
+            let (dg, ds) = f32_2d(d, "d")?;
+            let (mg, ms) = f32_2d(m, "m")?;
+            if ds != ms || ds[0] != cs[0] || cs[1] != ds[1] * lin::QBLOCK {
+                return Err(PyValueError::new_err(format!(
+                    "need codes [n, k], d and m [n, k/{}]; got {cs:?}, {ds:?}, {ms:?}",
+                    lin::QBLOCK
+                )));
+            }
+            let q = lin::QWeight::from_parts(cs[0], cs[1], slice_of(&cg, "codes")?, slice_of(&dg, "d")?, slice_of(&mg, "m")?)
+                .map_err(value_err)?;
+            Ok(QLinear { w: std::sync::Arc::new(q) })
+        }
+
+        /// Output features.
+        #[getter]
+        fn n(&self) -> usize {
+            self.w.n()
+        }
+
+        /// Input features.
+        #[getter]
+        fn k(&self) -> usize {
+            self.w.k()
+        }
+
+        /// Bytes held (codes and scales).
+        #[getter]
+        fn nbytes(&self) -> usize {
+            self.w.nbytes()
+        }
+
+        /// `(codes uint8 [n, k], d float32 [n, k/32], m float32 [n, k/32])`.
+        fn unpack<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+            let (n, nb) = (self.w.n(), self.w.k() / lin::QBLOCK);
+            let (c, d, m) = py.detach(|| self.w.unpack());
+            let shaped = |v: Vec<f32>| numpy::ndarray::Array2::from_shape_vec((n, nb), v);
+            let c = numpy::ndarray::Array2::from_shape_vec((n, self.w.k()), c)
+                .map_err(|e| PyValueError::new_err(e.to_string()))?;
+            let d = shaped(d).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            let m = shaped(m).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            PyTuple::new(py, [c.into_pyarray(py).into_any(), d.into_pyarray(py).into_any(), m.into_pyarray(py).into_any()])
+        }
+
+        /// `x @ W.T`: `x` float32 `[m, k]` -> float32 `[m, n]` (into `out` when given).
+        #[pyo3(signature = (x, *, out = None))]
+        fn __call__<'py>(&self, py: Python<'py>, x: &Bound<'py, PyAny>, out: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+            let xr = typed::<f32>(x, "x", 2, "float32")?;
+            let (m, k) = (xr.shape[0], xr.shape[1]);
+            if k != self.w.k() {
+                return Err(PyValueError::new_err(format!("x must be [m, {}], got {:?}", self.w.k(), xr.shape)));
+            }
+            let n = self.w.n();
+            let out_obj = match out {
+                Some(o) => o.clone(),
+                None => PyArray::<f32, _>::zeros(py, [m, n], false).into_any(),
+            };
+            let outr = typed::<f32>(&out_obj, "out", 2, "float32")?;
+            if outr.shape != [m, n] {
+                return Err(PyValueError::new_err(format!("out must be [{m}, {n}], got {:?}", outr.shape)));
+            }
+            if outr.overlaps(&xr) {
+                return Err(PyValueError::new_err("out must not share memory with x"));
+            }
+            let xg = readonly::<f32>(&xr, "x")?;
+            let mut og = outr
+                .arr
+                .cast::<PyArrayDyn<f32>>()
+                .map_err(|_| PyTypeError::new_err("out must be float32"))?
+                .try_readwrite()
+                .map_err(|e| PyValueError::new_err(format!("out must be writeable and not borrowed elsewhere: {e}")))?;
+            let xs = slice_of(&xg, "x")?;
+            let o = og.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+            let w = &self.w;
+            py.detach(|| lin::linear(xs, m, w, o)).map_err(value_err)?;
+            drop(og);
+            Ok(out_obj)
+        }
+
+        fn __repr__(&self) -> String {
+            format!("QLinear(n={}, k={}, isa={:?})", self.w.n(), self.w.k(), lin::active_isa().name())
+        }
+    }
+
     /// Use `"auto"` (best detected SIMD) or `"scalar"` (the reference path) kernels.
     #[pyfunction]
     pub fn set_kernel_backend(name: &str) -> PyResult<()> {
@@ -1391,6 +1524,8 @@ mod kernel {
         d.set_item("detected_isa", att::detected_isa().name())?;
         d.set_item("num_threads", att::num_threads().map_err(value_err)?)?;
         d.set_item("layout", "[num_blocks, num_kv_heads, block_size, head_dim]")?;
+        d.set_item("linear_isa", crate::linear::active_isa().name())?;
+        d.set_item("detected_linear_isa", crate::linear::detected_isa().name())?;
         d.set_item("build_profile", build_profile())?;
         // AVX-512 is detected for information only: no AVX-512 kernel exists (AVX2 runs there).
         #[cfg(target_arch = "x86_64")]
@@ -1437,6 +1572,6 @@ mod kernel {
 }
 
 pub use kernel::{
-    build_profile, copy_blocks, fma_peak, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache, paged_attention,
+    QLinear, build_profile, copy_blocks, fma_peak, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache, paged_attention,
     set_kernel_backend, set_num_threads, write_kv,
 };

@@ -12,10 +12,14 @@ import pagedkv_rs  # noqa: E402
 from pagedkv_rs.models.gguf_loader import GGUFError, bundled_model_path, load_gguf  # noqa: E402
 from pagedkv_rs.models.llama import (  # noqa: E402
     DenseLlama,
+    FloatLinear,
+    Int8Linear,
     LlamaModel,
     LlamaWeights,
     eos_ids_from_metadata,
+    int8_is_fast,
     kernels,
+    resolve_weight_format,
 )
 from pagedkv_rs.models.tokenizer import GGUFTokenizer  # noqa: E402
 
@@ -27,7 +31,14 @@ def gguf_file():
 
 @pytest.fixture(scope="module")
 def weights(gguf_file):
+    """The default ("auto"): int8 QLinear where AVX-512 VNNI exists, float32 elsewhere."""
     return LlamaWeights(gguf_file)
+
+
+@pytest.fixture(scope="module")
+def weights_by_format(gguf_file, weights):
+    other = "float32" if weights.weight_format == "int8" else "int8"
+    return {weights.weight_format: weights, other: LlamaWeights(gguf_file, weights=other)}
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +125,34 @@ def test_config_from_metadata(gguf_file):
 # ---- the model on real text -----------------------------------------------------------------
 
 
-def test_greedy_chat_answer_is_right(weights, tok, prompts):
-    out = DenseLlama(weights).generate_greedy([prompts[0]], 24, eos_token_ids=(2, 0))[0]
-    assert "Paris" in tok.decode(out, skip_special_tokens=True)
+@pytest.mark.parametrize("fmt", ["int8", "float32"])
+def test_greedy_chat_answer_is_right(weights_by_format, tok, prompts, fmt):
+    out = DenseLlama(weights_by_format[fmt]).generate_greedy([prompts[0]], 24, eos_token_ids=(2, 0))[0]
+    assert tok.decode(out, skip_special_tokens=True) == "The capital of France is Paris."
+
+
+def test_int8_weights_track_float32(weights_by_format, tok, prompts):
+    """Same file blocks, two-digit int8 activations: logits within 0.03 of float32 BLAS.
+
+    The first answer token of prompts[0] is a near tie in float32 ("The" 25.325 vs "L" 25.243); one
+    int8 digit per activation (llama.cpp's Q8) moves logits by ~0.7 and flips it.
+    """
+    f, q = weights_by_format["float32"], weights_by_format["int8"]
+    assert isinstance(f.layers[0]["wqkv"], FloatLinear) and isinstance(q.layers[0]["wqkv"], Int8Linear)
+    ids = np.asarray([prompts[0]])
+    lf = DenseLlama(f).forward(ids, 0, DenseLlama(f).new_cache(1, ids.shape[1]))
+    lq = DenseLlama(q).forward(ids, 0, DenseLlama(q).new_cache(1, ids.shape[1]))
+    assert np.abs(lf - lq).max() < 0.03
+    assert lf.argmax() == lq.argmax()
+    text = tok.encode(TEXT)
+    assert _nll(q, text) == pytest.approx(_nll(f, text), abs=2e-3)
+
+
+def test_weight_format_choice(gguf_file):
+    with pytest.raises(ValueError, match="weights must be one of"):
+        LlamaWeights(gguf_file, weights="int4")
+    assert resolve_weight_format("auto") == ("int8" if int8_is_fast() else "float32")
+    assert resolve_weight_format("float32") == "float32"
 
 
 def _nll(weights, ids) -> float:
@@ -190,6 +226,15 @@ def dense_greedy(weights, prompts, max_new, kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16"])
 def test_paged_equals_dense(backend, weights, prompts, kv_dtype):
+    _paged_equals_dense(backend, weights, prompts, kv_dtype)
+
+
+def test_paged_equals_dense_other_weight_format(backend, weights, weights_by_format, prompts):
+    other = next(w for f, w in weights_by_format.items() if f != weights.weight_format)
+    _paged_equals_dense(backend, other, prompts, "float16")
+
+
+def _paged_equals_dense(backend, weights, prompts, kv_dtype):
     model = LlamaModel(weights)
     max_new = 12
     want = dense_greedy(weights, prompts, max_new, kv_dtype)

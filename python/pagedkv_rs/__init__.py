@@ -34,6 +34,7 @@ from pagedkv_rs import reference  # noqa: E402
 
 if _core is not None:
     from pagedkv_rs._core import (  # noqa: E402
+        QLinear,
         build_profile,
         copy_blocks,
         fma_peak,
@@ -59,6 +60,7 @@ _KERNEL_NAMES = [
     "memory_bandwidth",
     "fma_peak",
     "build_profile",
+    "QLinear",
 ]
 
 _HAVE_RUST = _core is not None

@@ -10,6 +10,7 @@ from pagedkv_rs.batch import BatchInputs
 
 __all__ = [
     "BlockAllocator",
+    "QLinear",
     "KVCacheManager",
     "build_profile",
     "copy_blocks",
@@ -168,3 +169,22 @@ def memory_bandwidth(bytes: int = ..., threads: Optional[int] = None) -> float: 
 def fma_peak(seconds: float = 0.2, threads: Optional[int] = None) -> float: ...
 
 # ---- end of paged-attention kernel -----------------------------------------------------------
+
+# ---- block-quantized linear layers (rust/linear/) --------------------------------------------
+
+@final
+class QLinear:
+    @staticmethod
+    def from_gguf(data: npt.NDArray[np.uint8], ggml_type: str, k: int) -> QLinear: ...
+    @staticmethod
+    def from_float(w: _F32) -> QLinear: ...
+    @staticmethod
+    def from_parts(codes: npt.NDArray[np.uint8], d: _F32, m: _F32) -> QLinear: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def k(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def unpack(self) -> tuple[npt.NDArray[np.uint8], _F32, _F32]: ...
+    def __call__(self, x: _F32, *, out: Optional[_F32] = None) -> _F32: ...

@@ -7,9 +7,10 @@ after an optional shared prefix, outputs of exactly their length (``ignore_eos``
 arrive at t=0. ``--profile`` splits the wall time into weight matmuls, attention, KV writes,
 other model math, sampling and scheduling.
 
-Weight matmuls run in OpenBLAS. On a machine whose cores are busy with other work, its threads'
-spin barriers stall (measured here: 13-17 output tok/s with 2 threads vs 73 with
-``OPENBLAS_NUM_THREADS=1`` while other jobs held the 2 cores); on an idle machine use the default.
+Weight matmuls run in ``pagedkv_rs.QLinear`` (``--weights int8``, the default where AVX-512 VNNI
+exists) on the kernel thread pool, or in numpy's OpenBLAS (``--weights float32``). OpenBLAS's
+threads spin-wait between calls; on a machine whose cores are busy with other work they stall
+(measured here: 13-17 output tok/s with 2 threads vs 73 with ``OPENBLAS_NUM_THREADS=1``).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: 
         "num_preemptions": engine.scheduler.num_preemptions - pre0,
         "num_steps": engine.scheduler.num_steps - steps0,
         "kernels": stats["kernels"],
+        "weights": getattr(getattr(engine.model, "weights", None), "weight_format", "n/a"),
         "backend": stats["backend"],
     }
 
@@ -169,6 +171,7 @@ def format_report(r: dict[str, Any]) -> str:
         ("Preemptions:", r["num_preemptions"]),
         ("Engine steps:", r["num_steps"]),
         ("Kernels / allocator:", f"{r['kernels']} / {r['backend']}"),
+        ("Weights:", r.get("weights", "n/a")),
     ]
     lines = []
     for k, v in rows:
@@ -196,7 +199,7 @@ def profile_breakdown(stats: Any, total: float) -> dict[str, float]:
     mm, att, kv, fwd = g("linear", 0.0), g("paged_attention", 0.0), g("write_kv", 0.0), g("forward", 0.0)
     smp, step = g("sample", 0.0), g("step", 0.0)
     return {
-        "weight matmuls (BLAS sgemm)": mm,
+        "weight matmuls": mm,
         "paged attention": att,
         "KV write": kv,
         "other model math (norm, RoPE, SiLU, embed)": max(0.0, fwd - mm - att - kv),

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 
 from pagedkv_rs.engine import LLMEngine, RequestStream
 from pagedkv_rs.models.gguf_loader import load_gguf
-from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, eos_ids_from_metadata
+from pagedkv_rs.models.llama import WEIGHT_FORMATS, LlamaModel, LlamaWeights, eos_ids_from_metadata
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
 from pagedkv_rs.request import RequestOutput, SamplingParams
 
@@ -62,6 +62,8 @@ class LLM:
     ``model``: path of a Llama-architecture GGUF file, or ``None`` for the bundled SmolLM2-135M.
     ``kv_dtype``: "float16" (default), "float32" or "bfloat16". The KV pool is ``num_blocks`` blocks
     of ``block_size`` tokens, or as many as fit in ``kv_memory`` (bytes or "512MiB"; default 512 MiB).
+    ``weights``: "auto" (default: int8 blocks where the AVX-512 VNNI kernel runs, else float32),
+    "int8" or "float32" (see ``pagedkv_rs.models.llama.LlamaWeights``).
     ``backend``: allocator backend, "auto" | "rust" | "python". Other keyword arguments go to the
     scheduler (``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
     ``preemption_mode``, ``policy``...).
@@ -76,6 +78,7 @@ class LLM:
         kv_memory: Union[int, str, None] = None,
         block_size: int = 16,
         backend: str = "auto",
+        weights: str = "auto",
         enable_prefix_caching: bool = True,
         seed: int = 0,
         **scheduler_kwargs: Any,
@@ -83,7 +86,8 @@ class LLM:
         g = load_gguf(model)
         self.model_path = g.path
         self.tokenizer = GGUFTokenizer(g.metadata, path=g.path)
-        self.model = LlamaModel(LlamaWeights(g), eos_token_ids=eos_ids_from_metadata(g.metadata))
+        self.model = LlamaModel(LlamaWeights(g, weights=weights), eos_token_ids=eos_ids_from_metadata(g.metadata))
+        self.weight_format: str = self.model.weights.weight_format
         del g
         if num_blocks is not None and kv_memory is not None:
             raise ValueError("pass num_blocks or kv_memory, not both")
@@ -168,6 +172,9 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     mem.add_argument("--kv-memory", default=None, help="KV cache size, e.g. 512MiB (default)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--backend", choices=("auto", "rust", "python"), default="auto", help="allocator backend")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+                   help="int8: the GGUF's 8/4-bit blocks run by pagedkv_rs.QLinear; float32: dequantized, numpy BLAS; "
+                        "auto (default): int8 where the AVX-512 VNNI kernel runs")
 
 
 def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
@@ -179,5 +186,6 @@ def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
         kv_memory=args.kv_memory,
         block_size=args.block_size,
         backend=args.backend,
+        weights=args.weights,
         **engine_kwargs,
     )

@@ -27,7 +27,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-__all__ = ["new_kv_cache", "write_kv", "copy_blocks", "paged_attention", "cache_dtype"]
+__all__ = ["new_kv_cache", "write_kv", "copy_blocks", "paged_attention", "cache_dtype", "quantize_activations", "qlinear"]
 
 DTypeLike = Union[str, np.dtype, type]
 
@@ -170,3 +170,54 @@ def paged_attention(
         o = np.einsum("hgqk,khd->qhgd", p, v)
         out[lo:hi] = o.reshape(q_len, hq, d).astype(np.float32)
     return out
+
+
+# ---- block-quantized linear layer (spec of pagedkv_rs.QLinear) --------------------------------
+
+QBLOCK = 32
+
+
+def _digit(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One int8 digit of float32 blocks ``v [..., 32]``: ``(q float32 [..., 32], s float32 [...])``."""
+    amax = np.abs(v).max(-1)
+    bad = np.isnan(v).any(-1) | np.isinf(amax)
+    tiny = ~bad & (amax < np.finfo(np.float32).tiny)
+    safe = np.where(bad | tiny, np.float32(1), amax).astype(np.float32)
+    inv = np.float32(127) / safe
+    q = np.clip(np.rint(v * inv[..., None]), -127, 127).astype(np.float32)
+    q[bad | tiny] = 0
+    s = np.where(bad, np.float32(np.nan), np.where(tiny, np.float32(0), safe / np.float32(127))).astype(np.float32)
+    return q, s
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """float32 ``x [m, k]`` -> ``(hi, lo int8 [m, k], s_hi, s_lo, qs float32 [m, k/32])``.
+
+    Two int8 digits per 32-wide block: ``hi = Q(x)``, ``lo = Q(x - s_hi*hi)`` with
+    ``Q(v) = clip(rint(v * (127/max|v|)), -127, 127)``, ``s = max|v|/127``; ``qs = s_hi*sum(hi) + s_lo*sum(lo)``.
+    All in float32, in the order the Rust kernel uses, so the digits are identical.
+    """
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    v = x.reshape(m, k // QBLOCK, QBLOCK)
+    hi, s_hi = _digit(v)
+    with np.errstate(invalid="ignore"):
+        rest = (v - s_hi[..., None] * hi).astype(np.float32)
+    lo, s_lo = _digit(rest)
+    qs = (s_hi * hi.sum(-1, dtype=np.float32) + s_lo * lo.sum(-1, dtype=np.float32)).astype(np.float32)
+    return hi.reshape(m, k).astype(np.int8), lo.reshape(m, k).astype(np.int8), s_hi, s_lo, qs
+
+
+def qlinear(x: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """``x @ W.T`` with ``W[n, k] = d[n, k//32] * codes[n, k] + m[n, k//32]`` and x quantized as
+    :func:`quantize_activations` does; float64 sums, returned as float32 ``[rows, n]``."""
+    hi, lo, s_hi, s_lo, qs = quantize_activations(x)
+    rows, k = hi.shape
+    n = codes.shape[0]
+    nb = k // QBLOCK
+    c = codes.astype(np.float64).reshape(n, nb, QBLOCK)
+    dot_h = np.einsum("rbj,nbj->rnb", hi.astype(np.float64).reshape(rows, nb, QBLOCK), c)
+    dot_l = np.einsum("rbj,nbj->rnb", lo.astype(np.float64).reshape(rows, nb, QBLOCK), c)
+    y = (d[None].astype(np.float64) * (s_hi[:, None].astype(np.float64) * dot_h + s_lo[:, None].astype(np.float64) * dot_l)
+         + m[None].astype(np.float64) * qs[:, None].astype(np.float64)).sum(-1)
+    return y.astype(np.float32)

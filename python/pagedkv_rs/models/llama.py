@@ -1,6 +1,7 @@
 """Llama-architecture forward pass in numpy, over our paged KV cache.
 
-Two consumers of one set of float32 weights (:class:`LlamaWeights`):
+Two consumers of one set of weights (:class:`LlamaWeights`: float32 for numpy's BLAS, or int8
+blocks for ``pagedkv_rs.QLinear``):
 
 - :class:`LlamaModel` implements the engine's ``Model`` protocol: one ``forward`` per step for all
   scheduled tokens of all sequences, one ``write_kv`` and one varlen ``paged_attention`` per layer.
@@ -8,7 +9,7 @@ Two consumers of one set of float32 weights (:class:`LlamaWeights`):
   weights and the per-token math (RMSNorm, RoPE, SwiGLU) but none of the cache or attention code.
 
 Shapes: T = tokens this step, H = hidden, Hq/Hkv = query/KV heads, D = head_dim, F = FFN width.
-Activations are 2-D ``[T, H]`` so each weight multiply is one BLAS sgemm.
+Activations are 2-D ``[T, H]`` so each weight multiply is one call (one sgemm, or one QLinear).
 
 RoPE convention: llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that the
 rotated pairs are adjacent (``(x[2i], x[2i+1])``). We undo that permutation at load and rotate
@@ -28,7 +29,10 @@ import numpy as np
 from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.models.gguf_loader import GGUFFile, LlamaConfig, load_gguf
 
-__all__ = ["DenseLlama", "LlamaModel", "LlamaWeights", "eos_ids_from_metadata", "kernels", "unpermute_rope_rows"]
+__all__ = [
+    "DenseLlama", "FloatLinear", "Int8Linear", "LlamaModel", "LlamaWeights", "WEIGHT_FORMATS", "eos_ids_from_metadata",
+    "int8_is_fast", "kernels", "resolve_weight_format", "unpermute_rope_rows",
+]
 
 ROPE_MODES = ("half", "adjacent", "mismatched")
 
@@ -47,57 +51,130 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n_heads, d // 2, 2, -1).swapaxes(1, 2).reshape(w.shape))
 
 
-class LlamaWeights:
-    """Float32 weights in ``x @ W`` layout with fused QKV and gate/up projections, plus RoPE tables."""
+WEIGHT_FORMATS = ("auto", "int8", "float32")
 
-    def __init__(self, gguf: GGUFFile, *, rope_pairs: str = "half"):
+
+def int8_is_fast() -> bool:
+    """True when ``pagedkv_rs.QLinear`` runs its SIMD kernel here (AVX-512 VNNI, not forced scalar)."""
+    try:
+        from pagedkv_rs import _core
+    except ImportError:
+        return False
+    return hasattr(_core, "QLinear") and _core.kernel_info().get("linear_isa", "scalar") != "scalar"
+
+
+def resolve_weight_format(fmt: str) -> str:
+    """``"auto"`` -> ``"int8"`` where the int8 kernel is fast, else ``"float32"``."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+    if fmt == "auto":
+        return "int8" if int8_is_fast() else "float32"
+    return fmt
+
+
+class FloatLinear:
+    """float32 weights ``W.T`` ``[in, out]``: ``x @ W.T`` is one BLAS sgemm."""
+
+    def __init__(self, w_t: np.ndarray):
+        self.w_t = w_t
+        self.k, self.n = w_t.shape
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.w_t
+
+
+class Int8Linear:
+    """``pagedkv_rs.QLinear``: 8-bit codes per 32-wide block, int8 activations, on the kernel threads."""
+
+    def __init__(self, q: Any):
+        self.q = q
+        self.k, self.n = q.k, q.n
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.q(np.ascontiguousarray(x, np.float32))
+
+
+class LlamaWeights:
+    """Weights of a Llama model with fused QKV and gate/up projections, plus RoPE tables.
+
+    ``weights="float32"``: every projection is dequantized float32 run by numpy's BLAS.
+    ``weights="int8"``: ``pagedkv_rs.QLinear``; Q4_1/Q8_0 tensors keep the file's own blocks
+    (exactly), other types are requantized to 8 bits per 32-wide block. ``"auto"`` (default) picks
+    int8 where its AVX-512 VNNI kernel runs, float32 elsewhere.
+    """
+
+    def __init__(self, gguf: GGUFFile, *, rope_pairs: str = "half", weights: str = "auto"):
         if rope_pairs not in ROPE_MODES:
             raise ValueError(f"rope_pairs must be one of {ROPE_MODES}, got {rope_pairs!r}")
         cfg = gguf.config
-        t = gguf.tensors
         self.config: LlamaConfig = cfg
         self.path = gguf.path
         self.rope_pairs = rope_pairs
-        unpermute = rope_pairs == "half"
-        self.embed: np.ndarray = t["token_embd.weight"]  # [V, H]
-        self.lm_head_t: np.ndarray = self.embed.T if cfg.tie_embeddings else np.ascontiguousarray(t["output.weight"]).T
-        self.final_norm: np.ndarray = t["output_norm.weight"]
-        self.layers: list[dict[str, np.ndarray]] = []
+        self.weight_format = resolve_weight_format(weights)
+        self._gguf = gguf
+        self.embed: np.ndarray = gguf.tensors["token_embd.weight"]  # [V, H]
+        self.lm_head = self._linear(["token_embd.weight" if cfg.tie_embeddings else "output.weight"])
+        self.final_norm: np.ndarray = gguf.tensors["output_norm.weight"]
+        self.layers: list[dict[str, Any]] = []
         for i in range(cfg.num_layers):
             b = f"blk.{i}."
-            wq, wk = t[b + "attn_q.weight"], t[b + "attn_k.weight"]
-            if unpermute:
-                wq = unpermute_rope_rows(wq, cfg.num_heads)
-                wk = unpermute_rope_rows(wk, cfg.num_kv_heads)
+            t = gguf.tensors
             self.layers.append(
                 {
                     "attn_norm": t[b + "attn_norm.weight"],
                     "ffn_norm": t[b + "ffn_norm.weight"],
-                    # [H, (Hq + 2 Hkv) D]
-                    "wqkv": np.ascontiguousarray(np.concatenate([wq, wk, t[b + "attn_v.weight"]], axis=0).T),
-                    "wo": np.ascontiguousarray(t[b + "attn_output.weight"].T),  # [Hq D, H]
-                    # [H, 2F]: gate columns then up columns
-                    "wgu": np.ascontiguousarray(np.concatenate([t[b + "ffn_gate.weight"], t[b + "ffn_up.weight"]]).T),
-                    "wdown": np.ascontiguousarray(t[b + "ffn_down.weight"].T),  # [F, H]
+                    # out features: Hq D query, Hkv D key, Hkv D value
+                    "wqkv": self._linear([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]),
+                    "wo": self._linear([b + "attn_output.weight"]),
+                    # out features: F gate then F up
+                    "wgu": self._linear([b + "ffn_gate.weight", b + "ffn_up.weight"]),
+                    "wdown": self._linear([b + "ffn_down.weight"]),
                 }
             )
+        del self._gguf
         d = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         ang = np.arange(cfg.max_model_len, dtype=np.float64)[:, None] * inv_freq[None, :]
         self.cos: np.ndarray = np.cos(ang).astype(np.float32)  # [max_len, D/2]
         self.sin: np.ndarray = np.sin(ang).astype(np.float32)
 
+    def _rows(self, name: str, table: dict[str, np.ndarray]) -> np.ndarray:
+        """Rows ``[out, ...]`` of a tensor (float or raw blocks), Q/K rows in rotate-half order if asked."""
+        w = table[name]
+        if self.rope_pairs == "half" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = self.config.num_heads if name.endswith("attn_q.weight") else self.config.num_kv_heads
+            w = unpermute_rope_rows(w, heads)
+        return w
+
+    def _linear(self, names: list[str]) -> Any:
+        """One linear layer whose output features are the named ``[out, in]`` tensors' rows, in order."""
+        g = self._gguf
+        if self.weight_format == "float32":
+            rows = [self._rows(n, g.tensors) for n in names]
+            if len(rows) == 1 and names[0] == "token_embd.weight":
+                return FloatLinear(rows[0].T)  # tied: a transposed view, no copy
+            return FloatLinear(np.ascontiguousarray(np.concatenate(rows).T))
+        from pagedkv_rs import _core
+
+        k = g.tensors[names[0]].shape[1]
+        kinds = {g.tensor_types[n] for n in names}
+        if len(kinds) == 1 and all(n in g.raw for n in names):
+            raw = np.concatenate([self._rows(n, g.raw) for n in names])
+            return Int8Linear(_core.QLinear.from_gguf(raw, kinds.pop(), k))
+        rows = np.concatenate([self._rows(n, g.tensors) for n in names])
+        return Int8Linear(_core.QLinear.from_float(np.ascontiguousarray(rows, np.float32)))
+
     @classmethod
-    def load(cls, path: Any = None, *, rope_pairs: str = "half") -> "LlamaWeights":
-        return cls(path if isinstance(path, GGUFFile) else load_gguf(path), rope_pairs=rope_pairs)
+    def load(cls, path: Any = None, *, rope_pairs: str = "half", weights: str = "auto") -> "LlamaWeights":
+        return cls(path if isinstance(path, GGUFFile) else load_gguf(path), rope_pairs=rope_pairs, weights=weights)
 
 
 # ---- per-token math shared by both forwards -------------------------------------------------
 
 
-def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x: [T, in] @ w: [in, out] -> [T, out]: one sgemm (a named function so profiles can attribute it)."""
-    return x @ w
+def linear(x: np.ndarray, w: Any) -> np.ndarray:
+    """x: [T, in] -> [T, out] through a ``FloatLinear``/``Int8Linear`` (a named function for profiles)."""
+    return w(x)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -123,7 +200,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np
     return out
 
 
-def swiglu_mlp(h: np.ndarray, layer: dict[str, np.ndarray], f: int) -> np.ndarray:
+def swiglu_mlp(h: np.ndarray, layer: dict[str, Any], f: int) -> np.ndarray:
     """h: [T, H] -> [T, H] via one fused gate/up sgemm."""
     gu = linear(h, layer["wgu"])  # [T, 2F]
     g, u = gu[:, :f], gu[:, f:]
@@ -190,7 +267,7 @@ class LlamaModel:
         hidden = self.forward_hidden(batch, kv_caches)
         last = hidden[qsl[1:] - 1]  # [B, H]
         w = self.weights
-        return linear(rms_norm(last, w.final_norm, self.config.rms_eps), w.lm_head_t)
+        return linear(rms_norm(last, w.final_norm, self.config.rms_eps), w.lm_head)
 
     def forward_hidden(self, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         """Residual stream ``[T, H]`` after the last layer (before the final norm)."""
@@ -283,7 +360,7 @@ class DenseLlama:
         x = w.embed[ids.reshape(-1)]  # [B*T, H]
         for layer, (kc, vc) in zip(w.layers, cache):
             h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
-            qkv = h @ layer["wqkv"]
+            qkv = linear(h, layer["wqkv"])
             q = apply_rope(qkv[:, :nq].reshape(b * t, hq, d), cos, sin, self._mode)
             k = apply_rope(qkv[:, nq : nq + nk].reshape(b * t, hkv, d), cos, sin, self._mode)
             v = qkv[:, nq + nk :].reshape(b, t, hkv, d)
@@ -301,12 +378,12 @@ class DenseLlama:
             p /= p.sum(axis=-1, keepdims=True)
             o = p.reshape(b, hkv, g * t, end) @ vv  # [B, Hkv, G*T, D]
             o = o.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b * t, nq)
-            x += o @ layer["wo"]
+            x += linear(o, layer["wo"])
             x += swiglu_mlp(rms_norm(x, layer["ffn_norm"], cfg.rms_eps), layer, cfg.intermediate_size)
         if all_positions:
-            return (rms_norm(x, w.final_norm, cfg.rms_eps) @ w.lm_head_t).reshape(b, t, -1)
+            return linear(rms_norm(x, w.final_norm, cfg.rms_eps), w.lm_head).reshape(b, t, -1)
         last = x.reshape(b, t, -1)[:, -1]
-        return rms_norm(last, w.final_norm, cfg.rms_eps) @ w.lm_head_t
+        return linear(rms_norm(last, w.final_norm, cfg.rms_eps), w.lm_head)
 
     def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                         eos_token_ids: Sequence[int] = ()) -> list[list[int]]:

@@ -1,0 +1,466 @@
+//! Block-quantized linear layers: `y[M, N] = x[M, K] · Wᵀ` with W held as 8-bit codes (no pyo3).
+//!
+//! | variant    | file   | used when                                                              |
+//! |------------|--------|------------------------------------------------------------------------|
+//! | scalar     | mod.rs | forced (`set_backend("scalar")`, `PAGEDKV_KERNEL=scalar`) or no VNNI    |
+//! | avx512vnni | x86.rs | x86-64 with AVX-512 F + BW + VNNI (runtime detected)                    |
+//!
+//! Weights: each row n of W is cut into K/32 blocks; block b holds 32 unsigned codes `c` and two
+//! f32 numbers `d`, `m` with `w = d·c + m`. GGUF Q4_1 blocks (`c` in 0..=15) and Q8_0 blocks
+//! (`c = q + 128`, `m = -128·d`) map onto this exactly; float weights are quantized
+//! asymmetrically per block (`c` in 0..=255).
+//!
+//! Activations are quantized per row and 32-wide block in two int8 digits: `h = Q(x)` and
+//! `l = Q(x - s_h·h)`, where `Q(v)`: `a = max|v|`, `q = round_half_even(v · (127/a))` in
+//! -127..=127, `s = a/127`. The second digit quantizes the first one's rounding error, so the
+//! activations keep ~15 bits per block (one int8 digit, as llama.cpp's Q8, loses ~0.7 logits
+//! on SmolLM2 and flips near-tied greedy choices; two digits stay within ~0.01 of float32).
+//! With `qs = s_h·Σh + s_l·Σl`:
+//!
+//! ```text
+//! y[r, n] = Σ_b (d·s_h)·(Σ_j c·h) + (d·s_l)·(Σ_j c·l) + m·qs      (three fused multiply-adds per block)
+//! ```
+//!
+//! The integer dot is exact; only the f32 sum over blocks rounds, in the same order on every
+//! path and for every M: a row's result does not depend on the rows beside it, and the scalar
+//! and SIMD paths agree bit for bit (cargo tests assert it).
+//!
+//! Packed layout (what the SIMD kernel streams): output rows in panels of 16 (the last padded
+//! with zero rows); a panel's codes are K/4 groups of 64 bytes = 16 rows × 4 consecutive k, so
+//! one 64-byte load feeds one `vpdpbusd` for 16 outputs; its scales are, per block, 16 `d` then
+//! 16 `m`. Work is split over columns only (pairs of panels), never over K.
+
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use half::f16;
+
+use crate::error::{Error, Result};
+
+/// K values per quantization block.
+pub const QBLOCK: usize = 32;
+/// Output rows per packed panel.
+pub const PANEL: usize = 16;
+
+/// SIMD variant of the linear kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx512Vnni,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx512Vnni => "avx512vnni",
+        }
+    }
+}
+
+/// Best variant this CPU runs.
+pub fn detected_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni") {
+            return Isa::Avx512Vnni;
+        }
+    }
+    Isa::Scalar
+}
+
+/// Variant the next call runs with (the kernel backend switch forces scalar here too).
+pub fn active_isa() -> Isa {
+    if crate::attention::backend() == "scalar" {
+        Isa::Scalar
+    } else {
+        detected_isa()
+    }
+}
+
+/// A weight matrix `[n, k]` in the packed block-quantized layout.
+#[derive(Clone, Debug)]
+pub struct QWeight {
+    n: usize,
+    k: usize,
+    /// `panels * k * PANEL` codes.
+    codes: Vec<u8>,
+    /// `panels * (k / QBLOCK) * 2 * PANEL` floats.
+    scales: Vec<f32>,
+}
+
+impl QWeight {
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    pub fn k(&self) -> usize {
+        self.k
+    }
+    pub fn nbytes(&self) -> usize {
+        self.codes.len() + 4 * self.scales.len()
+    }
+    fn blocks(&self) -> usize {
+        self.k / QBLOCK
+    }
+    fn panels(&self) -> usize {
+        self.n.div_ceil(PANEL)
+    }
+
+    /// Pack row-major codes `[n, k]` and per-block `d`, `m` `[n, k/32]`.
+    pub fn from_parts(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32]) -> Result<Self> {
+        check_dims(n, k)?;
+        let nb = k / QBLOCK;
+        if codes.len() != n * k || d.len() != n * nb || m.len() != n * nb {
+            return Err(Error::Invalid(format!(
+                "need codes [{n}, {k}], d and m [{n}, {nb}]; got {}, {} and {} values",
+                codes.len(),
+                d.len(),
+                m.len()
+            )));
+        }
+        if let Some(i) = d.iter().chain(m).position(|v| !v.is_finite()) {
+            return Err(Error::Invalid(format!("scale {i} is not finite")));
+        }
+        let panels = n.div_ceil(PANEL);
+        let mut pc = vec![0u8; panels * k * PANEL];
+        let mut ps = vec![0f32; panels * nb * 2 * PANEL];
+        for row in 0..n {
+            let (p, i) = (row / PANEL, row % PANEL);
+            let src = &codes[row * k..][..k];
+            let dst = &mut pc[p * k * PANEL..][..k * PANEL];
+            for (g, quad) in src.chunks_exact(4).enumerate() {
+                dst[g * 4 * PANEL + i * 4..][..4].copy_from_slice(quad);
+            }
+            for b in 0..nb {
+                let s = &mut ps[(p * nb + b) * 2 * PANEL..][..2 * PANEL];
+                s[i] = d[row * nb + b];
+                s[PANEL + i] = m[row * nb + b];
+            }
+        }
+        Ok(QWeight { n, k, codes: pc, scales: ps })
+    }
+
+    /// Row-major codes `[n, k]`, `d` and `m` `[n, k/32]` (the inverse of `from_parts`).
+    pub fn unpack(&self) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
+        let (n, k, nb) = (self.n, self.k, self.blocks());
+        let mut codes = vec![0u8; n * k];
+        let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
+        for row in 0..n {
+            let (p, i) = (row / PANEL, row % PANEL);
+            let src = &self.codes[p * k * PANEL..][..k * PANEL];
+            for g in 0..k / 4 {
+                codes[row * k + g * 4..][..4].copy_from_slice(&src[g * 4 * PANEL + i * 4..][..4]);
+            }
+            for b in 0..nb {
+                let s = &self.scales[(p * nb + b) * 2 * PANEL..][..2 * PANEL];
+                d[row * nb + b] = s[i];
+                m[row * nb + b] = s[PANEL + i];
+            }
+        }
+        (codes, d, m)
+    }
+
+    /// From GGUF Q4_1 rows: per block `d: f16, m: f16, qs: [u8; 16]` (low nibbles are
+    /// elements 0..16, high nibbles 16..32). `raw` is `[n, k/32 * 20]` bytes.
+    pub fn from_q4_1(raw: &[u8], n: usize, k: usize) -> Result<Self> {
+        Self::from_gguf_blocks(raw, n, k, 20, |blk, c| {
+            for j in 0..16 {
+                c[j] = blk[4 + j] & 0x0f;
+                c[j + 16] = blk[4 + j] >> 4;
+            }
+            (f16_at(blk, 0), f16_at(blk, 2))
+        })
+    }
+
+    /// From GGUF Q8_0 rows: per block `d: f16, qs: [i8; 32]`. `raw` is `[n, k/32 * 34]` bytes.
+    pub fn from_q8_0(raw: &[u8], n: usize, k: usize) -> Result<Self> {
+        Self::from_gguf_blocks(raw, n, k, 34, |blk, c| {
+            for j in 0..32 {
+                c[j] = (blk[2 + j] as i8 as i16 + 128) as u8;
+            }
+            let d = f16_at(blk, 0);
+            (d, -128.0 * d)
+        })
+    }
+
+    fn from_gguf_blocks(
+        raw: &[u8],
+        n: usize,
+        k: usize,
+        block_bytes: usize,
+        decode: impl Fn(&[u8], &mut [u8]) -> (f32, f32),
+    ) -> Result<Self> {
+        check_dims(n, k)?;
+        let nb = k / QBLOCK;
+        if raw.len() != n * nb * block_bytes {
+            return Err(Error::Invalid(format!(
+                "need {n} rows of {} bytes ({nb} blocks of {block_bytes}), got {} bytes",
+                nb * block_bytes,
+                raw.len()
+            )));
+        }
+        let mut codes = vec![0u8; n * k];
+        let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
+        for (i, blk) in raw.chunks_exact(block_bytes).enumerate() {
+            let (db, mb) = decode(blk, &mut codes[i * QBLOCK..][..QBLOCK]);
+            d[i] = db;
+            m[i] = mb;
+        }
+        Self::from_parts(n, k, &codes, &d, &m)
+    }
+
+    /// Quantize float weights `[n, k]`: per block `d = (max - min)/255`, `m = min`,
+    /// `c = round((w - m)/d)`.
+    pub fn from_f32(w: &[f32], n: usize, k: usize) -> Result<Self> {
+        check_dims(n, k)?;
+        if w.len() != n * k {
+            return Err(Error::Invalid(format!("need {} weights for [{n}, {k}], got {}", n * k, w.len())));
+        }
+        if let Some(i) = w.iter().position(|v| !v.is_finite()) {
+            return Err(Error::Invalid(format!("weight {i} (row {}, column {}) is not finite", i / k, i % k)));
+        }
+        let nb = k / QBLOCK;
+        let mut codes = vec![0u8; n * k];
+        let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
+        for (i, blk) in w.chunks_exact(QBLOCK).enumerate() {
+            let lo = blk.iter().copied().fold(f32::INFINITY, f32::min);
+            let hi = blk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let step = (hi - lo) / 255.0;
+            let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
+            for (c, &v) in codes[i * QBLOCK..][..QBLOCK].iter_mut().zip(blk) {
+                *c = ((v - lo) * inv).round_ties_even().clamp(0.0, 255.0) as u8;
+            }
+            d[i] = step;
+            m[i] = lo;
+        }
+        Self::from_parts(n, k, &codes, &d, &m)
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+fn check_dims(n: usize, k: usize) -> Result<()> {
+    if n == 0 || k == 0 || k % QBLOCK != 0 {
+        return Err(Error::Invalid(format!("weights need n >= 1 and k a positive multiple of {QBLOCK}, got n={n}, k={k}")));
+    }
+    if n.checked_mul(k).is_none_or(|v| v > 1 << 34) {
+        return Err(Error::Invalid(format!("weight matrix [{n}, {k}] is too large")));
+    }
+    Ok(())
+}
+
+/// Activations of `m` rows `[m, k]`, quantized per 32-wide block in two int8 digits.
+pub struct QActs {
+    /// First digit `h`.
+    pub hi: Vec<i8>,
+    /// Second digit `l` (the first one's rounding error).
+    pub lo: Vec<i8>,
+    /// `s_h[r, b]` (NaN when the block holds a NaN or infinity, so that output row is NaN).
+    pub s_hi: Vec<f32>,
+    pub s_lo: Vec<f32>,
+    /// `s_h · Σh + s_l · Σl`.
+    pub qs: Vec<f32>,
+}
+
+/// Quantize `x [m, k]` row by row (see the module docs).
+pub fn quantize_acts(x: &[f32], m: usize, k: usize) -> QActs {
+    let nb = k / QBLOCK;
+    let mut a = QActs {
+        hi: vec![0; m * k],
+        lo: vec![0; m * k],
+        s_hi: vec![0.0; m * nb],
+        s_lo: vec![0.0; m * nb],
+        qs: vec![0.0; m * nb],
+    };
+    let mut rest = [0f32; QBLOCK];
+    for (i, blk) in x[..m * k].chunks_exact(QBLOCK).enumerate() {
+        let (sh, sum_h) = quantize_block(blk, &mut a.hi[i * QBLOCK..][..QBLOCK]);
+        for ((r, &v), &h) in rest.iter_mut().zip(blk).zip(&a.hi[i * QBLOCK..][..QBLOCK]) {
+            *r = if sh.is_nan() { f32::NAN } else { v - sh * h as f32 };
+        }
+        let (sl, sum_l) = quantize_block(&rest, &mut a.lo[i * QBLOCK..][..QBLOCK]);
+        a.s_hi[i] = sh;
+        a.s_lo[i] = sl;
+        a.qs[i] = sh * sum_h as f32 + sl * sum_l as f32;
+    }
+    a
+}
+
+/// `v.round_ties_even()` for |v| < 2^22, in plain f32 arithmetic: adding and subtracting
+/// 1.5·2^23 rounds to an integer in the default (nearest-even) mode. The library call that
+/// `round_ties_even` becomes without SSE4.1 cost more than the whole matrix product.
+#[inline(always)]
+fn round_half_even(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
+}
+
+/// One digit: `(s, Σq)`; `s` is NaN for a block holding NaN or infinity, 0 for an all-zero one.
+fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, i32) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    if x.iter().any(|v| v.is_nan()) || amax.is_infinite() {
+        q.fill(0);
+        return (f32::NAN, 0);
+    }
+    if amax < f32::MIN_POSITIVE {
+        // All zero (or subnormal): nothing to keep.
+        q.fill(0);
+        return (0.0, 0);
+    }
+    let inv = 127.0 / amax;
+    let mut sum = 0i32;
+    for (o, &v) in q.iter_mut().zip(x) {
+        let r = round_half_even(v * inv).clamp(-127.0, 127.0) as i8;
+        sum += r as i32;
+        *o = r;
+    }
+    (amax / 127.0, sum)
+}
+
+/// Arguments of one tile call, shared by the variants.
+struct Args<'a> {
+    acts: &'a QActs,
+    w: &'a QWeight,
+    out: *mut f32,
+}
+
+/// Scalar tile: rows `r0..r0+mr`, panel `p` (the same float operations in the same order as the
+/// SIMD kernel).
+fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
+    let (k, nb, n) = (a.w.k, a.w.blocks(), a.w.n);
+    let codes = &a.w.codes[p * k * PANEL..][..k * PANEL];
+    let scales = &a.w.scales[p * nb * 2 * PANEL..][..nb * 2 * PANEL];
+    for r in r0..r0 + mr {
+        let (hi, lo) = (&a.acts.hi[r * k..][..k], &a.acts.lo[r * k..][..k]);
+        for i in 0..PANEL.min(n - p * PANEL) {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let (mut dh, mut dl) = (0i32, 0i32);
+                for j in b * QBLOCK..(b + 1) * QBLOCK {
+                    let c = codes[(j / 4) * 4 * PANEL + i * 4 + j % 4] as i32;
+                    dh += c * hi[j] as i32;
+                    dl += c * lo[j] as i32;
+                }
+                let (d, m) = (scales[b * 2 * PANEL + i], scales[b * 2 * PANEL + PANEL + i]);
+                let rb = r * nb + b;
+                acc = (dh as f32).mul_add(d * a.acts.s_hi[rb], acc);
+                acc = (dl as f32).mul_add(d * a.acts.s_lo[rb], acc);
+                acc = m.mul_add(a.acts.qs[rb], acc);
+            }
+            // SAFETY: r < m rows and column p*PANEL + i < n of the [m, n] output the caller
+            // sized; jobs write disjoint column ranges.
+            unsafe { *a.out.add(r * n + p * PANEL + i) = acc };
+        }
+    }
+}
+
+/// Rows per tile of the SIMD kernel (each row is two digit streams).
+const MR: usize = 2;
+/// Panels per job (columns per job = JOB_PANELS * PANEL).
+const JOB_PANELS: usize = 2;
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: the pointer is only dereferenced inside `linear`'s jobs, which write disjoint column
+// ranges of an output buffer that outlives the parallel loop.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above; jobs never touch the same element.
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// `out[m, n] = x[m, k] · Wᵀ` on the kernel thread pool.
+pub fn linear(x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
+    linear_with(active_isa(), x, m, w, out)
+}
+
+/// `linear` with an explicit variant (tests compare them).
+pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
+    use rayon::prelude::*;
+    let (n, k) = (w.n, w.k);
+    if x.len() != m * k {
+        return Err(Error::Invalid(format!("x must be [{m}, {k}], got {} values", x.len())));
+    }
+    if out.len() != m * n {
+        return Err(Error::Invalid(format!("out must be [{m}, {n}], got {} values", out.len())));
+    }
+    if m == 0 {
+        return Ok(());
+    }
+    let pool = crate::attention::pool()?;
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    pool.install(|| {
+        let acts = if isa == Isa::Scalar { quantize_acts(x, m, k) } else { quantize_par(x, m, k) };
+        let jobs = w.panels().div_ceil(JOB_PANELS);
+        (0..jobs).into_par_iter().for_each(|j| {
+            let a = Args { acts: &acts, w, out: out_ptr.get() };
+            let p0 = j * JOB_PANELS;
+            let np = JOB_PANELS.min(w.panels() - p0);
+            run_job(isa, &a, m, p0, np);
+        });
+    });
+    Ok(())
+}
+
+/// `quantize_acts`, with AVX-512 where the CPU has it (identical results).
+fn quantize_fast(x: &[f32], m: usize, k: usize) -> QActs {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+        let nb = k / QBLOCK;
+        let mut a = QActs {
+            hi: vec![0; m * k],
+            lo: vec![0; m * k],
+            s_hi: vec![0.0; m * nb],
+            s_lo: vec![0.0; m * nb],
+            qs: vec![0.0; m * nb],
+        };
+        // SAFETY: AVX-512 F/BW checked above; x[..m*k] and the buffers are sized for m rows.
+        unsafe { x86::quantize(&x[..m * k], &mut a) };
+        return a;
+    }
+    quantize_acts(x, m, k)
+}
+
+fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
+    use rayon::prelude::*;
+    const ROWS: usize = 64;
+    if m <= ROWS {
+        return quantize_fast(x, m, k);
+    }
+    let parts: Vec<QActs> = x.par_chunks(ROWS * k).map(|c| quantize_fast(c, c.len() / k, k)).collect();
+    let mut a = QActs { hi: Vec::with_capacity(m * k), lo: Vec::with_capacity(m * k), s_hi: Vec::new(), s_lo: Vec::new(), qs: Vec::new() };
+    for p in parts {
+        a.hi.extend_from_slice(&p.hi);
+        a.lo.extend_from_slice(&p.lo);
+        a.s_hi.extend_from_slice(&p.s_hi);
+        a.s_lo.extend_from_slice(&p.s_lo);
+        a.qs.extend_from_slice(&p.qs);
+    }
+    a
+}
+
+fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni if detected_isa() == Isa::Avx512Vnni => {
+            // SAFETY: AVX-512 F/BW/VNNI are present (checked just above); the tile bounds are
+            // within the activations, weights and output sized by `linear_with`.
+            unsafe { x86::job(a, m, p0, np) }
+        }
+        _ => {
+            for r0 in (0..m).step_by(MR) {
+                for p in p0..p0 + np {
+                    tile_scalar(a, r0, MR.min(m - r0), p);
+                }
+            }
+        }
+    }
+}

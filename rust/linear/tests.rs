@@ -1,0 +1,196 @@
+//! SIMD vs scalar (bit for bit), both vs a float64 sum over the unpacked weights, GGUF decoding.
+
+use super::*;
+
+/// xorshift64*: deterministic test data without a dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+fn random_weight(r: &mut Rng, n: usize, k: usize) -> QWeight {
+    let w: Vec<f32> = (0..n * k).map(|_| r.uniform() * 0.1).collect();
+    QWeight::from_f32(&w, n, k).unwrap()
+}
+
+/// y[r, n] in float64 from the unpacked weights and the quantized activations.
+fn reference(x: &[f32], m: usize, w: &QWeight) -> Vec<f64> {
+    let (n, k) = (w.n(), w.k());
+    let nb = k / QBLOCK;
+    let (codes, d, mm) = w.unpack();
+    let a = quantize_acts(x, m, k);
+    let mut y = vec![0f64; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            let mut acc = 0f64;
+            for b in 0..nb {
+                let dot = |q: &[i8]| -> f64 {
+                    (b * QBLOCK..(b + 1) * QBLOCK).map(|j| codes[c * k + j] as i64 * q[r * k + j] as i64).sum::<i64>() as f64
+                };
+                let (rb, cb) = (r * nb + b, c * nb + b);
+                acc += d[cb] as f64 * (a.s_hi[rb] as f64 * dot(&a.hi) + a.s_lo[rb] as f64 * dot(&a.lo))
+                    + mm[cb] as f64 * a.qs[rb] as f64;
+            }
+            y[r * n + c] = acc;
+        }
+    }
+    y
+}
+
+#[test]
+fn simd_equals_scalar_bit_for_bit_and_matches_reference() {
+    let mut r = Rng(0x1234_5678);
+    for case in 0..24 {
+        let n = [1, 5, 16, 17, 31, 32, 48, 100][r.below(8)];
+        let k = 32 * (1 + r.below(8));
+        let m = [1, 2, 3, 4, 5, 7, 9, 33][r.below(8)];
+        let w = random_weight(&mut r, n, k);
+        let x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 3.0).collect();
+        let mut ys = vec![f32::NAN; m * n];
+        linear_with(Isa::Scalar, &x, m, &w, &mut ys).unwrap();
+        let yr = reference(&x, m, &w);
+        for (i, (&a, &b)) in ys.iter().zip(&yr).enumerate() {
+            assert!((a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "case {case} [{m},{n},{k}] elem {i}: {a} vs {b}");
+        }
+        if detected_isa() != Isa::Scalar {
+            let mut yv = vec![f32::NAN; m * n];
+            linear_with(detected_isa(), &x, m, &w, &mut yv).unwrap();
+            assert_eq!(ys.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), yv.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "case {case} [{m},{n},{k}]");
+        }
+    }
+}
+
+#[test]
+fn two_digits_track_float_activations_closely() {
+    let mut r = Rng(5);
+    let (n, k, m) = (24, 128, 3);
+    let w = random_weight(&mut r, n, k);
+    let (codes, d, mm) = w.unpack();
+    // One outlier per row, as massive activations do: one digit would lose the small values.
+    let mut x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 0.05).collect();
+    for row in 0..m {
+        x[row * k + 7] = 40.0;
+    }
+    let mut y = vec![0f32; m * n];
+    linear(&x, m, &w, &mut y).unwrap();
+    for row in 0..m {
+        for c in 0..n {
+            let exact: f64 = (0..k)
+                .map(|j| x[row * k + j] as f64 * (d[c * (k / QBLOCK) + j / QBLOCK] as f64 * codes[c * k + j] as f64 + mm[c * (k / QBLOCK) + j / QBLOCK] as f64))
+                .sum();
+            let got = y[row * n + c] as f64;
+            assert!((got - exact).abs() <= 1e-4 * (1.0 + exact.abs()), "[{row},{c}] {got} vs {exact}");
+        }
+    }
+}
+
+#[test]
+fn simd_quantization_equals_scalar() {
+    let mut r = Rng(11);
+    let k = 32 * 9;
+    let mut x: Vec<f32> = (0..4 * k).map(|_| r.uniform() * 10.0).collect();
+    x[5] = f32::NAN; // block 0: NaN
+    x[40] = f32::INFINITY; // block 1: infinite
+    x[64..96].fill(0.0); // block 2: zero
+    x[100] = 1e-40; // block 3: subnormal next to normal values
+    x[130] = 3000.0; // block 4: an outlier
+    x[160..192].fill(1e-39); // block 5: all subnormal
+    for (i, v) in x[192..224].iter_mut().enumerate() {
+        *v = (i as f32 - 16.0) * 0.5 * 127.0 / 8.0; // block 6: exact .5 ties after scaling
+    }
+    let a = quantize_acts(&x, 4, k);
+    let b = quantize_fast(&x, 4, k);
+    assert_eq!(a.hi, b.hi);
+    assert_eq!(a.lo, b.lo);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a.s_hi), bits(&b.s_hi));
+    assert_eq!(bits(&a.s_lo), bits(&b.s_lo));
+    assert_eq!(bits(&a.qs), bits(&b.qs));
+}
+
+#[test]
+fn a_row_does_not_depend_on_its_neighbours() {
+    let mut r = Rng(99);
+    let (n, k) = (40, 96);
+    let w = random_weight(&mut r, n, k);
+    let x: Vec<f32> = (0..7 * k).map(|_| r.uniform()).collect();
+    let mut all = vec![0f32; 7 * n];
+    linear(&x, 7, &w, &mut all).unwrap();
+    for row in 0..7 {
+        let mut one = vec![0f32; n];
+        linear(&x[row * k..][..k], 1, &w, &mut one).unwrap();
+        assert_eq!(one, all[row * n..][..n]);
+    }
+}
+
+#[test]
+fn float_weights_round_trip_within_half_a_step() {
+    let mut r = Rng(7);
+    let (n, k) = (3, 64);
+    let w: Vec<f32> = (0..n * k).map(|_| r.uniform()).collect();
+    let q = QWeight::from_f32(&w, n, k).unwrap();
+    let (codes, d, m) = q.unpack();
+    for i in 0..n * k {
+        let b = i / QBLOCK;
+        let back = d[b] * codes[i] as f32 + m[b];
+        assert!((back - w[i]).abs() <= 0.5 * d[b] + 1e-6, "{i}: {back} vs {}", w[i]);
+    }
+    let again = QWeight::from_parts(n, k, &codes, &d, &m).unwrap();
+    assert_eq!(again.unpack(), (codes, d, m));
+}
+
+#[test]
+fn gguf_blocks_decode() {
+    // Q4_1: d = 0.5, m = -1, nibbles j -> element j (low) and j + 16 (high).
+    let mut blk = Vec::new();
+    blk.extend_from_slice(&f16::from_f32(0.5).to_le_bytes());
+    blk.extend_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+    blk.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+    let q = QWeight::from_q4_1(&blk, 1, 32).unwrap();
+    let (c, d, m) = q.unpack();
+    assert_eq!((d[0], m[0]), (0.5, -1.0));
+    assert_eq!(&c[..16], &(0..16).collect::<Vec<u8>>()[..]);
+    assert_eq!(&c[16..], &(0..16).rev().collect::<Vec<u8>>()[..]);
+    // Q8_0: d = 0.25, q = -128..: w = d*q = d*(c - 128).
+    let mut blk = Vec::new();
+    blk.extend_from_slice(&f16::from_f32(0.25).to_le_bytes());
+    blk.extend((0..32).map(|j| (j as i8 - 16) as u8));
+    let q = QWeight::from_q8_0(&blk, 1, 32).unwrap();
+    let (c, d, m) = q.unpack();
+    for j in 0..32 {
+        assert_eq!(d[0] * c[j] as f32 + m[0], 0.25 * (j as f32 - 16.0));
+    }
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    assert!(QWeight::from_f32(&[0.0; 31], 1, 31).is_err());
+    assert!(QWeight::from_q4_1(&[0; 19], 1, 32).is_err());
+    assert!(QWeight::from_f32(&[f32::NAN; 32], 1, 32).is_err());
+    let w = QWeight::from_f32(&[0.5; 64], 2, 32).unwrap();
+    let mut out = vec![0f32; 2];
+    assert!(linear(&[0.0; 31], 1, &w, &mut out).is_err());
+    assert!(linear(&[0.0; 32], 1, &w, &mut out[..1]).is_err());
+}
+
+#[test]
+fn nan_in_a_row_poisons_only_that_row() {
+    let w = QWeight::from_f32(&[0.5; 64], 2, 32).unwrap();
+    let mut x = vec![1.0f32; 64];
+    x[40] = f32::NAN;
+    let mut out = vec![0f32; 4];
+    linear(&x, 2, &w, &mut out).unwrap();
+    assert!(out[..2].iter().all(|v| v.is_finite()) && out[2..].iter().all(|v| v.is_nan()), "{out:?}");
+}
+

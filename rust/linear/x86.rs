@@ -1,0 +1,144 @@
+//! AVX-512 VNNI tile of the block-quantized linear layer (layout and formula: `mod.rs`).
+//!
+//! One tile = R rows × NP panels (16 columns each); each row is two activation digit streams.
+//! Per 4-wide k step: NP 64-byte code loads, 2R broadcasts of 4 activation bytes, 2R·NP
+//! `vpdpbusd` (u8 codes × i8 activations, 64 MACs each) into int32 accumulators. Per 32-wide
+//! block: the int32 accumulators are converted and folded into the row's f32 accumulator with
+//! three FMAs (`d·s_h`, `d·s_l`, `m·qs`) in the scalar path's order.
+//! R = 2, NP = 2: 8 int32 + 4 f32 accumulators + 2 code registers + scales fit the 32 zmm.
+
+use std::arch::x86_64::*;
+
+use super::{Args, MR, PANEL, QBLOCK};
+
+/// All row tiles of panels `p0..p0+np` (np is 1 or 2).
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VNNI; `a` describes activations of `m` rows and an output of
+/// `m × n` floats; `p0 + np <= panels`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
+    let mut r0 = 0;
+    while r0 < m {
+        let mr = MR.min(m - r0);
+        // SAFETY: forwarded from the caller; mr rows from r0 are inside the activations.
+        unsafe {
+            match (mr, np) {
+                (2, 2) => tile::<2, 2>(a, r0, p0),
+                (1, 2) => tile::<1, 2>(a, r0, p0),
+                (2, _) => tile::<2, 1>(a, r0, p0),
+                _ => tile::<1, 1>(a, r0, p0),
+            }
+        }
+        r0 += mr;
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tile<const R: usize, const NP: usize>(a: &Args, r0: usize, p0: usize) {
+    let (k, n) = (a.w.k, a.w.n);
+    let nb = k / QBLOCK;
+    let codes = a.w.codes.as_ptr();
+    let scales = a.w.scales.as_ptr();
+    let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
+    let mut acc = [[_mm512_setzero_ps(); NP]; R];
+    for b in 0..nb {
+        // [row][digit][panel]
+        let mut ia = [[[_mm512_setzero_si512(); NP]; 2]; R];
+        for g in 0..QBLOCK / 4 {
+            let kk = b * QBLOCK + g * 4;
+            let mut wv = [_mm512_setzero_si512(); NP];
+            for (p, w) in wv.iter_mut().enumerate() {
+                // SAFETY: panel p0+p exists; its codes are k*PANEL bytes and kk*PANEL + 64 <= k*PANEL.
+                *w = unsafe { _mm512_loadu_si512(codes.add((p0 + p) * k * PANEL + kk * PANEL) as *const _) };
+            }
+            for (r, row) in ia.iter_mut().enumerate() {
+                for (digit, xq) in row.iter_mut().zip([xh, xl]) {
+                    // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
+                    let x4 = unsafe { std::ptr::read_unaligned(xq.add((r0 + r) * k + kk) as *const i32) };
+                    let xv = _mm512_set1_epi32(x4);
+                    for (acc_i, w) in digit.iter_mut().zip(&wv) {
+                        *acc_i = _mm512_dpbusd_epi32(*acc_i, *w, xv);
+                    }
+                }
+            }
+        }
+        for p in 0..NP {
+            // SAFETY: block b of panel p0+p: 2*PANEL floats inside the scales.
+            let (dv, mv) = unsafe {
+                let sp = scales.add(((p0 + p) * nb + b) * 2 * PANEL);
+                (_mm512_loadu_ps(sp), _mm512_loadu_ps(sp.add(PANEL)))
+            };
+            for r in 0..R {
+                let rb = (r0 + r) * nb + b;
+                let sh = _mm512_set1_ps(a.acts.s_hi[rb]);
+                let sl = _mm512_set1_ps(a.acts.s_lo[rb]);
+                let qs = _mm512_set1_ps(a.acts.qs[rb]);
+                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][0][p]), _mm512_mul_ps(dv, sh), acc[r][p]);
+                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][1][p]), _mm512_mul_ps(dv, sl), acc[r][p]);
+                acc[r][p] = _mm512_fmadd_ps(mv, qs, acc[r][p]);
+            }
+        }
+    }
+    for p in 0..NP {
+        let col = (p0 + p) * PANEL;
+        let valid = PANEL.min(n - col);
+        let mask: __mmask16 = if valid == PANEL { 0xffff } else { (1u16 << valid) - 1 };
+        for (r, row) in acc.iter().enumerate() {
+            // SAFETY: row r0+r < m, columns col..col+valid < n of the [m, n] output; this job
+            // alone writes these columns.
+            unsafe { _mm512_mask_storeu_ps(a.out.add((r0 + r) * n + col), mask, row[p]) };
+        }
+    }
+}
+
+/// `quantize_acts` for whole rows with AVX-512 (same operations, same results bit for bit).
+///
+/// # Safety
+/// The CPU has AVX-512 F and BW; `x` holds `a.hi.len()` floats, a multiple of 32, and the scale
+/// vectors hold one entry per 32.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn quantize(x: &[f32], a: &mut super::QActs) {
+    for (i, blk) in x.chunks_exact(QBLOCK).enumerate() {
+        // SAFETY: blk has 32 floats.
+        let v = unsafe { [_mm512_loadu_ps(blk.as_ptr()), _mm512_loadu_ps(blk.as_ptr().add(16))] };
+        let (sh, sum_h, h) = digit(v);
+        let hf = [_mm512_cvtepi32_ps(h[0]), _mm512_cvtepi32_ps(h[1])];
+        let s = _mm512_set1_ps(sh);
+        let rest = [_mm512_sub_ps(v[0], _mm512_mul_ps(s, hf[0])), _mm512_sub_ps(v[1], _mm512_mul_ps(s, hf[1]))];
+        let (sl, sum_l, l) = if sh.is_nan() { (f32::NAN, 0, [_mm512_setzero_si512(); 2]) } else { digit(rest) };
+        // SAFETY: block i has 32 codes in each digit buffer.
+        unsafe {
+            for (dst, q) in [(a.hi.as_mut_ptr(), h), (a.lo.as_mut_ptr(), l)] {
+                _mm_storeu_si128(dst.add(i * QBLOCK) as *mut __m128i, _mm512_cvtsepi32_epi8(q[0]));
+                _mm_storeu_si128(dst.add(i * QBLOCK + 16) as *mut __m128i, _mm512_cvtsepi32_epi8(q[1]));
+            }
+        }
+        a.s_hi[i] = sh;
+        a.s_lo[i] = sl;
+        a.qs[i] = sh * sum_h as f32 + sl * sum_l as f32;
+    }
+}
+
+/// One digit of a 32-float block: `(s, Σq, q)` as `quantize_block` computes them.
+#[target_feature(enable = "avx512f,avx512bw")]
+fn digit(v: [__m512; 2]) -> (f32, i32, [__m512i; 2]) {
+    let zero = [_mm512_setzero_si512(); 2];
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[0], v[0]) | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[1], v[1]);
+    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    if nan != 0 || amax.is_infinite() {
+        return (f32::NAN, 0, zero);
+    }
+    if amax < f32::MIN_POSITIVE {
+        return (0.0, 0, zero);
+    }
+    let inv = _mm512_set1_ps(127.0 / amax);
+    let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+    // Nearest-even conversion (the default rounding mode), as `round_half_even` in mod.rs.
+    let q = [
+        _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(v[0], inv)), lo), hi)),
+        _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(v[1], inv)), lo), hi)),
+    ];
+    let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+    (amax / 127.0, sum, q)
+}

@@ -1,0 +1,229 @@
+"""pagedkv_rs.QLinear (rust/linear/) against its numpy spec ``reference.qlinear``, on every ISA."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pagedkv_rs
+from pagedkv_rs import QLinear, reference
+
+ISAS = ["scalar", "auto"]  # "auto" runs the SIMD kernel wherever kernel_info() reports one
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    pagedkv_rs.set_kernel_backend(request.param)
+    yield pagedkv_rs.kernel_info()["linear_isa"]
+    pagedkv_rs.set_kernel_backend("auto")
+
+
+def _weights(rng, n, k, scale=0.1):
+    return (rng.standard_normal((n, k)) * scale).astype(np.float32)
+
+
+def _dequant(q):
+    codes, d, m = q.unpack()
+    n, k = codes.shape
+    return (codes.reshape(n, -1, 32) * d[:, :, None].astype(np.float64) + m[:, :, None]).reshape(n, k)
+
+
+def test_isa_names():
+    info = pagedkv_rs.kernel_info()
+    assert info["detected_linear_isa"] in ("scalar", "avx512vnni")
+    pagedkv_rs.set_kernel_backend("scalar")
+    try:
+        assert pagedkv_rs.kernel_info()["linear_isa"] == "scalar"
+    finally:
+        pagedkv_rs.set_kernel_backend("auto")
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (2, 5, 64), (3, 16, 96), (4, 17, 32), (5, 33, 160), (9, 100, 256),
+                                   (33, 48, 576), (64, 31, 128)])
+def test_matches_reference(isa, m, n, k):
+    rng = np.random.default_rng(m * 1000 + n * 10 + k)
+    q = QLinear.from_float(_weights(rng, n, k))
+    x = (rng.standard_normal((m, k)) * 2).astype(np.float32)
+    got = q(x)
+    assert got.shape == (m, n) and got.dtype == np.float32
+    want = reference.qlinear(x, *q.unpack())
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_simd_and_scalar_agree_bit_for_bit():
+    rng = np.random.default_rng(3)
+    q = QLinear.from_float(_weights(rng, 70, 192))
+    x = rng.standard_normal((37, 192)).astype(np.float32)
+    x[4, 10] = 500.0  # an outlier block
+    pagedkv_rs.set_kernel_backend("scalar")
+    try:
+        a = q(x)
+    finally:
+        pagedkv_rs.set_kernel_backend("auto")
+    np.testing.assert_array_equal(q(x).view(np.uint32), a.view(np.uint32))
+
+
+def test_rows_do_not_depend_on_the_batch():
+    rng = np.random.default_rng(4)
+    q = QLinear.from_float(_weights(rng, 48, 128))
+    x = rng.standard_normal((13, 128)).astype(np.float32)
+    full = q(x)
+    for i in range(13):
+        np.testing.assert_array_equal(q(x[i : i + 1]), full[i : i + 1])
+
+
+def test_two_digit_activations_track_float_with_outliers():
+    """Massive activations (one huge value per block) must not wipe out the small ones."""
+    rng = np.random.default_rng(5)
+    q = QLinear.from_float(_weights(rng, 64, 256))
+    x = (rng.standard_normal((8, 256)) * 0.05).astype(np.float32)
+    x[:, 3] = 2000.0
+    exact = x.astype(np.float64) @ _dequant(q).T
+    np.testing.assert_allclose(q(x), exact, rtol=1e-4, atol=1e-5 * float(np.abs(exact).max()))
+
+
+def test_activation_digits_match_the_spec_on_edge_blocks():
+    x = np.zeros((2, 64), np.float32)
+    x[0, :32] = np.arange(32, dtype=np.float32) - 16  # exact ties after scaling
+    x[0, 32] = 1e-40  # subnormal beside normal values
+    x[0, 33:40] = 0.25
+    x[1, :32] = 1e-39  # an all-subnormal block
+    hi, lo, s_hi, s_lo, qs = reference.quantize_activations(x)
+    assert hi.dtype == np.int8 and s_hi.shape == (2, 2)
+    assert s_hi[1, 0] == 0 and not hi[1, :32].any()
+    # the second digit rounds the first one's error: what is left is within half its step
+    err = np.abs(hi * np.repeat(s_hi, 32, 1) + lo * np.repeat(s_lo, 32, 1) - x)
+    assert np.all(err <= 0.5 * np.repeat(s_lo, 32, 1) * (1 + 1e-6) + 1e-38)
+    rng = np.random.default_rng(6)
+    q = QLinear.from_float(_weights(rng, 20, 64))
+    np.testing.assert_allclose(q(x), reference.qlinear(x, *q.unpack()), rtol=1e-5, atol=1e-6)
+
+
+def test_nan_and_inf_poison_only_their_row(isa):
+    rng = np.random.default_rng(7)
+    q = QLinear.from_float(_weights(rng, 20, 64))
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x[0, 5] = np.nan
+    x[2, 40] = np.inf
+    y = q(x)
+    assert np.isnan(y[0]).all() and np.isfinite(y[1]).all() and not np.isfinite(y[2]).any()
+
+
+def test_float_weights_round_trip_within_half_a_step():
+    rng = np.random.default_rng(8)
+    w = _weights(rng, 9, 96)
+    q = QLinear.from_float(w)
+    codes, d, _m = q.unpack()
+    step = np.repeat(d, 32, axis=1)
+    assert np.all(np.abs(_dequant(q) - w) <= 0.5 * step + 1e-7)
+    again = QLinear.from_parts(*q.unpack())
+    for a, b in zip(again.unpack(), q.unpack()):
+        np.testing.assert_array_equal(a, b)
+    assert (q.n, q.k) == (9, 96) and q.nbytes == 16 * 96 + 3 * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_k.weight", "token_embd.weight"])
+def test_gguf_blocks_decode_exactly(name):
+    import gguf
+    from gguf.quants import dequantize
+
+    from pagedkv_rs.models.gguf_loader import bundled_model_path
+
+    t = next(t for t in gguf.GGUFReader(bundled_model_path()).tensors if t.name == name)
+    raw = np.asarray(t.data, np.uint8)[:40]  # the first 40 rows
+    k = int(t.shape[0])
+    q = QLinear.from_gguf(np.ascontiguousarray(raw), t.tensor_type.name, k)
+    want = np.asarray(dequantize(raw, t.tensor_type), np.float64).reshape(40, k)
+    np.testing.assert_array_equal(_dequant(q), want)
+
+
+def test_out_argument_and_result_reuse():
+    rng = np.random.default_rng(9)
+    q = QLinear.from_float(_weights(rng, 16, 32))
+    x = rng.standard_normal((4, 32)).astype(np.float32)
+    out = np.full((4, 16), np.nan, np.float32)
+    assert q(x, out=out) is out
+    np.testing.assert_array_equal(out, q(x))
+    assert q(np.zeros((0, 32), np.float32)).shape == (0, 16)
+
+
+def test_bad_input_is_a_clear_exception():
+    rng = np.random.default_rng(10)
+    q = QLinear.from_float(_weights(rng, 16, 64))
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    with pytest.raises(TypeError, match="x must be float32"):
+        q(x.astype(np.float64))
+    with pytest.raises(TypeError, match="numpy.ndarray"):
+        q(x.tolist())
+    with pytest.raises(ValueError, match=r"x must be \[m, 64\]"):
+        q(x[:, :32].copy())
+    with pytest.raises(ValueError, match="C-contiguous"):
+        q(np.asfortranarray(x))
+    with pytest.raises(ValueError, match="2-d"):
+        q(x[0])
+    with pytest.raises(ValueError, match=r"out must be \[4, 16\]"):
+        q(x, out=np.zeros((4, 15), np.float32))
+    ro = np.zeros((4, 16), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        q(x, out=ro)
+    buf = np.zeros(4 * 64, np.float32)
+    with pytest.raises(ValueError, match="share memory"):
+        q(buf.reshape(4, 64), out=buf[:64].reshape(4, 16))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QLinear.from_float(np.zeros((2, 40), np.float32))
+    with pytest.raises(ValueError, match="not finite"):
+        QLinear.from_float(np.full((2, 32), np.inf, np.float32))
+    with pytest.raises(ValueError, match="'Q4_1' or 'Q8_0'"):
+        QLinear.from_gguf(np.zeros((2, 20), np.uint8), "Q4_K", 32)
+    with pytest.raises(ValueError, match="bytes"):
+        QLinear.from_gguf(np.zeros((2, 21), np.uint8), "Q4_1", 32)
+    with pytest.raises(TypeError, match="uint8"):
+        QLinear.from_gguf(np.zeros((2, 20), np.int8), "Q4_1", 32)
+    with pytest.raises(ValueError, match="need codes"):
+        QLinear.from_parts(np.zeros((2, 64), np.uint8), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32))
+    with pytest.raises(ValueError, match="not finite"):
+        QLinear.from_parts(np.zeros((1, 32), np.uint8), np.full((1, 1), np.nan, np.float32), np.zeros((1, 1), np.float32))
+
+
+def test_the_gil_is_released_during_a_call():
+    rng = np.random.default_rng(11)
+    q = QLinear.from_float(_weights(rng, 4096, 1024))
+    x = rng.standard_normal((256, 1024)).astype(np.float32)
+    ticks = 0
+    done = threading.Event()
+
+    def run():
+        for _ in range(3):
+            q(x)
+        done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    while not done.is_set():
+        ticks += 1
+        time.sleep(0.0005)
+    t.join()
+    assert ticks > 5
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 12),
+    n=st.integers(1, 40),
+    kb=st.integers(1, 6),
+    seed=st.integers(0, 2**32 - 1),
+    scale=st.sampled_from([1e-3, 1.0, 1e3]),
+)
+def test_fuzz_against_reference(m, n, kb, seed, scale):
+    rng = np.random.default_rng(seed)
+    k = 32 * kb
+    q = QLinear.from_float(_weights(rng, n, k))
+    x = (rng.standard_normal((m, k)) * scale).astype(np.float32)
+    want = reference.qlinear(x, *q.unpack())
+    np.testing.assert_allclose(q(x), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()) + 1e-30)
