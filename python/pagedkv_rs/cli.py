@@ -11,6 +11,7 @@ commands:
   generate "prompt" ...   generate text with the bundled SmolLM2-135M through the paged cache
   bench alloc             allocator / block-table workloads, Rust vs Python
   bench kernel            paged-attention kernel vs memory bandwidth and numpy
+  bench linear            int8 QLinear vs numpy float32 sgemm on SmolLM2's layer shapes
   bench e2e               end-to-end serving benchmark (requests/s, tokens/s, TTFT, TPOT)
   simulate                replay a synthetic trace to size a KV cache (paged vs contiguous)
   info                    backend, build profile and CPU features
@@ -22,6 +23,7 @@ COMMANDS = {
     ("generate",): "pagedkv_rs.generate_cli",
     ("bench", "alloc"): "pagedkv_rs.bench_alloc",
     ("bench", "kernel"): "pagedkv_rs.bench_kernel",
+    ("bench", "linear"): "pagedkv_rs.bench_linear",
     ("bench", "e2e"): "pagedkv_rs.bench_e2e",
     ("simulate",): "pagedkv_rs.simulate",
 }
