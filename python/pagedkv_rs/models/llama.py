@@ -60,7 +60,8 @@ def int8_is_fast() -> bool:
         from pagedkv_rs import _core
     except ImportError:
         return False
-    return hasattr(_core, "QLinear") and _core.kernel_info().get("linear_isa", "scalar") != "scalar"
+    # Without VNNI (AVX2 only) int8 has no edge over float32 sgemm: two digits double the work.
+    return hasattr(_core, "QLinear") and _core.kernel_info().get("linear_isa") == "avx512vnni"
 
 
 def resolve_weight_format(fmt: str) -> str:
