@@ -8,6 +8,7 @@ pub mod attention;
 pub mod block_table;
 pub mod error;
 pub mod linear;
+pub mod ops;
 mod py;
 
 #[pyo3::pymodule]
@@ -27,7 +28,7 @@ mod _core {
         paged_attention, set_kernel_backend, set_num_threads, write_kv,
     };
 
-    // Block-quantized linear layers.
+    // Block-quantized linear layers and the row-wise ops around them.
     #[pymodule_export]
-    use super::py::QLinear;
+    use super::py::{rms_norm, silu_and_mul, QLinear};
 }

@@ -1503,6 +1503,95 @@ mod kernel {
         }
     }
 
+    /// A writeable float32 output: `out` when given (checked: shape, writeable, disjoint from
+    /// `inputs`), else a new zeroed array of `shape`.
+    fn out_f32<'py>(py: Python<'py>, out: Option<&Bound<'py, PyAny>>, shape: &[usize], inputs: &[(&Raw, &str)]) -> PyResult<Bound<'py, PyAny>> {
+        let obj = match out {
+            Some(o) => o.clone(),
+            None => PyArray::<f32, _>::zeros(py, shape.to_vec(), false).into_any(),
+        };
+        let r = typed::<f32>(&obj, "out", shape.len(), "float32")?;
+        if r.shape != shape {
+            return Err(PyValueError::new_err(format!("out must be {shape:?}, got {:?}", r.shape)));
+        }
+        for (i, name) in inputs {
+            if r.overlaps(i) {
+                return Err(PyValueError::new_err(format!("out must not share memory with {name}")));
+            }
+        }
+        Ok(obj)
+    }
+
+    fn readwrite_f32<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<numpy::PyReadwriteArrayDyn<'py, f32>> {
+        obj.cast::<PyArrayDyn<f32>>()
+            .map_err(|_| PyTypeError::new_err(format!("{name} must be float32")))?
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("{name} must be writeable and not borrowed elsewhere: {e}")))
+    }
+
+    /// RMSNorm of float32 `x [T, H]` times `weight [H]`; with `residual` (float32 `[T, H]`), first
+    /// `residual += x` in place and normalise that (vLLM's fused_add_rms_norm). Returns `out`.
+    #[pyfunction]
+    #[pyo3(signature = (x, weight, eps, *, residual = None, out = None))]
+    pub fn rms_norm<'py>(
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        weight: &Bound<'py, PyAny>,
+        eps: f64,
+        residual: Option<&Bound<'py, PyAny>>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let xr = typed::<f32>(x, "x", 2, "float32")?;
+        let wr = typed::<f32>(weight, "weight", 1, "float32")?;
+        let h = xr.shape[1];
+        if wr.shape[0] != h {
+            return Err(PyValueError::new_err(format!("weight must be [{h}], got {:?}", wr.shape)));
+        }
+        let rr = residual.map(|r| typed::<f32>(r, "residual", 2, "float32")).transpose()?;
+        let mut inputs = vec![(&xr, "x"), (&wr, "weight")];
+        if let Some(r) = &rr {
+            if r.shape != xr.shape {
+                return Err(PyValueError::new_err(format!("residual must have x's shape {:?}, got {:?}", xr.shape, r.shape)));
+            }
+            if r.overlaps(&xr) || r.overlaps(&wr) {
+                return Err(PyValueError::new_err("residual must not share memory with x or weight"));
+            }
+            inputs.push((r, "residual"));
+        }
+        let out_obj = out_f32(py, out, &xr.shape, &inputs)?;
+        let (xg, wg) = (readonly::<f32>(&xr, "x")?, readonly::<f32>(&wr, "weight")?);
+        let mut rg = residual.map(|r| readwrite_f32(r, "residual")).transpose()?;
+        let mut og = readwrite_f32(&out_obj, "out")?;
+        let (xs, ws) = (slice_of(&xg, "x")?, slice_of(&wg, "weight")?);
+        let rs = match rg.as_mut() {
+            Some(g) => Some(g.as_slice_mut().map_err(|e| PyValueError::new_err(format!("residual: {e}")))?),
+            None => None,
+        };
+        let os = og.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+        py.detach(|| crate::ops::rms_norm(xs, h, ws, eps as f32, rs, os)).map_err(value_err)?;
+        drop(og);
+        Ok(out_obj)
+    }
+
+    /// SwiGLU activation: float32 `gate_up [T, 2F]` (gate columns, then up) -> `silu(gate) * up [T, F]`.
+    #[pyfunction]
+    #[pyo3(signature = (gate_up, *, out = None))]
+    pub fn silu_and_mul<'py>(py: Python<'py>, gate_up: &Bound<'py, PyAny>, out: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+        let gr = typed::<f32>(gate_up, "gate_up", 2, "float32")?;
+        if gr.shape[1] % 2 != 0 || gr.shape[1] == 0 {
+            return Err(PyValueError::new_err(format!("gate_up must be [T, 2F], got {:?}", gr.shape)));
+        }
+        let f = gr.shape[1] / 2;
+        let out_obj = out_f32(py, out, &[gr.shape[0], f], &[(&gr, "gate_up")])?;
+        let gg = readonly::<f32>(&gr, "gate_up")?;
+        let mut og = readwrite_f32(&out_obj, "out")?;
+        let gs = slice_of(&gg, "gate_up")?;
+        let os = og.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+        py.detach(|| crate::ops::silu_and_mul(gs, f, os)).map_err(value_err)?;
+        drop(og);
+        Ok(out_obj)
+    }
+
     /// Use `"auto"` (best detected SIMD) or `"scalar"` (the reference path) kernels.
     #[pyfunction]
     pub fn set_kernel_backend(name: &str) -> PyResult<()> {
@@ -1577,6 +1666,6 @@ mod kernel {
 }
 
 pub use kernel::{
-    QLinear, build_profile, copy_blocks, fma_peak, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache, paged_attention,
+    QLinear, build_profile, rms_norm, silu_and_mul, copy_blocks, fma_peak, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache, paged_attention,
     set_kernel_backend, set_num_threads, write_kv,
 };

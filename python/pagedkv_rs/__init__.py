@@ -43,8 +43,10 @@ if _core is not None:
         memory_bandwidth,
         new_kv_cache,
         paged_attention,
+        rms_norm,
         set_kernel_backend,
         set_num_threads,
+        silu_and_mul,
         write_kv,
     )
 
@@ -61,6 +63,8 @@ _KERNEL_NAMES = [
     "fma_peak",
     "build_profile",
     "QLinear",
+    "rms_norm",
+    "silu_and_mul",
 ]
 
 _HAVE_RUST = _core is not None

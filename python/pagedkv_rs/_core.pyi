@@ -21,8 +21,10 @@ __all__ = [
     "memory_bandwidth",
     "new_kv_cache",
     "paged_attention",
+    "rms_norm",
     "set_kernel_backend",
     "set_num_threads",
+    "silu_and_mul",
     "write_kv",
 ]
 
@@ -188,3 +190,8 @@ class QLinear:
     def nbytes(self) -> int: ...
     def unpack(self) -> tuple[npt.NDArray[np.uint8], _F32, _F32]: ...
     def __call__(self, x: _F32, *, out: Optional[_F32] = None) -> _F32: ...
+
+def rms_norm(
+    x: _F32, weight: _F32, eps: float, *, residual: Optional[_F32] = None, out: Optional[_F32] = None
+) -> _F32: ...
+def silu_and_mul(gate_up: _F32, *, out: Optional[_F32] = None) -> _F32: ...

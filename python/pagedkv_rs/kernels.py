@@ -1,6 +1,6 @@
 """The kernel functions the engine and models call, looked up in one place at call time.
 
-``write_kv``, ``paged_attention``, ``copy_blocks`` and ``new_kv_cache`` come from the compiled core
+``write_kv``, ``paged_attention``, ``copy_blocks``, ``new_kv_cache``, ``rms_norm`` and ``silu_and_mul`` come from the compiled core
 when it has them, else from the float64 numpy reference (``pagedkv_rs.reference``), which has the
 same signatures. ``PAGEDKV_KERNEL=reference`` forces the reference; ``kernel_source()`` says which.
 """
@@ -11,7 +11,7 @@ import importlib
 import os
 from typing import Any
 
-__all__ = ["write_kv", "paged_attention", "copy_blocks", "new_kv_cache", "kernel_source"]
+__all__ = ["write_kv", "paged_attention", "copy_blocks", "new_kv_cache", "rms_norm", "silu_and_mul", "kernel_source"]
 
 
 def _lookup(name: str) -> Any:
@@ -49,3 +49,13 @@ def copy_blocks(*args: Any, **kwargs: Any) -> None:
 def new_kv_cache(*args: Any, **kwargs: Any) -> Any:
     """Allocate one layer's (k_cache, v_cache) ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
     return _lookup("new_kv_cache")(*args, **kwargs)
+
+
+def rms_norm(*args: Any, **kwargs: Any) -> Any:
+    """RMSNorm per row, optionally fused with the residual add (see ``pagedkv_rs.reference.rms_norm``)."""
+    return _lookup("rms_norm")(*args, **kwargs)
+
+
+def silu_and_mul(*args: Any, **kwargs: Any) -> Any:
+    """SwiGLU activation ``silu(gate) * up`` of a fused ``[T, 2F]`` projection."""
+    return _lookup("silu_and_mul")(*args, **kwargs)

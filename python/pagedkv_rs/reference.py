@@ -27,7 +27,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-__all__ = ["new_kv_cache", "write_kv", "copy_blocks", "paged_attention", "cache_dtype", "quantize_activations", "qlinear"]
+__all__ = ["new_kv_cache", "write_kv", "copy_blocks", "paged_attention", "cache_dtype", "quantize_activations", "qlinear",
+           "rms_norm", "silu_and_mul"]
 
 DTypeLike = Union[str, np.dtype, type]
 
@@ -221,3 +222,44 @@ def qlinear(x: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> n
     y = (d[None].astype(np.float64) * (s_hi[:, None].astype(np.float64) * dot_h + s_lo[:, None].astype(np.float64) * dot_l)
          + m[None].astype(np.float64) * qs[:, None].astype(np.float64)).sum(-1)
     return y.astype(np.float32)
+
+
+# ---- row-wise ops of a Llama layer (spec of pagedkv_rs.rms_norm / silu_and_mul) ----------------
+
+
+def _out(out: Optional[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
+    if out is None:
+        return np.zeros(shape, np.float32)
+    if out.shape != shape or out.dtype != np.float32:
+        raise ValueError(f"out must be float32 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    return out
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, residual: Optional[np.ndarray] = None,
+             out: Optional[np.ndarray] = None) -> np.ndarray:
+    """``out = s / sqrt(mean(s**2) + eps) * weight`` per row, float64 inside; ``s = x``, or with a
+    ``residual``: ``residual += x`` (float32, in place) and ``s = residual``."""
+    x = np.asarray(x)
+    if x.ndim != 2 or x.dtype != np.float32 or np.shape(weight) != (x.shape[1],):
+        raise ValueError(f"rms_norm needs float32 x [T, H] and weight [H], got {x.dtype} {x.shape}, {np.shape(weight)}")
+    o = _out(out, x.shape)
+    if residual is not None:
+        residual += x
+        x = residual
+    s = x.astype(np.float64)
+    inv = 1.0 / np.sqrt((s * s).mean(axis=1, keepdims=True) + eps)
+    o[...] = s * inv * np.asarray(weight, np.float64)
+    return o
+
+
+def silu_and_mul(gate_up: np.ndarray, *, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """float32 ``gate_up [T, 2F]`` -> ``silu(gate) * up`` ``[T, F]``, float64 inside."""
+    g = np.asarray(gate_up)
+    if g.ndim != 2 or g.shape[1] % 2 or g.dtype != np.float32:
+        raise ValueError(f"silu_and_mul needs float32 gate_up [T, 2F], got {g.dtype} {g.shape}")
+    f = g.shape[1] // 2
+    o = _out(out, (g.shape[0], f))
+    a, u = g[:, :f].astype(np.float64), g[:, f:].astype(np.float64)
+    with np.errstate(over="ignore"):
+        o[...] = a / (1.0 + np.exp(-a)) * u
+    return o

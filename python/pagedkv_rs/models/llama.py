@@ -178,10 +178,9 @@ def linear(x: np.ndarray, w: Any) -> np.ndarray:
     return w(x)
 
 
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x: [T, H] -> [T, H]."""
-    ms = np.einsum("th,th->t", x, x) / np.float32(x.shape[1])
-    return x * (1.0 / np.sqrt(ms + np.float32(eps)))[:, None] * w
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, residual: Optional[np.ndarray] = None) -> np.ndarray:
+    """x: [T, H] -> [T, H]; with ``residual``: ``residual += x`` first and normalise that (one pass)."""
+    return kernels().rms_norm(np.ascontiguousarray(x, np.float32), w, eps, residual=residual)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np.ndarray:
@@ -201,17 +200,10 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np
     return out
 
 
-def swiglu_mlp(h: np.ndarray, layer: dict[str, Any], f: int) -> np.ndarray:
-    """h: [T, H] -> [T, H] via one fused gate/up sgemm."""
+def swiglu_mlp(h: np.ndarray, layer: dict[str, Any]) -> np.ndarray:
+    """h: [T, H] -> [T, H]: one fused gate/up projection, ``silu(gate) * up``, the down projection."""
     gu = linear(h, layer["wgu"])  # [T, 2F]
-    g, u = gu[:, :f], gu[:, f:]
-    # silu(g) * u, in place in the gate half
-    act = np.negative(g)
-    np.exp(act, out=act)
-    act += 1.0
-    np.divide(g, act, out=act)
-    act *= u
-    return linear(act, layer["wdown"])
+    return linear(kernels().silu_and_mul(gu), layer["wdown"])
 
 
 def _rope_mode(w: LlamaWeights) -> str:
@@ -287,8 +279,10 @@ class LlamaModel:
         cos, sin = w.cos[pos], w.sin[pos]
         x = w.embed[ids]  # [T, H] (a copy: the residual stream)
         attn = np.empty((n, hq, d), np.float32)
+        delta: Optional[np.ndarray] = None  # the last sublayer's output, not yet added to x
         for layer, (k_cache, v_cache) in zip(w.layers, kv_caches):
-            h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+            h = rms_norm(x, layer["attn_norm"], cfg.rms_eps) if delta is None else \
+                rms_norm(delta, layer["attn_norm"], cfg.rms_eps, residual=x)
             qkv = linear(h, layer["wqkv"])  # [T, (Hq + 2 Hkv) D]
             q = apply_rope(qkv[:, :nq].reshape(n, hq, d), cos, sin, self._mode)
             k = apply_rope(qkv[:, nq : nq + nk].reshape(n, hkv, d), cos, sin, self._mode)
@@ -297,8 +291,10 @@ class LlamaModel:
             kern.paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, out=attn
             )
-            x += linear(attn.reshape(n, nq), layer["wo"])
-            x += swiglu_mlp(rms_norm(x, layer["ffn_norm"], cfg.rms_eps), layer, cfg.intermediate_size)
+            h = rms_norm(linear(attn.reshape(n, nq), layer["wo"]), layer["ffn_norm"], cfg.rms_eps, residual=x)
+            delta = swiglu_mlp(h, layer)
+        if delta is not None:
+            x += delta
         return x
 
 
@@ -380,7 +376,7 @@ class DenseLlama:
             o = p.reshape(b, hkv, g * t, end) @ vv  # [B, Hkv, G*T, D]
             o = o.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b * t, nq)
             x += linear(o, layer["wo"])
-            x += swiglu_mlp(rms_norm(x, layer["ffn_norm"], cfg.rms_eps), layer, cfg.intermediate_size)
+            x += swiglu_mlp(rms_norm(x, layer["ffn_norm"], cfg.rms_eps), layer)
         if all_positions:
             return linear(rms_norm(x, w.final_norm, cfg.rms_eps), w.lm_head).reshape(b, t, -1)
         last = x.reshape(b, t, -1)[:, -1]

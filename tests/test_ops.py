@@ -1,0 +1,104 @@
+"""pagedkv_rs.rms_norm / silu_and_mul (rust/ops.rs) against the float64 numpy spec, on every ISA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pagedkv_rs
+from pagedkv_rs import reference
+
+
+@pytest.fixture(params=["scalar", "auto"])
+def isa(request):
+    pagedkv_rs.set_kernel_backend(request.param)
+    yield request.param
+    pagedkv_rs.set_kernel_backend("auto")
+
+
+@pytest.mark.parametrize("t,h", [(1, 1), (3, 7), (32, 576), (33, 100), (200, 64)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_rms_norm_matches_reference(isa, t, h, fused):
+    rng = np.random.default_rng(t * 31 + h)
+    x = (rng.standard_normal((t, h)) * 3).astype(np.float32)
+    w = rng.standard_normal(h).astype(np.float32)
+    res = rng.standard_normal((t, h)).astype(np.float32) if fused else None
+    res_ref = None if res is None else res.copy()
+    got = pagedkv_rs.rms_norm(x, w, 1e-5, residual=res)
+    want = reference.rms_norm(x, w, 1e-5, residual=res_ref)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if fused:
+        np.testing.assert_array_equal(res, res_ref)  # residual += x, the same float32 adds
+
+
+@pytest.mark.parametrize("t,f", [(1, 1), (5, 17), (32, 1536), (65, 40)])
+def test_silu_and_mul_matches_reference(isa, t, f):
+    rng = np.random.default_rng(t + f)
+    gu = (rng.standard_normal((t, 2 * f)) * 4).astype(np.float32)
+    gu[0, 0] = 100.0  # exp(-100) underflows: silu = x
+    if f > 1:
+        gu[0, 1] = -100.0  # exp(100) large: silu -> -0
+    np.testing.assert_allclose(pagedkv_rs.silu_and_mul(gu), reference.silu_and_mul(gu), rtol=2e-6, atol=1e-7)
+
+
+def test_simd_and_scalar_agree_bit_for_bit():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((70, 96)).astype(np.float32)
+    w = rng.standard_normal(96).astype(np.float32)
+    gu = rng.standard_normal((70, 192)).astype(np.float32)
+    outs = []
+    for name in ("scalar", "auto"):
+        pagedkv_rs.set_kernel_backend(name)
+        try:
+            outs.append((pagedkv_rs.rms_norm(x, w, 1e-6), pagedkv_rs.silu_and_mul(gu)))
+        finally:
+            pagedkv_rs.set_kernel_backend("auto")
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_nan_stays_in_its_row():
+    x = np.ones((3, 8), np.float32)
+    x[1, 2] = np.nan
+    y = pagedkv_rs.rms_norm(x, np.ones(8, np.float32), 1e-6)
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+    gu = np.ones((2, 4), np.float32)
+    gu[1, 0] = np.nan
+    s = pagedkv_rs.silu_and_mul(gu)
+    assert np.isnan(s[1, 0]) and np.isfinite(s[0]).all()
+
+
+def test_out_argument():
+    x = np.ones((2, 4), np.float32)
+    out = np.empty((2, 4), np.float32)
+    assert pagedkv_rs.rms_norm(x, np.ones(4, np.float32), 0.0, out=out) is out
+    np.testing.assert_allclose(out, 1.0)
+    o2 = np.empty((2, 2), np.float32)
+    assert pagedkv_rs.silu_and_mul(x, out=o2) is o2
+
+
+def test_bad_input_is_a_clear_exception():
+    x = np.ones((2, 4), np.float32)
+    w = np.ones(4, np.float32)
+    with pytest.raises(TypeError, match="x must be float32"):
+        pagedkv_rs.rms_norm(x.astype(np.float64), w, 1e-5)
+    with pytest.raises(ValueError, match=r"weight must be \[4\]"):
+        pagedkv_rs.rms_norm(x, np.ones(3, np.float32), 1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        pagedkv_rs.rms_norm(x, w, -1.0)
+    with pytest.raises(ValueError, match="residual must have"):
+        pagedkv_rs.rms_norm(x, w, 1e-5, residual=np.ones((3, 4), np.float32))
+    with pytest.raises(ValueError, match="residual must not share memory"):
+        pagedkv_rs.rms_norm(x, w, 1e-5, residual=x)
+    ro = np.ones((2, 4), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        pagedkv_rs.rms_norm(x, w, 1e-5, residual=ro)
+    with pytest.raises(ValueError, match="out must not share memory"):
+        pagedkv_rs.rms_norm(x, w, 1e-5, out=x)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        pagedkv_rs.rms_norm(np.ones((4, 4), np.float32)[:, ::2], np.ones(2, np.float32), 1e-5)
+    with pytest.raises(ValueError, match=r"gate_up must be \[T, 2F\]"):
+        pagedkv_rs.silu_and_mul(np.ones((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"out must be \[2, 2\]"):
+        pagedkv_rs.silu_and_mul(x, out=np.empty((2, 3), np.float32))
