@@ -113,28 +113,27 @@ pub(crate) unsafe fn attend(ctx: &Ctx, u: &Unit, st: &mut State) {
 /// As `attend`, plus u.row1 - u.row0 == 1 (so every key in u.key_lo..u.key_hi is visible).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf: &[f32]) {
-    let (g, d, bs) = (ctx.group, ctx.shape.head_dim, ctx.shape.block_size);
+    let (g, d) = (ctx.group, ctx.shape.head_dim);
     let nq = u.queries(g);
     debug_assert!(u.row1 - u.row0 == 1);
     let mut s = vec![0.0f32; nq * TILE];
+    let es = if DT == F32 { 4 } else { 2 };
+    let mut cur = [(0usize, 0usize, 0usize); TILE];
+    let mut nxt = [(0usize, 0usize, 0usize); TILE];
     let mut t = u.key_lo;
+    let mut nc = pieces(ctx, u.seq, t, (t + TILE).min(u.key_hi), &mut cur);
     while t < u.key_hi {
         let t_end = (t + TILE).min(u.key_hi);
-        if t_end < u.key_hi {
-            // Touch the first line of every (block, head) tile of the next tile into L1 (page
-            // walks start early). The whole next tile is prefetched into L2 piece by piece in the
-            // passes below, one piece per piece computed: +18% (A f16), +25% (A f32), +75%
-            // (SmolLM2 f16) per thread; whole-tile prefetches into L1 measured slower.
-            let nt_end = (t_end + TILE).min(u.key_hi);
-            let mut p = t_end;
-            while p < nt_end {
-                let (blk, off) = (ctx.block(u.seq, p), p % bs);
-                for h in u.h0..u.h1 {
-                    let b = ctx.shape.offset(blk, h, off);
-                    prefetch(ctx.k, b, 8);
-                    prefetch(ctx.v, b, 8);
-                }
-                p += (bs - off).min(nt_end - p);
+        let nt_end = (t_end + TILE).min(u.key_hi);
+        let nn = pieces(ctx, u.seq, t_end, nt_end, &mut nxt);
+        // Touch the first line of every (block, head) tile of the next tile into L1 (page walks
+        // start early). The pieces themselves are prefetched into L2 in the passes below, each
+        // one piece ahead, a row per row computed.
+        for &(blk, off, _) in &nxt[..nn] {
+            for h in u.h0..u.h1 {
+                let b = ctx.shape.offset(blk, h, off);
+                prefetch(ctx.k, b, 8);
+                prefetch(ctx.v, b, 8);
             }
         }
         for (pass, kv) in [(0, ctx.k), (1, ctx.v)] {
@@ -160,26 +159,24 @@ unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf:
                     st.sum[m] += exp_sub(sj, st.max[m]);
                 }
             }
-            let mut p = t;
-            let nt_end2 = (t_end + TILE).min(u.key_hi);
-            let mut np_ = t_end;
-            while p < t_end {
-                let (blk, off) = (ctx.block(u.seq, p), p % bs);
-                let n = (bs - off).min(t_end - p);
-                let col = p - t;
-                // The same piece of the next tile, prefetched into L2 while this one computes.
-                let next = if np_ < nt_end2 {
-                    let (nb, no) = (ctx.block(u.seq, np_), np_ % bs);
-                    let nn = (bs - no).min(nt_end2 - np_);
-                    np_ += nn;
-                    Some((nb, no, nn))
+            let mut col = 0;
+            for i in 0..nc {
+                let (blk, off, n) = cur[i];
+                // The piece after this one in the same pass (the next tile's first after the last).
+                let ahead = if i + 1 < nc {
+                    Some(cur[i + 1])
+                } else if nn > 0 {
+                    Some(nxt[0])
                 } else {
                     None
                 };
                 for h in u.h0..u.h1 {
-                    if let Some((nb, no, nn)) = next {
-                        prefetch_l2(kv, ctx.shape.offset(nb, h, no), nn * d);
-                    }
+                    let pf = match ahead {
+                        Some((nb, no, na)) => {
+                            Pf { p: tile(kv, ctx.shape.offset(nb, h, no), na * d), rows: na.min(n), row_bytes: d * es }
+                        }
+                        None => Pf::NONE,
+                    };
                     let ptr = tile(kv, ctx.shape.offset(blk, h, off), n * d);
                     let mut hg = 0;
                     while hg < g {
@@ -190,34 +187,81 @@ unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf:
                             2 => 2,
                             _ => 1,
                         };
+                        let pf = if hg == 0 { pf } else { Pf::NONE };
                         let sm = &mut s[m0 * TILE..(m0 + mb) * TILE];
-                        // SAFETY: `tile` returned n*d in-bounds elements of DT; col + n <= TILE.
+                        // SAFETY: `tile` returned n*d in-bounds elements of DT; col + n <= TILE;
+                        // pf points to pf.rows in-bounds rows (or rows == 0).
                         unsafe {
                             if pass == 0 {
                                 let q = &qbuf[m0 * d..(m0 + mb) * d];
                                 match mb {
-                                    4 => qk_block::<4, 2, DT>(q, ptr, n, d, sm, col),
-                                    3 => qk_block::<3, 2, DT>(q, ptr, n, d, sm, col),
-                                    2 => qk_block::<2, 4, DT>(q, ptr, n, d, sm, col),
-                                    _ => qk_block::<1, 8, DT>(q, ptr, n, d, sm, col),
+                                    4 => qk_block::<4, 2, DT>(q, ptr, n, d, sm, col, pf),
+                                    3 => qk_block::<3, 2, DT>(q, ptr, n, d, sm, col, pf),
+                                    2 => qk_block::<2, 4, DT>(q, ptr, n, d, sm, col, pf),
+                                    _ => qk_block::<1, 8, DT>(q, ptr, n, d, sm, col, pf),
                                 }
                             } else {
                                 let acc = &mut st.acc[m0 * d..(m0 + mb) * d];
                                 match mb {
-                                    4 => pv_block::<4, 2, DT>(sm, col, ptr, n, d, acc),
-                                    3 => pv_block::<3, 2, DT>(sm, col, ptr, n, d, acc),
-                                    2 => pv_block::<2, 4, DT>(sm, col, ptr, n, d, acc),
-                                    _ => pv_block::<1, 8, DT>(sm, col, ptr, n, d, acc),
+                                    4 => pv_block::<4, 2, DT>(sm, col, ptr, n, d, acc, pf),
+                                    3 => pv_block::<3, 2, DT>(sm, col, ptr, n, d, acc, pf),
+                                    2 => pv_block::<2, 4, DT>(sm, col, ptr, n, d, acc, pf),
+                                    _ => pv_block::<1, 8, DT>(sm, col, ptr, n, d, acc, pf),
                                 }
                             }
                         }
                         hg += mb;
                     }
                 }
-                p += n;
+                col += n;
             }
         }
+        std::mem::swap(&mut cur, &mut nxt);
+        nc = nn;
         t = t_end;
+    }
+}
+
+/// Block pieces `(block, offset, n)` of key positions `t..t_end` of sequence `seq`; returns their count.
+fn pieces(ctx: &Ctx, seq: usize, t: usize, t_end: usize, out: &mut [(usize, usize, usize); TILE]) -> usize {
+    let bs = ctx.shape.block_size;
+    let (mut p, mut np) = (t, 0);
+    while p < t_end {
+        let (blk, off) = (ctx.block(seq, p), p % bs);
+        let n = (bs - off).min(t_end - p);
+        out[np] = (blk, off, n);
+        np += 1;
+        p += n;
+    }
+    np
+}
+
+/// Rows of a later piece to prefetch into L2, one row per key row computed (spread between the
+/// FMAs: a burst of a whole piece's prefetches measured no better than none).
+#[derive(Clone, Copy)]
+struct Pf {
+    p: *const u8,
+    rows: usize,
+    row_bytes: usize,
+}
+
+impl Pf {
+    const NONE: Pf = Pf { p: std::ptr::null(), rows: 0, row_bytes: 0 };
+    /// Prefetch row `j` (nothing when j >= rows).
+    ///
+    /// # Safety
+    /// `p` points to `rows * row_bytes` bytes.
+    #[inline(always)]
+    unsafe fn row(&self, j: usize) {
+        if j < self.rows {
+            for off in (0..self.row_bytes).step_by(64) {
+                // SAFETY: j < rows and off < row_bytes: inside the piece.
+                unsafe {
+                    let a = self.p.add(j * self.row_bytes + off) as *const i8;
+                    _mm_prefetch::<_MM_HINT_T1>(a);
+                }
+            }
+        }
     }
 }
 
@@ -298,10 +342,10 @@ unsafe fn tile_heads<const DT: u8>(
                     unsafe {
                         let kp = sg.k.add((a - at) * d * es);
                         match mb {
-                            4 => qk_block::<4, 2, DT>(q, kp, b - a, d, sm, a - j0),
-                            3 => qk_block::<3, 2, DT>(q, kp, b - a, d, sm, a - j0),
-                            2 => qk_block::<2, 4, DT>(q, kp, b - a, d, sm, a - j0),
-                            _ => qk_block::<1, 8, DT>(q, kp, b - a, d, sm, a - j0),
+                            4 => qk_block::<4, 2, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            3 => qk_block::<3, 2, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            2 => qk_block::<2, 4, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            _ => qk_block::<1, 8, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
                         }
                     }
                 }
@@ -336,10 +380,10 @@ unsafe fn tile_heads<const DT: u8>(
                     unsafe {
                         let vp = sg.v.add((a - at) * d * es);
                         match mb {
-                            4 => pv_block::<4, 2, DT>(sm, a - j0, vp, b - a, d, acc),
-                            3 => pv_block::<3, 2, DT>(sm, a - j0, vp, b - a, d, acc),
-                            2 => pv_block::<2, 4, DT>(sm, a - j0, vp, b - a, d, acc),
-                            _ => pv_block::<1, 8, DT>(sm, a - j0, vp, b - a, d, acc),
+                            4 => pv_block::<4, 2, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            3 => pv_block::<3, 2, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            2 => pv_block::<2, 4, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            _ => pv_block::<1, 8, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
                         }
                     }
                 }
@@ -387,20 +431,6 @@ fn prefetch(kv: Kv, base: usize, len: usize) {
     }
 }
 
-/// Prefetch `base..base+len` of a cache into L2 (T1), one cache line at a time.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch_l2(kv: Kv, base: usize, len: usize) {
-    let (p, bytes) = match kv {
-        Kv::F32(c) => (c[base..base + len].as_ptr() as *const i8, len * 4),
-        Kv::F16(c) => (c[base..base + len].as_ptr() as *const i8, len * 2),
-        Kv::Bf16(c) => (c[base..base + len].as_ptr() as *const i8, len * 2),
-    };
-    for off in (0..bytes).step_by(64) {
-        // SAFETY: off < bytes, the byte length of the in-bounds subslice `p` points to.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.add(off)) };
-    }
-}
-
 /// Horizontal sums of 8 vectors: lane i of the result = sum of lanes of `a[i]`.
 #[target_feature(enable = "avx2,fma,f16c")]
 fn hsum8(a: &[__m256; 8]) -> __m256 {
@@ -433,12 +463,17 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
     d: usize,
     s: &mut [f32],
     col: usize,
+    pf: Pf,
 ) {
     assert!(MB * TB <= 8 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d % 8 == 0);
     let s = &mut s[col..];
     let qp = q.as_ptr();
     let mut j = 0;
     while j + TB <= n {
+        for t in 0..TB {
+            // SAFETY: per the `Pf` contract.
+            unsafe { pf.row(j + t) };
+        }
         let mut a = [_mm256_setzero_ps(); 8];
         for c in (0..d).step_by(8) {
             let mut kv = [_mm256_setzero_ps(); TB];
@@ -463,6 +498,8 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
         j += TB;
     }
     while j < n {
+        // SAFETY: per the `Pf` contract.
+        unsafe { pf.row(j) };
         for r in 0..MB {
             let mut a = _mm256_setzero_ps();
             for c in (0..d).step_by(8) {
@@ -488,19 +525,22 @@ unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
     n: usize,
     d: usize,
     acc: &mut [f32],
+    pf: Pf,
 ) {
     assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d % 8 == 0);
     let p = &p[col..];
     let ap = acc.as_mut_ptr();
     let mut c = 0;
     while c + 8 * NV <= d {
+        let pf = if c == 0 { pf } else { Pf::NONE };
         // SAFETY: c + 8 * NV <= d; lengths asserted / per contract.
-        unsafe { pv_cols::<MB, NV, DT>(p, vp, n, d, c, ap) };
+        unsafe { pv_cols::<MB, NV, DT>(p, vp, n, d, c, ap, pf) };
         c += 8 * NV;
     }
     while c < d {
+        let pf = if c == 0 { pf } else { Pf::NONE };
         // SAFETY: c + 8 <= d since d % 8 == 0.
-        unsafe { pv_cols::<MB, 1, DT>(p, vp, n, d, c, ap) };
+        unsafe { pv_cols::<MB, 1, DT>(p, vp, n, d, c, ap, pf) };
         c += 8;
     }
 }
@@ -510,7 +550,7 @@ unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
 /// # Safety
 /// c + 8 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= MB * TILE.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(p: &[f32], vp: *const u8, n: usize, d: usize, c: usize, ap: *mut f32) {
+unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(p: &[f32], vp: *const u8, n: usize, d: usize, c: usize, ap: *mut f32, pf: Pf) {
     let mut a = [[_mm256_setzero_ps(); W]; MB];
     for (r, row) in a.iter_mut().enumerate() {
         for (w, x) in row.iter_mut().enumerate() {
@@ -519,6 +559,8 @@ unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(p: &[f32], vp: 
         }
     }
     for j in 0..n {
+        // SAFETY: per the `Pf` contract.
+        unsafe { pf.row(j) };
         let mut vv = [_mm256_setzero_ps(); W];
         for (w, x) in vv.iter_mut().enumerate() {
             // SAFETY: j < n, c + 8 * w + 8 <= d: inside v [n, d].
