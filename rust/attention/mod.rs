@@ -245,7 +245,7 @@ pub enum Isa {
     Scalar,
     Avx2,
     /// The AVX2 kernel compiled with AVX-512 F/VL/BW enabled: still 256-bit vectors, but 32
-    /// registers and wider register blocks (Zen 4 splits 512-bit ops in two, so zmm gains nothing).
+    /// registers and wider register blocks (Zen 4 splits 512-bit ops in two; no zmm variant exists).
     Avx512,
 }
 

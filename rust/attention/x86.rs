@@ -6,8 +6,9 @@
 //! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 ymm, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16, pv 4x4 / 3x4 / 2x8 / 1x16 |
 //!
 //! Both are 256-bit code: Zen 4 executes a 512-bit op as two 256-bit halves, so the AVX-512 build
-//! wins only through its 32 registers (twice the independent FMA chains per K/V load). The body
-//! and micro-kernels are `#[inline(always)]` so each entry compiles them for its own features.
+//! is meant to win only through its 32 registers (twice the independent FMA chains per K/V load);
+//! no zmm variant was written. The body and micro-kernels are `#[inline(always)]` so that each
+//! entry compiles them for its own features.
 //!
 //! | path                    | when                                  | K/V element load                      |
 //! |-------------------------|---------------------------------------|---------------------------------------|
@@ -276,8 +277,9 @@ fn pieces(ctx: &Ctx, seq: usize, t: usize, t_end: usize, out: &mut [(usize, usiz
     np
 }
 
-/// Rows of a later piece to prefetch into L2, one row per key row computed (spread between the
-/// FMAs: a burst of a whole piece's prefetches measured no better than none).
+/// Rows of a later piece to prefetch into L2, one row per key row computed, spread between the
+/// FMAs (a burst of a whole piece's prefetches per piece, one tile ahead, was 1.8x slower on
+/// config A f16 one thread; prefetcht0 at this distance as slow as the burst).
 #[derive(Clone, Copy)]
 struct Pf {
     p: *const u8,
