@@ -1,4 +1,5 @@
-"""Paged-attention benchmarks: rows rust-simd / rust-scalar / numpy (gather + matmul), grouped by config.
+"""Paged-attention benchmarks: a row per kernel backend this CPU has (rust-scalar, rust-avx2,
+rust-avx512) and numpy (gather + matmul), grouped by config.
 
 Run on a release build: ``pytest benches/test_bench_kernel.py --benchmark-only``. Pools exceed the
 32 MiB L3 (except Prefill, which is compute-bound). ``pagedkv bench kernel`` prints the same
@@ -16,7 +17,7 @@ from pagedkv_rs.bench_kernel import CONFIGS, build, numpy_attention
 if pk.build_profile() != "release":
     pytest.exit("benchmarks need a release build of pagedkv_rs._core (maturin develop --release)", returncode=2)
 
-IMPLS = ["rust-simd", "rust-scalar", "numpy"]
+IMPLS = [f"rust-{b}" for b in pk.kernel_info()["backends"]] + ["numpy"]
 _cache: dict = {}
 
 
@@ -48,9 +49,9 @@ def test_paged_attention(benchmark, config, impl):
             for x, o in zip(layers, outs):
                 pk.paged_attention(*x, out=o)
 
-    pk.set_kernel_backend("scalar" if impl == "rust-scalar" else "auto")
+    pk.set_kernel_backend(impl.removeprefix("rust-") if impl != "numpy" else "auto")
     try:
-        slow = impl != "rust-simd"
+        slow = impl in ("rust-scalar", "numpy")
         benchmark.pedantic(fn, rounds=1 if slow else 5, iterations=1, warmup_rounds=0 if slow else 1)
     finally:
         pk.set_kernel_backend("auto")

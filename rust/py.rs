@@ -1592,7 +1592,8 @@ mod kernel {
         Ok(out_obj)
     }
 
-    /// Use `"auto"` (best detected SIMD) or `"scalar"` (the reference path) kernels.
+    /// Use `"auto"` (best detected SIMD), `"scalar"` (the reference path), or force `"avx2"` /
+    /// `"avx512"` (ValueError when this CPU lacks it; `kernel_info()["backends"]` lists them).
     #[pyfunction]
     pub fn set_kernel_backend(name: &str) -> PyResult<()> {
         att::set_backend(name).map_err(value_err)
@@ -1609,7 +1610,8 @@ mod kernel {
         att::num_threads().map_err(value_err)
     }
 
-    /// Kernel configuration: backend, ISA detected and in use, threads, cache layout.
+    /// Kernel configuration: backend, ISA detected and in use, threads, cache layout, and the
+    /// backends `set_kernel_backend` accepts on this CPU.
     #[pyfunction]
     pub fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         let d = PyDict::new(py);
@@ -1621,9 +1623,8 @@ mod kernel {
         d.set_item("linear_isa", crate::linear::active_isa().name())?;
         d.set_item("detected_linear_isa", crate::linear::detected_isa().name())?;
         d.set_item("build_profile", build_profile())?;
-        // AVX-512 is detected for information only: no AVX-512 kernel exists (AVX2 runs there).
-        #[cfg(target_arch = "x86_64")]
-        d.set_item("cpu_has_avx512f", std::arch::is_x86_feature_detected!("avx512f"))?;
+        let names: Vec<&str> = att::available_isas().iter().map(|i| i.backend_name()).collect();
+        d.set_item("backends", names)?;
         Ok(d)
     }
 

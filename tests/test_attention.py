@@ -18,9 +18,11 @@ from kernel_util import TOL, make_case, max_err
 
 
 DTYPES = ["float32", "float16", "bfloat16"]
+# Every kernel this CPU can run, each forced ("scalar", then e.g. "avx2", "avx512").
+BACKENDS = pk.kernel_info()["backends"]
 
 
-@pytest.fixture(params=["scalar", "auto"])
+@pytest.fixture(params=BACKENDS)
 def kernel_backend(request):
     pk.set_kernel_backend(request.param)
     yield request.param
@@ -42,8 +44,21 @@ def test_backend_switch_and_info():
     pk.set_kernel_backend("auto")
     info = pk.kernel_info()
     assert info["isa"] == info["detected_isa"] and info["backend"] == "auto"
-    with pytest.raises(ValueError, match="'auto' or 'scalar'"):
+    with pytest.raises(ValueError, match="'auto', 'scalar', 'avx2' or 'avx512'"):
         pk.set_kernel_backend("avx9000")
+    assert BACKENDS[0] == "scalar" and set(BACKENDS) <= {"scalar", "avx2", "avx512"}
+    for name in BACKENDS:
+        pk.set_kernel_backend(name)
+        assert pk.kernel_info()["backend"] == name
+    pk.set_kernel_backend("auto")
+    # auto picks the last (widest) backend this CPU has.
+    forced = pk.kernel_info()["isa"]
+    pk.set_kernel_backend(BACKENDS[-1])
+    assert pk.kernel_info()["isa"] == forced
+    pk.set_kernel_backend("auto")
+    for name in {"avx2", "avx512"} - set(BACKENDS):
+        with pytest.raises(ValueError, match="not supported by this CPU"):
+            pk.set_kernel_backend(name)
 
 
 def test_env_var_forces_scalar():
@@ -136,13 +151,17 @@ def test_split_kv_long_single_sequence(kernel_backend, dtype):
         pk.set_num_threads(n)
 
 
-def test_simd_equals_scalar_closely():
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_simd_equals_scalar_closely(backend):
     rng = np.random.default_rng(11)
     case = make_case(rng, seq_lens=[300, 77], q_lens=[1, 40], hq=8, hkv=2, d=96, bs=16, dtype="float16")
     pk.set_kernel_backend("scalar")
     a = pk.paged_attention(*case.args())
-    pk.set_kernel_backend("auto")
-    b = pk.paged_attention(*case.args())
+    pk.set_kernel_backend(backend)
+    try:
+        b = pk.paged_attention(*case.args())
+    finally:
+        pk.set_kernel_backend("auto")
     assert np.abs(a - b).max() < 2e-5
 
 

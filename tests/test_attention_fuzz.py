@@ -37,7 +37,7 @@ def cases(draw):
 
 
 @SETTINGS
-@given(cases(), st.sampled_from(["scalar", "auto"]), st.sampled_from([None, 1, 3, 50]), st.sampled_from([None, 1.5]))
+@given(cases(), st.sampled_from(pk.kernel_info()["backends"]), st.sampled_from([None, 1, 3, 50]), st.sampled_from([None, 1.5]))
 def test_valid_random_inputs_match_reference(case, backend, window, cap):
     pk.set_kernel_backend(backend)
     try:

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 import pagedkv_rs
 from pagedkv_rs import QLinear, reference
 
-ISAS = ["scalar", "auto"]  # "auto" runs the SIMD kernel wherever kernel_info() reports one
+# Every kernel backend this CPU runs ("scalar", "avx2", "avx512"): QLinear maps them onto its
+# scalar, AVX2+FMA and AVX-512 VNNI builds.
+ISAS = pagedkv_rs.kernel_info()["backends"]
 
 
 @pytest.fixture(params=ISAS)
@@ -55,17 +57,21 @@ def test_matches_reference(isa, m, n, k):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
-def test_simd_and_scalar_agree_bit_for_bit():
+def test_every_isa_gives_the_same_bits():
     rng = np.random.default_rng(3)
     q = QLinear.from_float(_weights(rng, 70, 192))
     x = rng.standard_normal((37, 192)).astype(np.float32)
     x[4, 10] = 500.0  # an outlier block
-    pagedkv_rs.set_kernel_backend("scalar")
-    try:
-        a = q(x)
-    finally:
-        pagedkv_rs.set_kernel_backend("auto")
-    np.testing.assert_array_equal(q(x).view(np.uint32), a.view(np.uint32))
+    got = {}
+    for name in ISAS:
+        pagedkv_rs.set_kernel_backend(name)
+        try:
+            got[pagedkv_rs.kernel_info()["linear_isa"]] = q(x)
+        finally:
+            pagedkv_rs.set_kernel_backend("auto")
+    assert len(got) == len(ISAS)  # each backend ran a different build
+    for y in got.values():
+        np.testing.assert_array_equal(y.view(np.uint32), got["scalar"].view(np.uint32))
 
 
 def test_rows_do_not_depend_on_the_batch():

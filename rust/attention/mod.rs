@@ -3,7 +3,11 @@
 //! | variant | file          | used when                                                          |
 //! |---------|---------------|--------------------------------------------------------------------|
 //! | scalar  | reference.rs  | forced (`set_backend("scalar")`, `PAGEDKV_KERNEL=scalar`), no AVX2, or head_dim % 8 != 0 |
-//! | avx2    | x86.rs        | x86-64 with AVX2 + FMA + F16C (runtime detected), head_dim % 8 == 0 |
+//! | avx2    | x86.rs `attend` | AVX2 + FMA + F16C detected and no AVX-512 (or forced: `set_backend("avx2")`); head_dim % 8 == 0 |
+//! | avx512  | x86.rs `attend_avx512` | also AVX-512 F + VL + BW detected (or forced); the same 256-bit code with 32 registers and wider register blocks |
+//!
+//! `set_backend` / `PAGEDKV_KERNEL` take `auto`, `scalar`, `avx2`, `avx512`; `available_isas()`
+//! is what this CPU runs, and the tests run every one of them against the reference.
 //!
 //! Layout: `k_cache`, `v_cache` are each `[num_blocks, num_kv_heads, block_size, head_dim]`,
 //! row-major. A block is one contiguous stretch; each (block, kv_head) is a contiguous
@@ -240,27 +244,83 @@ impl Params {
 pub enum Isa {
     Scalar,
     Avx2,
+    /// The AVX2 kernel compiled with AVX-512 F/VL/BW enabled: still 256-bit vectors, but 32
+    /// registers and wider register blocks (Zen 4 splits 512-bit ops in two; no zmm variant exists).
+    Avx512,
 }
 
 impl Isa {
+    /// What `kernel_info()` reports.
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2+fma+f16c",
+            Isa::Avx512 => "avx512f+vl+bw (256-bit)",
+        }
+    }
+    /// The `set_backend` name that forces this ISA.
+    pub fn backend_name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+    /// Whether this CPU can run it (runtime detection).
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            match self {
+                Isa::Scalar => true,
+                Isa::Avx2 => avx2,
+                Isa::Avx512 => {
+                    avx2 && is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512bw")
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Scalar
         }
     }
 }
 
+const ISAS: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+
+/// Every ISA this CPU can run, scalar first (what tests iterate over).
+pub fn available_isas() -> Vec<Isa> {
+    ISAS.into_iter().filter(|i| i.available()).collect()
+}
+
+/// Backend state: 0 unset (read `PAGEDKV_KERNEL` on first use), 1 auto, 2 + index in `ISAS` forced.
 const BACKEND_UNSET: u8 = 0;
 const BACKEND_AUTO: u8 = 1;
-const BACKEND_SCALAR: u8 = 2;
 static BACKEND: AtomicU8 = AtomicU8::new(BACKEND_UNSET);
+
+fn parse_backend(name: &str) -> Result<u8> {
+    if name == "auto" {
+        return Ok(BACKEND_AUTO);
+    }
+    let Some(i) = ISAS.iter().position(|isa| isa.backend_name() == name) else {
+        return Err(Error::Invalid(format!(
+            "kernel backend must be 'auto', 'scalar', 'avx2' or 'avx512', got {name:?}"
+        )));
+    };
+    if !ISAS[i].available() {
+        return Err(Error::Invalid(format!("kernel backend {name:?} is not supported by this CPU")));
+    }
+    Ok(2 + i as u8)
+}
 
 fn backend_state() -> u8 {
     match BACKEND.load(Ordering::Relaxed) {
         BACKEND_UNSET => {
-            let forced = std::env::var("PAGEDKV_KERNEL").map(|v| v.trim().eq_ignore_ascii_case("scalar"));
-            let s = if forced.unwrap_or(false) { BACKEND_SCALAR } else { BACKEND_AUTO };
+            // An unknown or unsupported value means auto (import must not fail on it).
+            let env = std::env::var("PAGEDKV_KERNEL").unwrap_or_default().trim().to_ascii_lowercase();
+            let s = parse_backend(&env).unwrap_or(BACKEND_AUTO);
             BACKEND.store(s, Ordering::Relaxed);
             s
         }
@@ -268,43 +328,36 @@ fn backend_state() -> u8 {
     }
 }
 
-/// Select the kernel backend: `"auto"` (best detected ISA) or `"scalar"` (the reference path).
+/// Select the kernel backend: `"auto"` (best detected ISA), `"scalar"` (the reference path), or
+/// force `"avx2"` / `"avx512"` (an error when this CPU lacks it).
 pub fn set_backend(name: &str) -> Result<()> {
-    let s = match name {
-        "auto" => BACKEND_AUTO,
-        "scalar" => BACKEND_SCALAR,
-        _ => return Err(Error::Invalid(format!("kernel backend must be 'auto' or 'scalar', got {name:?}"))),
-    };
-    BACKEND.store(s, Ordering::Relaxed);
+    BACKEND.store(parse_backend(name)?, Ordering::Relaxed);
     Ok(())
 }
 
-/// `"auto"` or `"scalar"`.
+/// `"auto"`, `"scalar"`, `"avx2"` or `"avx512"`.
 pub fn backend() -> &'static str {
-    if backend_state() == BACKEND_SCALAR {
-        "scalar"
-    } else {
-        "auto"
+    match backend_state() {
+        s if s >= 2 => ISAS[(s - 2) as usize].backend_name(),
+        _ => "auto",
     }
 }
 
 /// Best ISA this CPU supports.
 pub fn detected_isa() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-            return Isa::Avx2;
-        }
-    }
-    Isa::Scalar
+    ISAS.into_iter().rev().find(|i| i.available()).unwrap_or(Isa::Scalar)
 }
 
 /// ISA the next call with this head_dim runs with.
 pub fn active_isa(head_dim: usize) -> Isa {
-    if backend_state() == BACKEND_SCALAR || head_dim % 8 != 0 {
+    let isa = match backend_state() {
+        s if s >= 2 => ISAS[(s - 2) as usize],
+        _ => detected_isa(),
+    };
+    if head_dim % 8 != 0 {
         Isa::Scalar
     } else {
-        detected_isa()
+        isa
     }
 }
 
@@ -438,9 +491,14 @@ fn attend(isa: Isa, ctx: &Ctx, u: &Unit, st: &mut State) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
-            // SAFETY: `active_isa` returns Avx2 only after detecting avx2, fma and f16c at runtime,
-            // and only for head_dim % 8 == 0; ctx was validated by `paged_attention`.
+            // SAFETY: `paged_attention_with` asserted `isa.available()` (avx2, fma and f16c detected
+            // at runtime) and uses a SIMD isa only for head_dim % 8 == 0; ctx was validated there.
             unsafe { x86::attend(ctx, u, st) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            // SAFETY: as for Avx2; `available()` also detected avx512f, avx512vl and avx512bw.
+            unsafe { x86::attend_avx512(ctx, u, st) }
         }
         _ => reference::attend(ctx, u, st),
     }
@@ -532,6 +590,7 @@ pub(crate) fn paged_attention_with(
     out: &mut [f32],
 ) -> Result<()> {
     validate(&k, &v, &shape, &b, out.len())?;
+    assert!(isa.available(), "{isa:?} is not supported by this CPU");
     let isa = if shape.head_dim % 8 != 0 { Isa::Scalar } else { isa };
     let ctx = Ctx { k, v, shape, batch: b, params, group: b.num_q_heads / shape.num_kv_heads };
     let units = plan(&ctx, threads);

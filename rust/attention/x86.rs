@@ -1,6 +1,16 @@
-//! AVX2 + FMA (+ F16C) attention work unit for x86-64.
+//! AVX2 + FMA (+ F16C) attention work unit for x86-64, in two builds of one body.
 //!
-//! | variant                 | when                                  | K/V element load                      |
+//! | entry           | features                        | register blocks (qk: heads x keys, pv: heads x 8-col vectors) |
+//! |-----------------|---------------------------------|---------------------------------------------------------------|
+//! | `attend`        | avx2, fma, f16c (16 ymm)        | qk 4x2 / 3x2 / 2x4 / 1x8, pv 4x2 / 3x2 / 2x4 / 1x8           |
+//! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 ymm, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16, pv 4x4 / 3x4 / 2x8 / 1x16 |
+//!
+//! Both are 256-bit code: Zen 4 executes a 512-bit op as two 256-bit halves, so the AVX-512 build
+//! is meant to win only through its 32 registers (twice the independent FMA chains per K/V load);
+//! no zmm variant was written. The body and micro-kernels are `#[inline(always)]` so that each
+//! entry compiles them for its own features.
+//!
+//! | path                    | when                                  | K/V element load                      |
 //! |-------------------------|---------------------------------------|---------------------------------------|
 //! | `attend_decode` f32/f16/bf16 | one query row, group <= 4 (decode) | widened in the FMA loops (vcvtph2ps, zext<<16), once per 4 query heads |
 //! | `attend` (widened)      | otherwise (prefill, chunked prefill)  | tile widened once to f32 scratch      |
@@ -9,10 +19,11 @@
 //! Keys are taken in tiles of up to 64 tokens spanning consecutive table blocks. Decode: per
 //! tile, one pass over K block by block with all KV heads of a block in memory order (one
 //! sequential stretch per block), logits for every query head, the online-softmax update, then
-//! the same pass over V. Prefill: per tile and KV head, the tile is widened once and serves every
-//! row and query head of the unit. Micro-kernels: logits for 4 (2, 1) query heads x 2 (4, 8)
-//! keys with 8 independent FMA chains and one 8-way horizontal sum; `acc += p v` with 4 x 2
-//! (2 x 4, 1 x 8) accumulators in registers. The first line of the next tile is prefetched.
+//! the same pass over V. While a piece (one block's keys of one KV head) is computed, the same
+//! head's piece of the next block is prefetched into L2, one key row per key row computed.
+//! Prefill: per tile and KV head, the tile is widened once and serves every row and query head
+//! of the unit. Micro-kernels: logits for MB query heads x TB keys with MB*TB independent FMA
+//! chains and 8-way horizontal sums; `acc += p v` with MB x NV accumulators in registers.
 //! Tolerance: see `mod.rs` (exp is a Cephes degree-5 polynomial, rel. error ~2e-7).
 
 use std::arch::x86_64::*;
@@ -35,12 +46,34 @@ struct Seg {
     n: usize,
 }
 
-/// Fill `st` with the partial attention of unit `u`.
+/// Fill `st` with the partial attention of unit `u` (AVX2: 16 ymm registers).
 ///
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C; `ctx` passed `validate`; head_dim % 8 == 0.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn attend(ctx: &Ctx, u: &Unit, st: &mut State) {
+    // SAFETY: same contract; the body is inlined here and compiled for these features.
+    unsafe { attend_body::<false>(ctx, u, st) }
+}
+
+/// `attend` compiled with AVX-512 F/VL/BW: the same 256-bit code, 32 registers (ymm0-31) and
+/// register blocks twice as wide.
+///
+/// # Safety
+/// As `attend`, and the CPU supports AVX-512 F, VL and BW.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+pub(crate) unsafe fn attend_avx512(ctx: &Ctx, u: &Unit, st: &mut State) {
+    // SAFETY: same contract; the body is inlined here and compiled for these features.
+    unsafe { attend_body::<true>(ctx, u, st) }
+}
+
+/// The body of `attend` / `attend_avx512`; `WIDE` picks the 32-register blocks. Inlined into
+/// each entry point so that it and every micro-kernel are compiled for that entry's features.
+///
+/// # Safety
+/// As `attend`; WIDE only when the CPU supports AVX-512 F, VL and BW.
+#[inline(always)]
+unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
     let (g, d, bs) = (ctx.group, ctx.shape.head_dim, ctx.shape.block_size);
     let (nq, pr) = (u.queries(g), u.per_row(g));
     let scale = ctx.params.scale;
@@ -57,9 +90,9 @@ pub(crate) unsafe fn attend(ctx: &Ctx, u: &Unit, st: &mut State) {
         // SAFETY: same contract as this function.
         unsafe {
             match ctx.k.dtype() {
-                DType::F32 => attend_decode::<F32>(ctx, u, st, &qbuf),
-                DType::F16 => attend_decode::<F16>(ctx, u, st, &qbuf),
-                DType::Bf16 => attend_decode::<BF16>(ctx, u, st, &qbuf),
+                DType::F32 => attend_decode::<F32, WIDE>(ctx, u, st, &qbuf),
+                DType::F16 => attend_decode::<F16, WIDE>(ctx, u, st, &qbuf),
+                DType::Bf16 => attend_decode::<BF16, WIDE>(ctx, u, st, &qbuf),
             }
         }
         return;
@@ -98,7 +131,7 @@ pub(crate) unsafe fn attend(ctx: &Ctx, u: &Unit, st: &mut State) {
             }
             let sg = [Seg { k: kbuf.as_ptr() as *const u8, v: vbuf.as_ptr() as *const u8, n }];
             // SAFETY: kbuf/vbuf hold n*d f32 written just above and are not touched below.
-            unsafe { tile_heads::<F32>(ctx, u, st, &qbuf, &sg, t, n, h, &mut s) };
+            unsafe { tile_heads::<F32, WIDE>(ctx, u, st, &qbuf, &sg, t, n, h, &mut s) };
         }
         t = t_end;
     }
@@ -111,30 +144,29 @@ pub(crate) unsafe fn attend(ctx: &Ctx, u: &Unit, st: &mut State) {
 ///
 /// # Safety
 /// As `attend`, plus u.row1 - u.row0 == 1 (so every key in u.key_lo..u.key_hi is visible).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf: &[f32]) {
-    let (g, d, bs) = (ctx.group, ctx.shape.head_dim, ctx.shape.block_size);
+#[inline(always)]
+unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf: &[f32]) {
+    let (g, d) = (ctx.group, ctx.shape.head_dim);
     let nq = u.queries(g);
     debug_assert!(u.row1 - u.row0 == 1);
     let mut s = vec![0.0f32; nq * TILE];
+    let es = if DT == F32 { 4 } else { 2 };
+    let mut cur = [(0usize, 0usize, 0usize); TILE];
+    let mut nxt = [(0usize, 0usize, 0usize); TILE];
     let mut t = u.key_lo;
+    let mut nc = pieces(ctx, u.seq, t, (t + TILE).min(u.key_hi), &mut cur);
     while t < u.key_hi {
         let t_end = (t + TILE).min(u.key_hi);
-        if t_end < u.key_hi {
-            // Touch the first line of every (block, head) tile of the next tile into L1 (page
-            // walks start early). The whole next tile is prefetched into L2 piece by piece in the
-            // passes below, one piece per piece computed: +18% (A f16), +25% (A f32), +75%
-            // (SmolLM2 f16) per thread; whole-tile prefetches into L1 measured slower.
-            let nt_end = (t_end + TILE).min(u.key_hi);
-            let mut p = t_end;
-            while p < nt_end {
-                let (blk, off) = (ctx.block(u.seq, p), p % bs);
-                for h in u.h0..u.h1 {
-                    let b = ctx.shape.offset(blk, h, off);
-                    prefetch(ctx.k, b, 8);
-                    prefetch(ctx.v, b, 8);
-                }
-                p += (bs - off).min(nt_end - p);
+        let nt_end = (t_end + TILE).min(u.key_hi);
+        let nn = pieces(ctx, u.seq, t_end, nt_end, &mut nxt);
+        // Touch the first line of every (block, head) tile of the next tile into L1 (page walks
+        // start early). The pieces themselves are prefetched into L2 in the passes below, each
+        // one piece ahead, a row per row computed.
+        for &(blk, off, _) in &nxt[..nn] {
+            for h in u.h0..u.h1 {
+                let b = ctx.shape.offset(blk, h, off);
+                prefetch(ctx.k, b, 8);
+                prefetch(ctx.v, b, 8);
             }
         }
         for (pass, kv) in [(0, ctx.k), (1, ctx.v)] {
@@ -160,26 +192,24 @@ unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf:
                     st.sum[m] += exp_sub(sj, st.max[m]);
                 }
             }
-            let mut p = t;
-            let nt_end2 = (t_end + TILE).min(u.key_hi);
-            let mut np_ = t_end;
-            while p < t_end {
-                let (blk, off) = (ctx.block(u.seq, p), p % bs);
-                let n = (bs - off).min(t_end - p);
-                let col = p - t;
-                // The same piece of the next tile, prefetched into L2 while this one computes.
-                let next = if np_ < nt_end2 {
-                    let (nb, no) = (ctx.block(u.seq, np_), np_ % bs);
-                    let nn = (bs - no).min(nt_end2 - np_);
-                    np_ += nn;
-                    Some((nb, no, nn))
+            let mut col = 0;
+            for i in 0..nc {
+                let (blk, off, n) = cur[i];
+                // The piece after this one in the same pass (the next tile's first after the last).
+                let ahead = if i + 1 < nc {
+                    Some(cur[i + 1])
+                } else if nn > 0 {
+                    Some(nxt[0])
                 } else {
                     None
                 };
                 for h in u.h0..u.h1 {
-                    if let Some((nb, no, nn)) = next {
-                        prefetch_l2(kv, ctx.shape.offset(nb, h, no), nn * d);
-                    }
+                    let pf = match ahead {
+                        Some((nb, no, na)) => {
+                            Pf { p: tile(kv, ctx.shape.offset(nb, h, no), na * d), rows: na.min(n), row_bytes: d * es }
+                        }
+                        None => Pf::NONE,
+                    };
                     let ptr = tile(kv, ctx.shape.offset(blk, h, off), n * d);
                     let mut hg = 0;
                     while hg < g {
@@ -190,34 +220,90 @@ unsafe fn attend_decode<const DT: u8>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf:
                             2 => 2,
                             _ => 1,
                         };
+                        let pf = if hg == 0 { pf } else { Pf::NONE };
                         let sm = &mut s[m0 * TILE..(m0 + mb) * TILE];
-                        // SAFETY: `tile` returned n*d in-bounds elements of DT; col + n <= TILE.
+                        // SAFETY: `tile` returned n*d in-bounds elements of DT; col + n <= TILE;
+                        // pf points to pf.rows in-bounds rows (or rows == 0).
                         unsafe {
                             if pass == 0 {
                                 let q = &qbuf[m0 * d..(m0 + mb) * d];
-                                match mb {
-                                    4 => qk_block::<4, 2, DT>(q, ptr, n, d, sm, col),
-                                    3 => qk_block::<3, 2, DT>(q, ptr, n, d, sm, col),
-                                    2 => qk_block::<2, 4, DT>(q, ptr, n, d, sm, col),
-                                    _ => qk_block::<1, 8, DT>(q, ptr, n, d, sm, col),
+                                match (mb, WIDE) {
+                                    (4, false) => qk_block::<4, 2, DT>(q, ptr, n, d, sm, col, pf),
+                                    (3, false) => qk_block::<3, 2, DT>(q, ptr, n, d, sm, col, pf),
+                                    (2, false) => qk_block::<2, 4, DT>(q, ptr, n, d, sm, col, pf),
+                                    (_, false) => qk_block::<1, 8, DT>(q, ptr, n, d, sm, col, pf),
+                                    (4, true) => qk_block::<4, 4, DT>(q, ptr, n, d, sm, col, pf),
+                                    (3, true) => qk_block::<3, 4, DT>(q, ptr, n, d, sm, col, pf),
+                                    (2, true) => qk_block::<2, 8, DT>(q, ptr, n, d, sm, col, pf),
+                                    (_, true) => qk_block::<1, 16, DT>(q, ptr, n, d, sm, col, pf),
                                 }
                             } else {
                                 let acc = &mut st.acc[m0 * d..(m0 + mb) * d];
-                                match mb {
-                                    4 => pv_block::<4, 2, DT>(sm, col, ptr, n, d, acc),
-                                    3 => pv_block::<3, 2, DT>(sm, col, ptr, n, d, acc),
-                                    2 => pv_block::<2, 4, DT>(sm, col, ptr, n, d, acc),
-                                    _ => pv_block::<1, 8, DT>(sm, col, ptr, n, d, acc),
+                                match (mb, WIDE) {
+                                    (4, false) => pv_block::<4, 2, DT>(sm, col, ptr, n, d, acc, pf),
+                                    (3, false) => pv_block::<3, 2, DT>(sm, col, ptr, n, d, acc, pf),
+                                    (2, false) => pv_block::<2, 4, DT>(sm, col, ptr, n, d, acc, pf),
+                                    (_, false) => pv_block::<1, 8, DT>(sm, col, ptr, n, d, acc, pf),
+                                    (4, true) => pv_block::<4, 4, DT>(sm, col, ptr, n, d, acc, pf),
+                                    (3, true) => pv_block::<3, 4, DT>(sm, col, ptr, n, d, acc, pf),
+                                    (2, true) => pv_block::<2, 8, DT>(sm, col, ptr, n, d, acc, pf),
+                                    (_, true) => pv_block::<1, 16, DT>(sm, col, ptr, n, d, acc, pf),
                                 }
                             }
                         }
                         hg += mb;
                     }
                 }
-                p += n;
+                col += n;
             }
         }
+        std::mem::swap(&mut cur, &mut nxt);
+        nc = nn;
         t = t_end;
+    }
+}
+
+/// Block pieces `(block, offset, n)` of key positions `t..t_end` of sequence `seq`; returns their count.
+fn pieces(ctx: &Ctx, seq: usize, t: usize, t_end: usize, out: &mut [(usize, usize, usize); TILE]) -> usize {
+    let bs = ctx.shape.block_size;
+    let (mut p, mut np) = (t, 0);
+    while p < t_end {
+        let (blk, off) = (ctx.block(seq, p), p % bs);
+        let n = (bs - off).min(t_end - p);
+        out[np] = (blk, off, n);
+        np += 1;
+        p += n;
+    }
+    np
+}
+
+/// Rows of a later piece to prefetch into L2, one row per key row computed, spread between the
+/// FMAs (a burst of a whole piece's prefetches per piece, one tile ahead, was 1.8x slower on
+/// config A f16 one thread; prefetcht0 at this distance as slow as the burst).
+#[derive(Clone, Copy)]
+struct Pf {
+    p: *const u8,
+    rows: usize,
+    row_bytes: usize,
+}
+
+impl Pf {
+    const NONE: Pf = Pf { p: std::ptr::null(), rows: 0, row_bytes: 0 };
+    /// Prefetch row `j` (nothing when j >= rows).
+    ///
+    /// # Safety
+    /// `p` points to `rows * row_bytes` bytes.
+    #[inline(always)]
+    unsafe fn row(&self, j: usize) {
+        if j < self.rows {
+            for off in (0..self.row_bytes).step_by(64) {
+                // SAFETY: j < rows and off < row_bytes: inside the piece.
+                unsafe {
+                    let a = self.p.add(j * self.row_bytes + off) as *const i8;
+                    _mm_prefetch::<_MM_HINT_T1>(a);
+                }
+            }
+        }
     }
 }
 
@@ -234,8 +320,7 @@ fn tile(kv: Kv, base: usize, len: usize) -> *const u8 {
 ///
 /// # Safety
 /// `p` points to at least `i + 8` elements of type DT.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+#[inline(always)]
 unsafe fn load8<const DT: u8>(p: *const u8, i: usize) -> __m256 {
     // SAFETY: per the function contract.
     unsafe {
@@ -255,8 +340,8 @@ unsafe fn load8<const DT: u8>(p: *const u8, i: usize) -> __m256 {
 /// Each segment's `k`, `v` point to `n * d` elements of type DT; the segments' n sum to `n`;
 /// `ctx` validated; head_dim % 8 == 0.
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_heads<const DT: u8>(
+#[inline(always)]
+unsafe fn tile_heads<const DT: u8, const WIDE: bool>(
     ctx: &Ctx,
     u: &Unit,
     st: &mut State,
@@ -297,11 +382,15 @@ unsafe fn tile_heads<const DT: u8>(
                     // columns a-j0..b-j0 are inside 0..TILE; q and sm are sized above.
                     unsafe {
                         let kp = sg.k.add((a - at) * d * es);
-                        match mb {
-                            4 => qk_block::<4, 2, DT>(q, kp, b - a, d, sm, a - j0),
-                            3 => qk_block::<3, 2, DT>(q, kp, b - a, d, sm, a - j0),
-                            2 => qk_block::<2, 4, DT>(q, kp, b - a, d, sm, a - j0),
-                            _ => qk_block::<1, 8, DT>(q, kp, b - a, d, sm, a - j0),
+                        match (mb, WIDE) {
+                            (4, false) => qk_block::<4, 2, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            (3, false) => qk_block::<3, 2, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            (2, false) => qk_block::<2, 4, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            (_, false) => qk_block::<1, 8, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            (4, true) => qk_block::<4, 4, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            (3, true) => qk_block::<3, 4, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            (2, true) => qk_block::<2, 8, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            (_, true) => qk_block::<1, 16, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
                         }
                     }
                 }
@@ -335,11 +424,15 @@ unsafe fn tile_heads<const DT: u8>(
                     // SAFETY: as for the logits; acc is [mb, d].
                     unsafe {
                         let vp = sg.v.add((a - at) * d * es);
-                        match mb {
-                            4 => pv_block::<4, 2, DT>(sm, a - j0, vp, b - a, d, acc),
-                            3 => pv_block::<3, 2, DT>(sm, a - j0, vp, b - a, d, acc),
-                            2 => pv_block::<2, 4, DT>(sm, a - j0, vp, b - a, d, acc),
-                            _ => pv_block::<1, 8, DT>(sm, a - j0, vp, b - a, d, acc),
+                        match (mb, WIDE) {
+                            (4, false) => pv_block::<4, 2, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            (3, false) => pv_block::<3, 2, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            (2, false) => pv_block::<2, 4, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            (_, false) => pv_block::<1, 8, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            (4, true) => pv_block::<4, 4, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            (3, true) => pv_block::<3, 4, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            (2, true) => pv_block::<2, 8, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            (_, true) => pv_block::<1, 16, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
                         }
                     }
                 }
@@ -387,23 +480,9 @@ fn prefetch(kv: Kv, base: usize, len: usize) {
     }
 }
 
-/// Prefetch `base..base+len` of a cache into L2 (T1), one cache line at a time.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch_l2(kv: Kv, base: usize, len: usize) {
-    let (p, bytes) = match kv {
-        Kv::F32(c) => (c[base..base + len].as_ptr() as *const i8, len * 4),
-        Kv::F16(c) => (c[base..base + len].as_ptr() as *const i8, len * 2),
-        Kv::Bf16(c) => (c[base..base + len].as_ptr() as *const i8, len * 2),
-    };
-    for off in (0..bytes).step_by(64) {
-        // SAFETY: off < bytes, the byte length of the in-bounds subslice `p` points to.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.add(off)) };
-    }
-}
-
 /// Horizontal sums of 8 vectors: lane i of the result = sum of lanes of `a[i]`.
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum8(a: &[__m256; 8]) -> __m256 {
+#[inline(always)]
+unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
     let t01 = _mm256_hadd_ps(a[0], a[1]);
     let t23 = _mm256_hadd_ps(a[2], a[3]);
     let t45 = _mm256_hadd_ps(a[4], a[5]);
@@ -413,8 +492,8 @@ fn hsum8(a: &[__m256; 8]) -> __m256 {
     _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(u0, u1), _mm256_permute2f128_ps::<0x31>(u0, u1))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(a: __m256) -> f32 {
+#[inline(always)]
+unsafe fn hsum(a: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<0x55>(s, s)))
@@ -425,7 +504,7 @@ fn hsum(a: __m256) -> f32 {
 ///
 /// # Safety
 /// `kp` points to n * d elements of type DT.
-#[target_feature(enable = "avx2,fma,f16c")]
+#[inline(always)]
 unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
     q: &[f32],
     kp: *const u8,
@@ -433,13 +512,18 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
     d: usize,
     s: &mut [f32],
     col: usize,
+    pf: Pf,
 ) {
-    assert!(MB * TB <= 8 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d % 8 == 0);
+    assert!(MB * TB <= 16 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d % 8 == 0);
     let s = &mut s[col..];
     let qp = q.as_ptr();
     let mut j = 0;
     while j + TB <= n {
-        let mut a = [_mm256_setzero_ps(); 8];
+        for t in 0..TB {
+            // SAFETY: per the `Pf` contract.
+            unsafe { pf.row(j + t) };
+        }
+        let mut a = [_mm256_setzero_ps(); 16];
         for c in (0..d).step_by(8) {
             let mut kv = [_mm256_setzero_ps(); TB];
             for (t, x) in kv.iter_mut().enumerate() {
@@ -454,15 +538,23 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
                 }
             }
         }
-        let mut lanes = [0.0f32; 8];
-        // SAFETY: lanes holds 8 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), hsum8(&a)) };
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: lanes holds 16 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), hsum8(&[a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]])) };
+        if MB * TB > 8 {
+            // SAFETY: as above, lanes 8..16.
+            unsafe {
+                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), hsum8(&[a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]))
+            };
+        }
         for r in 0..MB {
             s[r * TILE + j..r * TILE + j + TB].copy_from_slice(&lanes[r * TB..(r + 1) * TB]);
         }
         j += TB;
     }
     while j < n {
+        // SAFETY: per the `Pf` contract.
+        unsafe { pf.row(j) };
         for r in 0..MB {
             let mut a = _mm256_setzero_ps();
             for c in (0..d).step_by(8) {
@@ -480,7 +572,7 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
 ///
 /// # Safety
 /// `vp` points to n * d elements of type DT.
-#[target_feature(enable = "avx2,fma,f16c")]
+#[inline(always)]
 unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
     p: &[f32],
     col: usize,
@@ -488,19 +580,28 @@ unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
     n: usize,
     d: usize,
     acc: &mut [f32],
+    pf: Pf,
 ) {
     assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d % 8 == 0);
     let p = &p[col..];
     let ap = acc.as_mut_ptr();
     let mut c = 0;
     while c + 8 * NV <= d {
+        let pf = if c == 0 { pf } else { Pf::NONE };
         // SAFETY: c + 8 * NV <= d; lengths asserted / per contract.
-        unsafe { pv_cols::<MB, NV, DT>(p, vp, n, d, c, ap) };
+        unsafe { pv_cols::<MB, NV, DT>(p, vp, n, d, c, ap, pf) };
         c += 8 * NV;
     }
+    while NV > 2 && c + 16 <= d {
+        let pf = if c == 0 { pf } else { Pf::NONE };
+        // SAFETY: c + 16 <= d.
+        unsafe { pv_cols::<MB, 2, DT>(p, vp, n, d, c, ap, pf) };
+        c += 16;
+    }
     while c < d {
+        let pf = if c == 0 { pf } else { Pf::NONE };
         // SAFETY: c + 8 <= d since d % 8 == 0.
-        unsafe { pv_cols::<MB, 1, DT>(p, vp, n, d, c, ap) };
+        unsafe { pv_cols::<MB, 1, DT>(p, vp, n, d, c, ap, pf) };
         c += 8;
     }
 }
@@ -509,8 +610,8 @@ unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
 ///
 /// # Safety
 /// c + 8 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= MB * TILE.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(p: &[f32], vp: *const u8, n: usize, d: usize, c: usize, ap: *mut f32) {
+#[inline(always)]
+unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(p: &[f32], vp: *const u8, n: usize, d: usize, c: usize, ap: *mut f32, pf: Pf) {
     let mut a = [[_mm256_setzero_ps(); W]; MB];
     for (r, row) in a.iter_mut().enumerate() {
         for (w, x) in row.iter_mut().enumerate() {
@@ -519,6 +620,8 @@ unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(p: &[f32], vp: 
         }
     }
     for j in 0..n {
+        // SAFETY: per the `Pf` contract.
+        unsafe { pf.row(j) };
         let mut vv = [_mm256_setzero_ps(); W];
         for (w, x) in vv.iter_mut().enumerate() {
             // SAFETY: j < n, c + 8 * w + 8 <= d: inside v [n, d].
@@ -586,7 +689,8 @@ fn exp_sub(s: &mut [f32], mx: f32) -> f32 {
         *y = (*y - mx).exp();
         tail += *y;
     }
-    hsum(sum) + tail
+    // SAFETY: this function's target features include the AVX the sum uses.
+    unsafe { hsum(sum) + tail }
 }
 
 /// e^x for 8 lanes (Cephes expf: range reduction by ln 2, degree-5 polynomial); x clamped to

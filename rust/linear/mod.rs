@@ -3,7 +3,7 @@
 //! | variant    | file   | used when                                                              |
 //! |------------|--------|------------------------------------------------------------------------|
 //! | scalar     | mod.rs | forced (`set_backend("scalar")`, `PAGEDKV_KERNEL=scalar`), or no AVX2   |
-//! | avx2+fma   | mod.rs | the portable tile compiled for AVX2 + FMA: x86-64 without VNNI          |
+//! | avx2+fma   | mod.rs | the portable tile built for AVX2 + FMA: no VNNI, or forced ("avx2")     |
 //! | avx512vnni | x86.rs | x86-64 with AVX-512 F + BW + VNNI (runtime detected)                    |
 //!
 //! Weights: each row n of W is cut into K/32 blocks; block b holds 32 unsigned codes `c` and two
@@ -77,12 +77,13 @@ pub fn detected_isa() -> Isa {
     Isa::Scalar
 }
 
-/// Variant the next call runs with (the kernel backend switch forces scalar here too).
+/// Variant the next call runs with: the kernel backend switch applies here too ("scalar" forces
+/// the scalar tile, "avx2" the AVX2+FMA build, "auto"/"avx512" the best this CPU has).
 pub fn active_isa() -> Isa {
-    if crate::attention::backend() == "scalar" {
-        Isa::Scalar
-    } else {
-        detected_isa()
+    match (crate::attention::backend(), detected_isa()) {
+        ("scalar", _) => Isa::Scalar,
+        ("avx2", Isa::Avx512Vnni) => Isa::Avx2,
+        (_, isa) => isa,
     }
 }
 
