@@ -75,16 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"linear ISA {info['linear_isa']}, {info['num_threads']} threads; FMA probe {fma:.0f} GFLOP/s "
           f"(int8 vpdpbusd peak ~{4 * fma:.0f} GOP/s)")
     print(f"{'shape':<16}{'M':>6}{'N':>7}{'K':>6}{'int8 ms':>10}{'GOP/s':>8}{'f32 ms':>10}{'GFLOP/s':>9}{'x f32':>7}")
+    # All int8 rows first, then all float32 ones: OpenBLAS's worker keeps spinning for a while
+    # after each sgemm and would steal a core from the int8 kernel timed right after it.
+    built = [build(s) for s in SHAPES]
+    tq = [_time(fq, args.rounds) for fq, _ in built]
+    tf = [_time(ff, args.rounds) for _, ff in built]
     step_q = step_f = 0.0
-    for s in SHAPES:
-        fq, ff = build(s)
-        tq, tf = _time(fq, args.rounds), _time(ff, args.rounds)
-        print(f"{s.name.split()[0]:<16}{s.m:>6}{s.n:>7}{s.k:>6}{tq * 1e3:>10.3f}{s.ops / tq / 1e9:>8.0f}"
-              f"{tf * 1e3:>10.3f}{s.ops / tf / 1e9:>9.0f}{tf / tq:>7.2f}")
+    for s, a, b in zip(SHAPES, tq, tf):
+        print(f"{s.name.split()[0]:<16}{s.m:>6}{s.n:>7}{s.k:>6}{a * 1e3:>10.3f}{s.ops / a / 1e9:>8.0f}"
+              f"{b * 1e3:>10.3f}{s.ops / b / 1e9:>9.0f}{b / a:>7.2f}")
         if s.m == 32:
             reps = 1 if s.name.startswith("lm_head") else 30
-            step_q += reps * tq
-            step_f += reps * tf
+            step_q += reps * a
+            step_f += reps * b
     ops = 30 * sum(2 * 32 * n * k for _, n, k in _LAYER) + 2 * 32 * 49152 * 576
     print(f"one decode step's matmuls (30 layers + lm_head, M=32): int8 {step_q * 1e3:.1f} ms "
           f"({ops / step_q / 1e9:.0f} GOP/s, {2 * ops / step_q / 1e9 / (4 * fma):.2f} of the int8 peak counting "
