@@ -1472,24 +1472,9 @@ mod kernel {
                 return Err(PyValueError::new_err(format!("x must be [m, {}], got {:?}", self.w.k(), xr.shape)));
             }
             let n = self.w.n();
-            let out_obj = match out {
-                Some(o) => o.clone(),
-                None => PyArray::<f32, _>::zeros(py, [m, n], false).into_any(),
-            };
-            let outr = typed::<f32>(&out_obj, "out", 2, "float32")?;
-            if outr.shape != [m, n] {
-                return Err(PyValueError::new_err(format!("out must be [{m}, {n}], got {:?}", outr.shape)));
-            }
-            if outr.overlaps(&xr) {
-                return Err(PyValueError::new_err("out must not share memory with x"));
-            }
+            let out_obj = out_f32(py, out, &[m, n], &[(&xr, "x")])?;
             let xg = readonly::<f32>(&xr, "x")?;
-            let mut og = outr
-                .arr
-                .cast::<PyArrayDyn<f32>>()
-                .map_err(|_| PyTypeError::new_err("out must be float32"))?
-                .try_readwrite()
-                .map_err(|e| PyValueError::new_err(format!("out must be writeable and not borrowed elsewhere: {e}")))?;
+            let mut og = readwrite_f32(&out_obj, "out")?;
             let xs = slice_of(&xg, "x")?;
             let o = og.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
             let w = &self.w;

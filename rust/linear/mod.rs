@@ -273,16 +273,22 @@ pub struct QActs {
     pub qs: Vec<f32>,
 }
 
+impl QActs {
+    fn zeroed(m: usize, k: usize) -> Self {
+        let nb = k / QBLOCK;
+        QActs {
+            hi: vec![0; m * k],
+            lo: vec![0; m * k],
+            s_hi: vec![0.0; m * nb],
+            s_lo: vec![0.0; m * nb],
+            qs: vec![0.0; m * nb],
+        }
+    }
+}
+
 /// Quantize `x [m, k]` row by row (see the module docs).
 pub fn quantize_acts(x: &[f32], m: usize, k: usize) -> QActs {
-    let nb = k / QBLOCK;
-    let mut a = QActs {
-        hi: vec![0; m * k],
-        lo: vec![0; m * k],
-        s_hi: vec![0.0; m * nb],
-        s_lo: vec![0.0; m * nb],
-        qs: vec![0.0; m * nb],
-    };
+    let mut a = QActs::zeroed(m, k);
     let mut rest = [0f32; QBLOCK];
     for (i, blk) in x[..m * k].chunks_exact(QBLOCK).enumerate() {
         let (sh, sum_h) = quantize_block(blk, &mut a.hi[i * QBLOCK..][..QBLOCK]);
@@ -447,14 +453,7 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
 fn quantize_fast(x: &[f32], m: usize, k: usize) -> QActs {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
-        let nb = k / QBLOCK;
-        let mut a = QActs {
-            hi: vec![0; m * k],
-            lo: vec![0; m * k],
-            s_hi: vec![0.0; m * nb],
-            s_lo: vec![0.0; m * nb],
-            qs: vec![0.0; m * nb],
-        };
+        let mut a = QActs::zeroed(m, k);
         // SAFETY: AVX-512 F/BW checked above; x[..m*k] and the buffers are sized for m rows.
         unsafe { x86::quantize(&x[..m * k], &mut a) };
         return a;
