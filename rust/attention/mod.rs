@@ -4,7 +4,7 @@
 //! |---------|---------------|--------------------------------------------------------------------|
 //! | scalar  | reference.rs  | forced (`set_backend("scalar")`, `PAGEDKV_KERNEL=scalar`), no AVX2, or head_dim % 8 != 0 |
 //! | avx2    | x86.rs `attend` | AVX2 + FMA + F16C detected and no AVX-512 (or forced: `set_backend("avx2")`); head_dim % 8 == 0 |
-//! | avx512  | x86.rs `attend_avx512` | also AVX-512 F + VL + BW detected (or forced); the same 256-bit code with 32 registers and wider register blocks |
+//! | avx512  | x86.rs `attend_avx512` | also AVX-512 F + VL + BW detected (or forced); the same code with 32 registers and wider register blocks, decode `acc += p v` in zmm when head_dim % 16 == 0 |
 //!
 //! `set_backend` / `PAGEDKV_KERNEL` take `auto`, `scalar`, `avx2`, `avx512`; `available_isas()`
 //! is what this CPU runs, and the tests run every one of them against the reference.
@@ -244,8 +244,8 @@ impl Params {
 pub enum Isa {
     Scalar,
     Avx2,
-    /// The AVX2 kernel compiled with AVX-512 F/VL/BW enabled: still 256-bit vectors, but 32
-    /// registers and wider register blocks (Zen 4 splits 512-bit ops in two; no zmm variant exists).
+    /// The AVX2 kernel compiled with AVX-512 F/VL/BW enabled: 32 registers and wider register
+    /// blocks; 256-bit except the decode `acc += p v`, which is 512-bit when head_dim % 16 == 0.
     Avx512,
 }
 
@@ -255,7 +255,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2+fma+f16c",
-            Isa::Avx512 => "avx512f+vl+bw (256-bit)",
+            Isa::Avx512 => "avx512f+vl+bw",
         }
     }
     /// The `set_backend` name that forces this ISA.

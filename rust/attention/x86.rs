@@ -3,12 +3,15 @@
 //! | entry           | features                        | register blocks (qk: heads x keys, pv: heads x 8-col vectors) |
 //! |-----------------|---------------------------------|---------------------------------------------------------------|
 //! | `attend`        | avx2, fma, f16c (16 ymm)        | qk 4x2 / 3x2 / 2x4 / 1x8, pv 4x2 / 3x2 / 2x4 / 1x8           |
-//! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 ymm, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16, pv 4x4 / 3x4 / 2x8 / 1x16 |
+//! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 regs, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16 (ymm); decode pv with head_dim % 16 == 0: 4x4 / 3x4 / 2x8 / 1x8 16-col **zmm** vectors (else ymm 4x4 / 3x4 / 2x8 / 1x16) |
 //!
-//! Both are 256-bit code: Zen 4 executes a 512-bit op as two 256-bit halves, so the AVX-512 build
-//! is meant to win only through its 32 registers (twice the independent FMA chains per K/V load);
-//! no zmm variant was written. The body and micro-kernels are `#[inline(always)]` so that each
-//! entry compiles them for its own features.
+//! Zen 4 executes a 512-bit op as two 256-bit halves, so the AVX-512 build wins mainly through
+//! its 32 registers (twice the independent FMA chains per K/V load). The one zmm kernel is the
+//! decode `acc += p v` (`pv_block_z`: half the loads, broadcasts and loop trips per column);
+//! it measured 2-12% faster than the ymm one (one run, old and new builds side by side), while
+//! a zmm logits kernel (16-way shuffle-tree horizontal sum) measured no faster and was dropped.
+//! The body and micro-kernels are `#[inline(always)]` so that each entry compiles them for its
+//! own features.
 //!
 //! | path                    | when                                  | K/V element load                      |
 //! |-------------------------|---------------------------------------|---------------------------------------|
@@ -149,6 +152,9 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
     let (g, d) = (ctx.group, ctx.shape.head_dim);
     let nq = u.queries(g);
     debug_assert!(u.row1 - u.row0 == 1);
+    // The AVX-512 build runs `acc += p v` with zmm columns when they tile head_dim (the logits
+    // stay 256-bit: a zmm qk_block with a 16-way shuffle-tree horizontal sum measured no faster).
+    let zmm = WIDE && d % 16 == 0;
     let mut s = vec![0.0f32; nq * TILE];
     let es = if DT == F32 { 4 } else { 2 };
     let mut cur = [(0usize, 0usize, 0usize); TILE];
@@ -223,7 +229,8 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
                         let pf = if hg == 0 { pf } else { Pf::NONE };
                         let sm = &mut s[m0 * TILE..(m0 + mb) * TILE];
                         // SAFETY: `tile` returned n*d in-bounds elements of DT; col + n <= TILE;
-                        // pf points to pf.rows in-bounds rows (or rows == 0).
+                        // pf points to pf.rows in-bounds rows (or rows == 0); the zmm kernels run
+                        // only when WIDE, i.e. in `attend_avx512` (AVX-512 F detected and enabled).
                         unsafe {
                             if pass == 0 {
                                 let q = &qbuf[m0 * d..(m0 + mb) * d];
@@ -240,6 +247,10 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
                             } else {
                                 let acc = &mut st.acc[m0 * d..(m0 + mb) * d];
                                 match (mb, WIDE) {
+                                    (4, true) if zmm => pv_block_z::<4, 4, DT>(sm, col, ptr, n, d, acc, pf),
+                                    (3, true) if zmm => pv_block_z::<3, 4, DT>(sm, col, ptr, n, d, acc, pf),
+                                    (2, true) if zmm => pv_block_z::<2, 8, DT>(sm, col, ptr, n, d, acc, pf),
+                                    (_, true) if zmm => pv_block_z::<1, 8, DT>(sm, col, ptr, n, d, acc, pf),
                                     (4, false) => pv_block::<4, 2, DT>(sm, col, ptr, n, d, acc, pf),
                                     (3, false) => pv_block::<3, 2, DT>(sm, col, ptr, n, d, acc, pf),
                                     (2, false) => pv_block::<2, 4, DT>(sm, col, ptr, n, d, acc, pf),
@@ -638,6 +649,111 @@ unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(p: &[f32], vp: 
         for (w, x) in row.iter().enumerate() {
             // SAFETY: as for the loads.
             unsafe { _mm256_storeu_ps(ap.add(r * d + c + 8 * w), *x) };
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 512-bit (zmm) `acc += p v` for decode: used by `attend_avx512` when head_dim % 16 == 0. Only
+// ever reached from that entry (AVX-512 F enabled and detected); the AVX2 build never calls them.
+
+/// 16 elements at element index `i` of a DT array, widened to f32 (zmm).
+///
+/// # Safety
+/// `p` points to at least `i + 16` elements of type DT; the CPU supports AVX-512 F.
+#[inline(always)]
+unsafe fn load16<const DT: u8>(p: *const u8, i: usize) -> __m512 {
+    // SAFETY: per the function contract.
+    unsafe {
+        match DT {
+            F32 => _mm512_loadu_ps((p as *const f32).add(i)),
+            F16 => _mm512_cvtph_ps(_mm256_loadu_si256((p as *const u16).add(i) as *const __m256i)),
+            _ => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                (p as *const u16).add(i) as *const __m256i,
+            )))),
+        }
+    }
+}
+
+/// `pv_block` with zmm: MB accumulators x NV 16-column vectors of head_dim at a time, d % 16 == 0.
+///
+/// # Safety
+/// `vp` points to n * d elements of type DT; the CPU supports AVX-512 F.
+#[inline(always)]
+unsafe fn pv_block_z<const MB: usize, const NV: usize, const DT: u8>(
+    p: &[f32],
+    col: usize,
+    vp: *const u8,
+    n: usize,
+    d: usize,
+    acc: &mut [f32],
+    pf: Pf,
+) {
+    assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d % 16 == 0);
+    let p = &p[col..];
+    let ap = acc.as_mut_ptr();
+    let mut c = 0;
+    while c + 16 * NV <= d {
+        let pf = if c == 0 { pf } else { Pf::NONE };
+        // SAFETY: c + 16 * NV <= d; lengths asserted / per contract.
+        unsafe { pv_cols_z::<MB, NV, DT>(p, vp, n, d, c, ap, pf) };
+        c += 16 * NV;
+    }
+    while NV > 2 && c + 32 <= d {
+        let pf = if c == 0 { pf } else { Pf::NONE };
+        // SAFETY: c + 32 <= d.
+        unsafe { pv_cols_z::<MB, 2, DT>(p, vp, n, d, c, ap, pf) };
+        c += 32;
+    }
+    while c < d {
+        let pf = if c == 0 { pf } else { Pf::NONE };
+        // SAFETY: c + 16 <= d since d % 16 == 0.
+        unsafe { pv_cols_z::<MB, 1, DT>(p, vp, n, d, c, ap, pf) };
+        c += 16;
+    }
+}
+
+/// Columns `c..c + 16 * W` of `pv_block_z`.
+///
+/// # Safety
+/// c + 16 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= MB * TILE;
+/// the CPU supports AVX-512 F.
+#[inline(always)]
+unsafe fn pv_cols_z<const MB: usize, const W: usize, const DT: u8>(
+    p: &[f32],
+    vp: *const u8,
+    n: usize,
+    d: usize,
+    c: usize,
+    ap: *mut f32,
+    pf: Pf,
+) {
+    let mut a = [[_mm512_setzero_ps(); W]; MB];
+    for (r, row) in a.iter_mut().enumerate() {
+        for (w, x) in row.iter_mut().enumerate() {
+            // SAFETY: r < MB, c + 16 * w + 16 <= d: inside acc [MB, d].
+            *x = unsafe { _mm512_loadu_ps(ap.add(r * d + c + 16 * w)) };
+        }
+    }
+    for j in 0..n {
+        // SAFETY: per the `Pf` contract.
+        unsafe { pf.row(j) };
+        let mut vv = [_mm512_setzero_ps(); W];
+        for (w, x) in vv.iter_mut().enumerate() {
+            // SAFETY: j < n, c + 16 * w + 16 <= d: inside v [n, d].
+            *x = unsafe { load16::<DT>(vp, j * d + c + 16 * w) };
+        }
+        for (r, row) in a.iter_mut().enumerate() {
+            let pj = _mm512_set1_ps(p[r * TILE + j]);
+            for (w, x) in row.iter_mut().enumerate() {
+                *x = _mm512_fmadd_ps(pj, vv[w], *x);
+            }
+        }
+    }
+    for (r, row) in a.iter().enumerate() {
+        for (w, x) in row.iter().enumerate() {
+            // SAFETY: as for the loads.
+            unsafe { _mm512_storeu_ps(ap.add(r * d + c + 16 * w), *x) };
         }
     }
 }
