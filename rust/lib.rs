@@ -9,6 +9,8 @@ pub mod block_table;
 pub mod error;
 pub mod linear;
 pub mod ops;
+#[cfg(test)]
+mod testing;
 mod py;
 
 #[pyo3::pymodule]

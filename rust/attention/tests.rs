@@ -4,23 +4,7 @@ use half::{bf16, f16};
 
 use super::*;
 
-/// xorshift64*: deterministic test data without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn normal(&mut self) -> f32 {
-        // Sum of uniforms: good enough, bounded.
-        (0..4).map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32).sum::<f32>() - 2.0
-    }
-}
+use crate::testing::Rng;
 
 struct Case {
     shape: CacheShape,

@@ -2,22 +2,7 @@
 
 use super::*;
 
-/// xorshift64*: deterministic test data without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
+use crate::testing::Rng;
 
 fn random_weight(r: &mut Rng, n: usize, k: usize) -> QWeight {
     let w: Vec<f32> = (0..n * k).map(|_| r.uniform() * 0.1).collect();
