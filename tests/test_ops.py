@@ -103,3 +103,15 @@ def test_bad_input_is_a_clear_exception():
         pagedkv_rs.silu_and_mul(np.ones((2, 3), np.float32))
     with pytest.raises(ValueError, match=r"out must be \[2, 2\]"):
         pagedkv_rs.silu_and_mul(x, out=np.empty((2, 3), np.float32))
+
+
+def test_kernel_lookup_follows_the_environment(monkeypatch):
+    from pagedkv_rs import kernels
+
+    assert kernels.kernel_source() == "rust"
+    monkeypatch.setenv("PAGEDKV_KERNEL", "reference")
+    assert kernels.kernel_source() == "reference"
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_allclose(kernels.rms_norm(x, np.ones(4, np.float32), 0.0), 1.0)
+    monkeypatch.delenv("PAGEDKV_KERNEL")
+    assert kernels.kernel_source() == "rust"

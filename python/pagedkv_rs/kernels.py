@@ -14,8 +14,21 @@ from typing import Any
 __all__ = ["write_kv", "paged_attention", "copy_blocks", "new_kv_cache", "rms_norm", "silu_and_mul", "kernel_source"]
 
 
+_FOUND: dict[tuple[str, str], Any] = {}
+
+
 def _lookup(name: str) -> Any:
-    if os.environ.get("PAGEDKV_KERNEL", "auto").strip().lower() != "reference":
+    # Called for every kernel call of every layer: resolve once per (name, PAGEDKV_KERNEL value).
+    mode = os.environ.get("PAGEDKV_KERNEL", "auto").strip().lower()
+    fn = _FOUND.get((name, mode))
+    if fn is None:
+        fn = _resolve(name, mode)
+        _FOUND[(name, mode)] = fn
+    return fn
+
+
+def _resolve(name: str, mode: str) -> Any:
+    if mode != "reference":
         try:
             core = importlib.import_module("pagedkv_rs._core")
         except ImportError:
