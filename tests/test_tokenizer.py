@@ -1,8 +1,11 @@
-"""The GGUF tokenizer: exact round trips, llama.cpp's per-digit split, and the chat template."""
+"""The GGUF tokenizer: exact round trips, llama.cpp's per-digit split, the chat template, and
+Hugging Face's ids for digit-free conversations and texts."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -212,3 +215,18 @@ def test_incremental_decoder_holds_back_partial_utf8(tok):
     assert pieces.count("") >= 2  # the emoji's bytes span several tokens: held back, then emitted whole
     dec2 = IncrementalDecoder(tok)
     assert dec2.push(ids[:3]) + dec2.push(ids[3:]) == text
+
+
+# ---- against Hugging Face (golden ids from tests/data/make_hf_golden.py, transformers 4.46.3) ----
+
+HF_GOLDEN = json.loads((Path(__file__).parent / "data" / "hf_golden.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("case", HF_GOLDEN["chat"], ids=lambda c: c["messages"][-1]["content"][:24])
+def test_chat_template_ids_equal_hugging_face(tok, case):
+    assert tok.apply_chat_template(case["messages"], add_generation_prompt=True) == case["ids"]
+
+
+@pytest.mark.parametrize("case", HF_GOLDEN["encode"], ids=lambda c: c["text"][:24])
+def test_encode_equals_hugging_face(tok, case):
+    assert tok.encode(case["text"]) == case["ids"]
