@@ -11,8 +11,10 @@ pub mod linear;
 pub mod ops;
 #[cfg(test)]
 mod testing;
+#[cfg(feature = "python")]
 mod py;
 
+#[cfg(feature = "python")]
 #[pyo3::pymodule]
 #[pyo3(name = "_core", module = "pagedkv_rs")]
 mod _core {

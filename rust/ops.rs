@@ -35,6 +35,7 @@ pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut 
         return Err(Error::Invalid(format!("eps must be finite and >= 0, got {eps}")));
     }
     let rows = x.len() / h;
+    #[cfg(target_arch = "x86_64")]
     let fast = use_avx2();
     let run = |x: &[f32], res: Option<&mut [f32]>, out: &mut [f32]| {
         #[cfg(target_arch = "x86_64")]
@@ -71,6 +72,7 @@ pub fn silu_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
         )));
     }
     let rows = out.len() / f;
+    #[cfg(target_arch = "x86_64")]
     let fast = use_avx2();
     let run = |g: &[f32], o: &mut [f32]| {
         #[cfg(target_arch = "x86_64")]
@@ -91,13 +93,9 @@ pub fn silu_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+#[cfg(target_arch = "x86_64")]
 fn use_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        crate::attention::backend() != "scalar" && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    crate::attention::backend() != "scalar" && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
 }
 
 #[inline(always)]

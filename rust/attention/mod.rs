@@ -4,6 +4,7 @@
 //! |---------|---------------|--------------------------------------------------------------------|
 //! | scalar  | reference.rs  | forced (`set_backend("scalar")`, `PAGEDKV_KERNEL=scalar`), no AVX2, or head_dim % 8 != 0 |
 //! | avx2    | x86.rs `attend` | AVX2 + FMA + F16C detected and no AVX-512 (or forced: `set_backend("avx2")`); head_dim % 8 == 0 |
+//! | neon    | aarch64.rs `attend` | aarch64 (NEON is baseline), any head_dim; tested under qemu (`.ci/aarch64`), not yet benchmarked |
 //! | avx512  | x86.rs `attend_avx512` | also AVX-512 F + VL + BW detected (or forced); the same code with 32 registers and wider register blocks, decode `acc += p v` in zmm when head_dim % 16 == 0 |
 //!
 //! `set_backend` / `PAGEDKV_KERNEL` take `auto`, `scalar`, `avx2`, `avx512`; `available_isas()`
@@ -32,6 +33,8 @@ mod tests;
 pub mod reference;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
+#[cfg(target_arch = "aarch64")]
+pub mod aarch64;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -247,6 +250,8 @@ pub enum Isa {
     /// The AVX2 kernel compiled with AVX-512 F/VL/BW enabled: 32 registers and wider register
     /// blocks; 256-bit except the decode `acc += p v`, which is 512-bit when head_dim % 16 == 0.
     Avx512,
+    /// aarch64 NEON (any head_dim).
+    Neon,
 }
 
 impl Isa {
@@ -256,6 +261,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2+fma+f16c",
             Isa::Avx512 => "avx512f+vl+bw",
+            Isa::Neon => "neon",
         }
     }
     /// The `set_backend` name that forces this ISA.
@@ -264,6 +270,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Neon => "neon",
         }
     }
     /// Whether this CPU can run it (runtime detection).
@@ -279,16 +286,25 @@ impl Isa {
                         && is_x86_feature_detected!("avx512vl")
                         && is_x86_feature_detected!("avx512bw")
                 }
+                Isa::Neon => false,
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        {
+            match self {
+                Isa::Scalar => true,
+                Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+                _ => false,
+            }
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         {
             self == Isa::Scalar
         }
     }
 }
 
-const ISAS: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+const ISAS: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon];
 
 /// Every ISA this CPU can run, scalar first (what tests iterate over).
 pub fn available_isas() -> Vec<Isa> {
@@ -354,7 +370,7 @@ pub fn active_isa(head_dim: usize) -> Isa {
         s if s >= 2 => ISAS[(s - 2) as usize],
         _ => detected_isa(),
     };
-    if head_dim % 8 != 0 {
+    if head_dim % 8 != 0 && isa != Isa::Neon {
         Isa::Scalar
     } else {
         isa
@@ -499,6 +515,12 @@ fn attend(isa: Isa, ctx: &Ctx, u: &Unit, st: &mut State) {
         Isa::Avx512 => {
             // SAFETY: as for Avx2; `available()` also detected avx512f, avx512vl and avx512bw.
             unsafe { x86::attend_avx512(ctx, u, st) }
+        }
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => {
+            // SAFETY: `paged_attention_with` asserted `isa.available()` (NEON detected); ctx was
+            // validated there; the NEON unit handles any head_dim.
+            unsafe { aarch64::attend(ctx, u, st) }
         }
         _ => reference::attend(ctx, u, st),
     }

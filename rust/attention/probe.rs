@@ -13,6 +13,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
+#[cfg(target_arch = "x86_64")]
 use super::{detected_isa, Isa};
 
 const PASSES: usize = 5;

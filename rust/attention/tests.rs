@@ -85,6 +85,8 @@ fn max_err(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn simd_matches_scalar_on_random_shapes() {
     let simd: Vec<Isa> = available_isas().into_iter().filter(|&i| i != Isa::Scalar).collect();
+    #[cfg(target_arch = "aarch64")]
+    assert!(simd.contains(&Isa::Neon), "NEON is baseline on aarch64");
     if simd.is_empty() {
         eprintln!("no AVX2 on this CPU: only the scalar path exists");
         return;
