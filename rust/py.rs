@@ -1110,6 +1110,15 @@ mod kernel {
         Ok((r, d))
     }
 
+    /// `cache_pair` for kernels that write the caches.
+    fn cache_pair_mut<'py>(k: &Bound<'py, PyAny>, v: &Bound<'py, PyAny>) -> PyResult<(Raw<'py>, Raw<'py>, DType, CacheShape)> {
+        let pair = cache_pair(k, v)?;
+        if !pair.0.writeable() || !pair.1.writeable() {
+            return Err(PyValueError::new_err("k_cache and v_cache must be writeable"));
+        }
+        Ok(pair)
+    }
+
     fn cache_pair<'py>(k: &Bound<'py, PyAny>, v: &Bound<'py, PyAny>) -> PyResult<(Raw<'py>, Raw<'py>, DType, CacheShape)> {
         let (kr, kd) = cache(k, "k_cache")?;
         let (vr, vd) = cache(v, "v_cache")?;
@@ -1226,10 +1235,7 @@ mod kernel {
         value: &Bound<'_, PyAny>,
         slot_mapping: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (kr, vr, dt, shape) = cache_pair(k_cache, v_cache)?;
-        if !kr.writeable() || !vr.writeable() {
-            return Err(PyValueError::new_err("k_cache and v_cache must be writeable"));
-        }
+        let (kr, vr, dt, shape) = cache_pair_mut(k_cache, v_cache)?;
         let keyr = typed::<f32>(key, "key", 3, "float32")?;
         let valr = typed::<f32>(value, "value", 3, "float32")?;
         let slr = typed::<i64>(slot_mapping, "slot_mapping", 1, "int64")?;
@@ -1264,10 +1270,7 @@ mod kernel {
         v_cache: &Bound<'_, PyAny>,
         pairs: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (kr, vr, dt, shape) = cache_pair(k_cache, v_cache)?;
-        if !kr.writeable() || !vr.writeable() {
-            return Err(PyValueError::new_err("k_cache and v_cache must be writeable"));
-        }
+        let (kr, vr, dt, shape) = cache_pair_mut(k_cache, v_cache)?;
         let flat: Vec<i64> = if pairs.cast::<PyUntypedArray>().is_ok() {
             let pr = typed::<i64>(pairs, "pairs", 2, "int64")?;
             if pr.shape[1] != 2 {
