@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from pagedkv_rs.engine import LLMEngine
-from pagedkv_rs.request import SamplingParams
-from pagedkv_rs.scheduler import Scheduler, SchedulerConfig
+from pagedkv_rs.engine.request import SamplingParams
+from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig
 
 NUM_SEQS = 256
 PROMPT = 32

@@ -302,7 +302,7 @@ def dense_f16(weights, prompts):
 @pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
 def test_engine_greedy_equals_dense(backend, weights, prompts, dense_f16, config):
     from pagedkv_rs.engine import LLMEngine
-    from pagedkv_rs.request import SamplingParams
+    from pagedkv_rs.engine.request import SamplingParams
 
     kwargs, preempts = ENGINE_CONFIGS[config]
     engine = LLMEngine(LlamaModel(weights, eos_token_ids=(2, 0)), block_size=4, kv_cache_dtype="float16",

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 
 from pagedkv_rs.errors import PagedKVError
-from pagedkv_rs.request import (
+from pagedkv_rs.engine.request import (
     InvalidRequestError,
     RequestOutput,
     RequestStatus,
     SamplingParams,
     UnknownRequestError,
 )
-from pagedkv_rs.sampling import sample
-from pagedkv_rs.scheduler import Scheduler, SchedulerConfig
+from pagedkv_rs.engine.sampling import sample
+from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig
 
 VOCAB = 97
 EOS = 3

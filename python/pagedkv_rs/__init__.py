@@ -4,15 +4,28 @@ The block allocator and block tables exist twice with one API: the Rust core
 (``pagedkv_rs._core``) and the pure-Python executable spec (``pagedkv_rs.fallback``).
 ``BlockAllocator`` and ``KVCacheManager`` here are the backend chosen once at import
 by ``PAGEDKV_BACKEND=auto|rust|python`` (``auto`` = Rust when built); ``BACKEND`` names it
-and ``backend(name)`` hands out either one explicitly.
+and ``backend(name)`` hands out either one explicitly (see ``pagedkv_rs._backend``).
+The kernel functions come from the compiled core (their float64 numpy spec is
+``pagedkv_rs.reference``); the scheduler and engine are pure Python over either backend.
 """
 
 from __future__ import annotations
 
-import os
-import types
-
-from pagedkv_rs import fallback
+from pagedkv_rs import fallback, reference
+from pagedkv_rs._backend import BACKEND, BACKENDS, BlockAllocator, KVCacheManager, _core, backend
+from pagedkv_rs.engine import (
+    CompletionOutput,
+    InvalidRequestError,
+    LLMEngine,
+    Model,
+    RequestOutput,
+    RequestStatus,
+    RequestStream,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    UnknownRequestError,
+)
 from pagedkv_rs.errors import (
     DoubleFreeError,
     DuplicateSequenceError,
@@ -22,18 +35,8 @@ from pagedkv_rs.errors import (
     UnknownSequenceError,
 )
 
-try:
-    from pagedkv_rs import _core
-except ImportError:  # pragma: no cover - only without a compiled core
-    _core = None  # type: ignore[assignment]
-
-__version__ = "0.1.0"
-
-# Kernel functions (Rust only; the float64 numpy spec of the first four is pagedkv_rs.reference).
-from pagedkv_rs import reference  # noqa: E402
-
-if _core is not None:
-    from pagedkv_rs._core import (  # noqa: E402
+if _core is not None:  # the kernel functions exist only in the compiled core
+    from pagedkv_rs._core import (
         QLinear,
         build_profile,
         copy_blocks,
@@ -49,6 +52,8 @@ if _core is not None:
         silu_and_mul,
         write_kv,
     )
+
+__version__ = "0.1.0"
 
 _KERNEL_NAMES = [
     "new_kv_cache",
@@ -67,33 +72,6 @@ _KERNEL_NAMES = [
     "silu_and_mul",
 ]
 
-_HAVE_RUST = _core is not None
-BACKENDS: tuple[str, ...] = ("rust", "python") if _HAVE_RUST else ("python",)
-
-
-def backend(name: str = "auto") -> types.SimpleNamespace:
-    """Return the allocator classes of one backend: ``.BlockAllocator``, ``.KVCacheManager``, ``.name``."""
-    if name == "auto":
-        name = "rust" if _HAVE_RUST else "python"
-    mod: types.ModuleType
-    if name == "rust":
-        if not _HAVE_RUST:
-            raise ImportError("PAGEDKV_BACKEND=rust but the compiled core pagedkv_rs._core is not built")
-        mod = _core
-    elif name == "python":
-        mod = fallback
-    else:
-        raise ValueError(f"unknown backend {name!r}: expected 'auto', 'rust' or 'python'")
-    return types.SimpleNamespace(
-        name=name, BlockAllocator=mod.BlockAllocator, KVCacheManager=mod.KVCacheManager
-    )
-
-
-_selected = backend(os.environ.get("PAGEDKV_BACKEND", "auto").strip().lower() or "auto")
-BACKEND: str = _selected.name
-BlockAllocator = _selected.BlockAllocator
-KVCacheManager = _selected.KVCacheManager
-
 __all__ = [
     "BACKEND",
     "BACKENDS",
@@ -109,21 +87,6 @@ __all__ = [
     "DoubleFreeError",
     "reference",
     *(_KERNEL_NAMES if _core is not None else []),
-]
-
-# Scheduler, requests, sampling and engine (pure Python over either allocator backend).
-from pagedkv_rs.engine import LLMEngine, Model, RequestStream  # noqa: E402
-from pagedkv_rs.request import (  # noqa: E402
-    CompletionOutput,
-    InvalidRequestError,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-    UnknownRequestError,
-)
-from pagedkv_rs.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-
-__all__ += [
     "LLMEngine",
     "Model",
     "RequestStream",

@@ -78,7 +78,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: bool = True) -> dict[str, Any]:
     """Drive the engine step by step; per-token timestamps give TTFT/TPOT/ITL."""
-    from pagedkv_rs.request import SamplingParams
+    from pagedkv_rs.engine.request import SamplingParams
 
     engine = llm.engine
     kv0, steps0, pre0 = engine.kv_manager.stats(), engine.scheduler.num_steps, engine.scheduler.num_preemptions

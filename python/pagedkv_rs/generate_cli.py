@@ -37,7 +37,7 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
     from pagedkv_rs.errors import PagedKVError
     from pagedkv_rs.llm import llm_from_args
     from pagedkv_rs.models.tokenizer import IncrementalDecoder
-    from pagedkv_rs.request import SamplingParams
+    from pagedkv_rs.engine.request import SamplingParams
 
     try:
         params = SamplingParams(

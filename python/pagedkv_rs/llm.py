@@ -16,7 +16,7 @@ from pagedkv_rs.engine import LLMEngine, RequestStream
 from pagedkv_rs.models.gguf_loader import load_gguf
 from pagedkv_rs.models.llama import WEIGHT_FORMATS, LlamaModel, LlamaWeights, eos_ids_from_metadata
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
-from pagedkv_rs.request import RequestOutput, SamplingParams
+from pagedkv_rs.engine.request import RequestOutput, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "parse_memory", "add_llm_args", "llm_from_args"]
 

@@ -22,8 +22,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pagedkv_rs.request import SamplingParams
-from pagedkv_rs.scheduler import Scheduler, SchedulerConfig
+from pagedkv_rs._backend import backend as allocator_backend
+from pagedkv_rs.engine.request import SamplingParams
+from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["Trace", "make_trace", "replay", "simulate", "main"]
 
@@ -94,9 +95,7 @@ def replay(
     backend: Any = "auto",
 ) -> ReplayResult:
     """Replay ``trace`` on a pool of ``kv_tokens`` slots; ``contiguous`` reserves max_model_len per sequence."""
-    import pagedkv_rs
-
-    mgr_cls = pagedkv_rs.backend(backend).KVCacheManager if isinstance(backend, str) else backend.KVCacheManager
+    mgr_cls = allocator_backend(backend).KVCacheManager if isinstance(backend, str) else backend.KVCacheManager
     bs = max_model_len if contiguous else block_size
     num_blocks = kv_tokens // bs
     if num_blocks < 1:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pagedkv_rs.request import SamplingParams
+from pagedkv_rs.engine.request import SamplingParams
 
 __all__ = ["sample"]
 

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.errors import OutOfBlocksError
-from pagedkv_rs.request import (
+from pagedkv_rs.engine.request import (
     InvalidRequestError,
     Request,
     RequestStatus,

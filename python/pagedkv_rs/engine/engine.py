@@ -24,8 +24,9 @@ from typing import Any, Optional, Protocol, Union, runtime_checkable
 import numpy as np
 
 from pagedkv_rs import kernels
+from pagedkv_rs._backend import backend as allocator_backend
 from pagedkv_rs.batch import BatchInputs
-from pagedkv_rs.request import (
+from pagedkv_rs.engine.request import (
     FINISHED,
     InvalidRequestError,
     Request,
@@ -33,8 +34,8 @@ from pagedkv_rs.request import (
     SamplingParams,
     UnknownRequestError,
 )
-from pagedkv_rs.sampling import sample
-from pagedkv_rs.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedkv_rs.engine.sampling import sample
+from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = ["Model", "LLMEngine", "RequestStream"]
 
@@ -496,7 +497,5 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 def _manager_class(backend: Any) -> Any:
     if isinstance(backend, str):
-        import pagedkv_rs
-
-        return pagedkv_rs.backend(backend).KVCacheManager
+        return allocator_backend(backend).KVCacheManager
     return getattr(backend, "KVCacheManager", backend)
