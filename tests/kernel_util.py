@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv_rs import reference as ref
+from pagedkv_rs.kernels import reference as ref
 
 # Max abs error vs the float64 reference. The reference reads the same (already rounded) cache
 # values, so the error is the kernel's float32 accumulation + SIMD exp for every dtype.

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pagedkv_rs as pk
-from pagedkv_rs import reference as ref
+from pagedkv_rs.kernels import reference as ref
 
 from kernel_util import TOL, make_case, max_err
 

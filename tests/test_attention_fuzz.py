@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedkv_rs as pk
-from pagedkv_rs import reference as ref
+from pagedkv_rs.kernels import reference as ref
 
 from kernel_util import make_case, max_err
 

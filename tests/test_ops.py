@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import pagedkv_rs
-from pagedkv_rs import reference
+from pagedkv_rs.kernels import reference
 
 
 @pytest.fixture(params=pagedkv_rs.kernel_info()["backends"])
@@ -105,13 +109,35 @@ def test_bad_input_is_a_clear_exception():
         pagedkv_rs.silu_and_mul(x, out=np.empty((2, 3), np.float32))
 
 
-def test_kernel_lookup_follows_the_environment(monkeypatch):
+def test_kernel_source_switches_at_run_time():
     from pagedkv_rs import kernels
 
     assert kernels.kernel_source() == "rust"
-    monkeypatch.setenv("PAGEDKV_KERNEL", "reference")
-    assert kernels.kernel_source() == "reference"
-    x = np.ones((2, 4), np.float32)
-    np.testing.assert_allclose(kernels.rms_norm(x, np.ones(4, np.float32), 0.0), 1.0)
-    monkeypatch.delenv("PAGEDKV_KERNEL")
+    kernels.set_kernel_source("reference")
+    try:
+        assert kernels.kernel_source() == "reference"
+        x = np.ones((2, 4), np.float32)
+        np.testing.assert_allclose(kernels.rms_norm(x, np.ones(4, np.float32), 0.0), 1.0)
+    finally:
+        kernels.set_kernel_source("auto")
     assert kernels.kernel_source() == "rust"
+    with pytest.raises(ValueError, match="unknown kernel source 'avx2'"):
+        kernels.set_kernel_source("avx2")
+
+
+def _kernel_source_under(value: str) -> subprocess.CompletedProcess:
+    code = "import pagedkv_rs.kernels as k; print(k.kernel_source())"
+    env = dict(os.environ, PAGEDKV_KERNEL=value)
+    return subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True, check=True)
+
+
+@pytest.mark.parametrize("value,source", [("reference", "reference"), ("rust", "rust"), ("auto", "rust"), ("", "rust")])
+def test_kernel_source_is_read_from_the_environment(value, source):
+    r = _kernel_source_under(value)
+    assert r.stdout.strip() == source and "Warning" not in r.stderr
+
+
+def test_legacy_isa_values_of_the_kernel_variable_mean_rust_and_warn():
+    r = _kernel_source_under("scalar")
+    assert r.stdout.strip() == "rust"
+    assert "DeprecationWarning: PAGEDKV_KERNEL=scalar is deprecated" in r.stderr

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pagedkv_rs
-from pagedkv_rs import QLinear, reference
+from pagedkv_rs import QLinear
+from pagedkv_rs.kernels import reference
 
 # Every kernel backend this CPU runs ("scalar", "avx2", "avx512"): QLinear maps them onto its
 # scalar, AVX2+FMA and AVX-512 VNNI builds.

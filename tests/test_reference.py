@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pagedkv_rs import reference as ref
+from pagedkv_rs.kernels import reference as ref
 
 
 def naive_attention(q, k_cache, v_cache, tables, seq_lens, qsl, scale=None, window=None, cap=None):

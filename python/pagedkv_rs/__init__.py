@@ -6,12 +6,13 @@ The block allocator and block tables exist twice with one API: the Rust core
 by ``PAGEDKV_BACKEND=auto|rust|python`` (``auto`` = Rust when built); ``BACKEND`` names it
 and ``backend(name)`` hands out either one explicitly (see ``pagedkv_rs._backend``).
 The kernel functions come from the compiled core (their float64 numpy spec is
-``pagedkv_rs.reference``); the scheduler and engine are pure Python over either backend.
+``pagedkv_rs.reference``, i.e. ``pagedkv_rs.kernels.reference``); the scheduler and engine
+are pure Python over either backend.
 """
 
 from __future__ import annotations
 
-from pagedkv_rs import fallback, reference
+from pagedkv_rs import fallback
 from pagedkv_rs._backend import BACKEND, BACKENDS, BlockAllocator, KVCacheManager, _core, backend
 from pagedkv_rs.engine import (
     CompletionOutput,
@@ -34,6 +35,36 @@ from pagedkv_rs.errors import (
     SequenceTooLongError,
     UnknownSequenceError,
 )
+from pagedkv_rs.kernels import reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKEND",
+    "BACKENDS",
+    "BlockAllocator",
+    "KVCacheManager",
+    "backend",
+    "fallback",
+    "PagedKVError",
+    "OutOfBlocksError",
+    "UnknownSequenceError",
+    "DuplicateSequenceError",
+    "SequenceTooLongError",
+    "DoubleFreeError",
+    "reference",
+    "LLMEngine",
+    "Model",
+    "RequestStream",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestStatus",
+    "InvalidRequestError",
+    "UnknownRequestError",
+    "Scheduler",
+    "SchedulerConfig",
+]
 
 if _core is not None:  # the kernel functions exist only in the compiled core
     from pagedkv_rs._core import (
@@ -52,50 +83,19 @@ if _core is not None:  # the kernel functions exist only in the compiled core
         silu_and_mul,
         write_kv,
     )
-
-__version__ = "0.1.0"
-
-_KERNEL_NAMES = [
-    "new_kv_cache",
-    "write_kv",
-    "copy_blocks",
-    "paged_attention",
-    "set_kernel_backend",
-    "kernel_info",
-    "set_num_threads",
-    "get_num_threads",
-    "memory_bandwidth",
-    "fma_peak",
-    "build_profile",
-    "QLinear",
-    "rms_norm",
-    "silu_and_mul",
-]
-
-__all__ = [
-    "BACKEND",
-    "BACKENDS",
-    "BlockAllocator",
-    "KVCacheManager",
-    "backend",
-    "fallback",
-    "PagedKVError",
-    "OutOfBlocksError",
-    "UnknownSequenceError",
-    "DuplicateSequenceError",
-    "SequenceTooLongError",
-    "DoubleFreeError",
-    "reference",
-    *(_KERNEL_NAMES if _core is not None else []),
-    "LLMEngine",
-    "Model",
-    "RequestStream",
-    "SamplingParams",
-    "RequestOutput",
-    "CompletionOutput",
-    "RequestStatus",
-    "InvalidRequestError",
-    "UnknownRequestError",
-    "Scheduler",
-    "SchedulerConfig",
-]
+    __all__ += [
+        "new_kv_cache",
+        "write_kv",
+        "copy_blocks",
+        "paged_attention",
+        "set_kernel_backend",
+        "kernel_info",
+        "set_num_threads",
+        "get_num_threads",
+        "memory_bandwidth",
+        "fma_peak",
+        "build_profile",
+        "QLinear",
+        "rms_norm",
+        "silu_and_mul",
+    ]

@@ -189,11 +189,12 @@ def profile_breakdown(stats: Any, total: float) -> dict[str, float]:
     """Seconds per category from a ``pstats.Stats`` of a benchmark run (cumulative times)."""
     cum: dict[str, float] = {}
     wanted = {
-        ("llama.py", "linear"), ("llama.py", "forward"), ("kernels.py", "paged_attention"),
-        ("kernels.py", "write_kv"), ("sampling.py", "sample"), ("engine.py", "step"),
+        ("models/llama.py", "linear"), ("models/llama.py", "forward"), ("kernels/__init__.py", "paged_attention"),
+        ("kernels/__init__.py", "write_kv"), ("engine/sampling.py", "sample"), ("engine/engine.py", "step"),
     }
     for (filename, _line, name), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
-        if (os.path.basename(filename), name) in wanted:
+        parts = filename.replace(os.sep, "/").rsplit("/", 2)
+        if ("/".join(parts[-2:]), name) in wanted:
             cum[name] = cum.get(name, 0.0) + ct
     g = cum.get
     mm, att, kv, fwd = g("linear", 0.0), g("paged_attention", 0.0), g("write_kv", 0.0), g("forward", 0.0)
