@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv_rs.bench_alloc import ROUNDS, WARMUP, WORKLOADS
+from pagedkv_rs.cli.bench.alloc import ROUNDS, WARMUP, WORKLOADS
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))

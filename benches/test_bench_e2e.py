@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 
-from pagedkv_rs.bench_e2e import run_benchmark, synthetic_requests  # noqa: E402
+from pagedkv_rs.cli.bench.e2e import run_benchmark, synthetic_requests  # noqa: E402
 from pagedkv_rs.llm import LLM  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pagedkv_rs as pk
-from pagedkv_rs.bench_kernel import CONFIGS, build, numpy_attention
+from pagedkv_rs.cli.bench.kernel import CONFIGS, build, numpy_attention
 
 if pk.build_profile() != "release":
     pytest.exit("benchmarks need a release build of pagedkv_rs._core (maturin develop --release)", returncode=2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv_rs.bench_linear import SHAPES, build
+from pagedkv_rs.cli.bench.linear import SHAPES, build
 
 
 # pytest varies the top decorator fastest: every int8 row runs before any float32 one, away from

@@ -316,7 +316,7 @@ def test_validation_messages():
 
 def test_bench_numpy_baseline_matches_reference():
     """The numpy gather+matmul row of the benchmarks computes the same attention."""
-    from pagedkv_rs.bench_kernel import numpy_attention
+    from pagedkv_rs.cli.bench.kernel import numpy_attention
 
     rng = np.random.default_rng(12)
     case = make_case(rng, seq_lens=[40, 17, 5], q_lens=[1, 17, 3], hq=6, hkv=2, d=32, bs=8, dtype="float16")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedkv_rs import cli
+from pagedkv_rs.cli import main as cli
 
 
 def test_help_and_unknown(capsys):

@@ -349,7 +349,7 @@ def test_llm_api(prompts, tok):
 
 
 def test_generate_cli(capsys):
-    from pagedkv_rs.generate_cli import main
+    from pagedkv_rs.cli.generate import main
 
     assert main(["What is the capital of France?", "Name three colors.", "--max-tokens", "12", "--kv-memory",
                  "32MiB", "--backend", "python"]) == 0
@@ -360,7 +360,7 @@ def test_generate_cli(capsys):
 
 
 def test_bench_e2e_smoke(capsys):
-    from pagedkv_rs.bench_e2e import main, synthetic_requests
+    from pagedkv_rs.cli.bench.e2e import main, synthetic_requests
 
     reqs = synthetic_requests(6, 20, 10, 0.5, 8, 1000, special_ids=range(17), seed=1)
     assert reqs == synthetic_requests(6, 20, 10, 0.5, 8, 1000, special_ids=range(17), seed=1)

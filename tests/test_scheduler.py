@@ -518,7 +518,7 @@ def test_random_arrivals_match_reference(backend, seed):
 
 # ---------------------------------------------------------------------- simulate
 def test_simulate_paged_beats_contiguous_reservation(backend):
-    from pagedkv_rs.simulate import make_trace, simulate
+    from pagedkv_rs.cli.simulate import make_trace, simulate
 
     trace = make_trace(80, 50.0, prompt_median=64, output_median=48, max_model_len=512, seed=1)
     rows = simulate(trace, kv_tokens=4096, block_sizes=(8, 64), max_model_len=512, backend=backend)
@@ -531,7 +531,7 @@ def test_simulate_paged_beats_contiguous_reservation(backend):
 
 
 def test_simulate_cli(capsys):
-    from pagedkv_rs.simulate import main
+    from pagedkv_rs.cli.simulate import main
 
     assert main(["--num-requests", "20", "--kv-tokens", "4096", "--max-model-len", "512", "--block-sizes", "16"]) == 0
     out = capsys.readouterr().out

@@ -7,18 +7,17 @@ paged KV cache, one ``write_kv`` + one varlen ``paged_attention`` per layer and 
 
 from __future__ import annotations
 
-import argparse
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 from pagedkv_rs.engine import LLMEngine, RequestStream
 from pagedkv_rs.models.gguf_loader import load_gguf
-from pagedkv_rs.models.llama import WEIGHT_FORMATS, LlamaModel, LlamaWeights, eos_ids_from_metadata
+from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, eos_ids_from_metadata
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
 from pagedkv_rs.engine.request import RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "parse_memory", "add_llm_args", "llm_from_args"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "parse_memory"]
 
 DEFAULT_KV_MEMORY = 512 << 20  # bytes of KV cache when neither num_blocks nor kv_memory is given
 
@@ -161,31 +160,3 @@ class LLM:
         ) and messages:
             return list(messages)
         raise ValueError("chat() takes a conversation (list of {'role', 'content'} dicts) or a list of them")
-
-
-def add_llm_args(p: argparse.ArgumentParser) -> None:
-    """The model and KV-cache options every command that builds an ``LLM`` takes."""
-    p.add_argument("--model", default=None, help="Llama-architecture GGUF file (default: bundled SmolLM2-135M)")
-    p.add_argument("--kv-dtype", choices=("float16", "float32", "bfloat16"), default="float16")
-    mem = p.add_mutually_exclusive_group()
-    mem.add_argument("--num-blocks", type=int, default=None)
-    mem.add_argument("--kv-memory", default=None, help="KV cache size, e.g. 512MiB (default)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--backend", choices=("auto", "rust", "python"), default="auto", help="allocator backend")
-    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
-                   help="int8: the GGUF's 8/4-bit blocks run by pagedkv_rs.QLinear; float32: dequantized, numpy BLAS; "
-                        "auto (default): int8 where the AVX-512 VNNI kernel runs")
-
-
-def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
-    """An ``LLM`` from the options ``add_llm_args`` added; extra keywords go to the engine."""
-    return LLM(
-        args.model,
-        kv_dtype=args.kv_dtype,
-        num_blocks=args.num_blocks,
-        kv_memory=args.kv_memory,
-        block_size=args.block_size,
-        backend=args.backend,
-        weights=args.weights,
-        **engine_kwargs,
-    )

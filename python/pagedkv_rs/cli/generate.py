@@ -16,7 +16,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedkv_rs.llm import add_llm_args
+    from pagedkv_rs.cli.args import add_llm_args
 
     p = argparse.ArgumentParser(prog="pagedkv generate", description=__doc__.splitlines()[0])
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts (batched together)")
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
     args = build_parser().parse_args(argv)
     from pagedkv_rs.errors import PagedKVError
-    from pagedkv_rs.llm import llm_from_args
+    from pagedkv_rs.cli.args import llm_from_args
     from pagedkv_rs.models.tokenizer import IncrementalDecoder
     from pagedkv_rs.engine.request import SamplingParams
 

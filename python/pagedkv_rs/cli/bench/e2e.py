@@ -30,7 +30,7 @@ __all__ = ["main", "build_parser", "synthetic_requests", "run_benchmark", "forma
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedkv_rs.llm import add_llm_args
+    from pagedkv_rs.cli.args import add_llm_args
 
     p = argparse.ArgumentParser(
         prog="pagedkv bench e2e",
@@ -212,7 +212,7 @@ def profile_breakdown(stats: Any, total: float) -> dict[str, float]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from pagedkv_rs.llm import llm_from_args
+    from pagedkv_rs.cli.args import llm_from_args
 
     llm = llm_from_args(
         args,

@@ -20,12 +20,12 @@ commands:
 
 # command path -> module whose main(argv) runs it
 COMMANDS = {
-    ("generate",): "pagedkv_rs.generate_cli",
-    ("bench", "alloc"): "pagedkv_rs.bench_alloc",
-    ("bench", "kernel"): "pagedkv_rs.bench_kernel",
-    ("bench", "linear"): "pagedkv_rs.bench_linear",
-    ("bench", "e2e"): "pagedkv_rs.bench_e2e",
-    ("simulate",): "pagedkv_rs.simulate",
+    ("generate",): "pagedkv_rs.cli.generate",
+    ("bench", "alloc"): "pagedkv_rs.cli.bench.alloc",
+    ("bench", "kernel"): "pagedkv_rs.cli.bench.kernel",
+    ("bench", "linear"): "pagedkv_rs.cli.bench.linear",
+    ("bench", "e2e"): "pagedkv_rs.cli.bench.e2e",
+    ("simulate",): "pagedkv_rs.cli.simulate",
 }
 
 

@@ -1,0 +1,43 @@
+"""The model and KV-cache options of every command that builds an ``LLM`` (generate, bench e2e)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from pagedkv_rs.models.llama import WEIGHT_FORMATS
+
+if TYPE_CHECKING:
+    from pagedkv_rs.llm import LLM
+
+__all__ = ["add_llm_args", "llm_from_args"]
+
+
+def add_llm_args(p: argparse.ArgumentParser) -> None:
+    """The model and KV-cache options every command that builds an ``LLM`` takes."""
+    p.add_argument("--model", default=None, help="Llama-architecture GGUF file (default: bundled SmolLM2-135M)")
+    p.add_argument("--kv-dtype", choices=("float16", "float32", "bfloat16"), default="float16")
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--num-blocks", type=int, default=None)
+    mem.add_argument("--kv-memory", default=None, help="KV cache size, e.g. 512MiB (default)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--backend", choices=("auto", "rust", "python"), default="auto", help="allocator backend")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+                   help="int8: the GGUF's 8/4-bit blocks run by pagedkv_rs.QLinear; float32: dequantized, numpy BLAS; "
+                        "auto (default): int8 where the AVX-512 VNNI kernel runs")
+
+
+def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
+    """An ``LLM`` from the options ``add_llm_args`` added; extra keywords go to the engine."""
+    from pagedkv_rs.llm import LLM  # the model extra: imported only when a command runs
+
+    return LLM(
+        args.model,
+        kv_dtype=args.kv_dtype,
+        num_blocks=args.num_blocks,
+        kv_memory=args.kv_memory,
+        block_size=args.block_size,
+        backend=args.backend,
+        weights=args.weights,
+        **engine_kwargs,
+    )
