@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -372,3 +374,15 @@ def test_bench_e2e_smoke(capsys):
     for key in ("Output token throughput (tok/s):", "Mean TTFT (ms):", "P99 ITL (ms):", "weight matmuls"):
         assert key in out
     assert "Successful requests:                    3" in out
+
+
+def test_llm_is_exported_lazily_and_names_the_missing_extra():
+    from pagedkv_rs import LLM, SamplingParams
+    from pagedkv_rs.llm import LLM as llm_LLM
+
+    assert LLM is llm_LLM and SamplingParams is pagedkv_rs.SamplingParams and "LLM" not in pagedkv_rs.__all__
+    code = "import sys; sys.modules['gguf'] = None\nfrom pagedkv_rs import LLM"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert 'ImportError: pagedkv_rs.LLM needs the "model" extra (gguf is missing)' in r.stderr
+    assert 'pip install "pagedkv-rs[model]"' in r.stderr

@@ -7,10 +7,13 @@ by ``PAGEDKV_BACKEND=auto|rust|python`` (``auto`` = Rust when built); ``BACKEND`
 and ``backend(name)`` hands out either one explicitly (see ``pagedkv_rs._backend``).
 The kernel functions come from the compiled core (their float64 numpy spec is
 ``pagedkv_rs.reference``, i.e. ``pagedkv_rs.kernels.reference``); the scheduler and engine
-are pure Python over either backend.
+are pure Python over either backend. ``LLM`` (the offline API, ``pagedkv_rs.llm``) loads on first
+use: it needs the ``model`` extra.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from pagedkv_rs import fallback
 from pagedkv_rs._backend import BACKEND, BACKENDS, BlockAllocator, KVCacheManager, _core, backend
@@ -64,7 +67,16 @@ __all__ = [
     "UnknownRequestError",
     "Scheduler",
     "SchedulerConfig",
-]
+]  # not LLM: `from pagedkv_rs import *` must work without the model extra
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: LLM needs the `model` extra, so it is imported on first use (llm.py names what is missing).
+    if name == "LLM":
+        from pagedkv_rs.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedkv_rs' has no attribute {name!r}")
 
 if _core is not None:  # the kernel functions exist only in the compiled core
     from pagedkv_rs._core import (

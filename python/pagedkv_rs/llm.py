@@ -11,6 +11,13 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
+try:  # the `model` extra, checked here so that its absence is named
+    import gguf  # noqa: F401
+    import jinja2  # noqa: F401
+    import tokenizers  # noqa: F401
+except ImportError as e:
+    raise ImportError(f'pagedkv_rs.LLM needs the "model" extra ({e.name} is missing): pip install "pagedkv-rs[model]"') from e
+
 from pagedkv_rs.engine import LLMEngine, RequestStream
 from pagedkv_rs.models.gguf_loader import load_gguf
 from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, eos_ids_from_metadata
