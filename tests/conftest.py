@@ -1,4 +1,4 @@
-"""Shared fixtures: every allocator / block-table test runs on each built backend."""
+"""Shared fixtures: each allocator test runs on every built backend, each kernel test on every ISA; Hypothesis profiles."""
 
 from __future__ import annotations
 
@@ -22,3 +22,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def backend(request):
     """The allocator classes of one backend (``.BlockAllocator``, ``.KVCacheManager``, ``.name``)."""
     return pagedkv_rs.backend(request.param)
+
+
+@pytest.fixture(params=pagedkv_rs.kernel_info()["backends"] if "rust" in pagedkv_rs.BACKENDS else [])
+def isa(request):
+    """Force one ISA of the Rust kernels this CPU runs ("scalar", then e.g. "avx2", "avx512"); auto afterwards."""
+    pagedkv_rs.set_kernel_backend(request.param)
+    yield request.param
+    pagedkv_rs.set_kernel_backend("auto")

@@ -13,13 +13,6 @@ import pagedkv_rs
 from pagedkv_rs.kernels import reference
 
 
-@pytest.fixture(params=pagedkv_rs.kernel_info()["backends"])
-def isa(request):
-    pagedkv_rs.set_kernel_backend(request.param)
-    yield request.param
-    pagedkv_rs.set_kernel_backend("auto")
-
-
 @pytest.mark.parametrize("t,h", [(1, 1), (3, 7), (32, 576), (33, 100), (200, 64)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_rms_norm_matches_reference(isa, t, h, fused):

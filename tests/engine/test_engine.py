@@ -16,8 +16,8 @@ import pytest
 
 from pagedkv_rs import kernels
 from pagedkv_rs.engine import LLMEngine, Model, RequestStream
-from pagedkv_rs.models import TinyModel
 from pagedkv_rs.engine.request import InvalidRequestError, SamplingParams, UnknownRequestError
+from pagedkv_rs.models import TinyModel
 
 MODEL = TinyModel(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=128, max_model_len=128)
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

@@ -11,9 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-
-from pagedkv_rs.models.gguf_loader import load_gguf  # noqa: E402
-from pagedkv_rs.models.tokenizer import GGUFTokenizer, IncrementalDecoder  # noqa: E402
+from pagedkv_rs.models.tokenizer import GGUFTokenizer, IncrementalDecoder
 
 SAMPLES = [
     "Hello, world!",
@@ -34,16 +32,6 @@ SAMPLES = [
     "JSON: {\"key\": [1, 2, 3], \"nested\": {\"x\": null}}",
     "snake_case_name = __dunder__ + CONSTANT_VALUE",
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf_meta():
-    return load_gguf(None, load_tensors=False)
-
-
-@pytest.fixture(scope="module")
-def tok(gguf_meta) -> GGUFTokenizer:
-    return GGUFTokenizer.from_gguf(gguf_meta)
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +205,7 @@ def test_incremental_decoder_holds_back_partial_utf8(tok):
     assert dec2.push(ids[:3]) + dec2.push(ids[3:]) == text
 
 
-# ---- against Hugging Face (golden ids from tests/data/make_hf_golden.py, transformers 4.46.3) ----
+# ---- against Hugging Face (golden ids from tests/models/data/make_hf_golden.py, transformers 4.46.3) ----
 
 HF_GOLDEN = json.loads((Path(__file__).parent / "data" / "hf_golden.json").read_text(encoding="utf-8"))
 

@@ -12,21 +12,12 @@ import numpy as np
 import pytest
 
 import pagedkv_rs as pk
-from pagedkv_rs.kernels import reference as ref
-
 from kernel_util import TOL, make_case, max_err
-
+from pagedkv_rs.kernels import reference as ref
 
 DTYPES = ["float32", "float16", "bfloat16"]
 # Every kernel this CPU can run, each forced ("scalar", then e.g. "avx2", "avx512").
 BACKENDS = pk.kernel_info()["backends"]
-
-
-@pytest.fixture(params=BACKENDS)
-def kernel_backend(request):
-    pk.set_kernel_backend(request.param)
-    yield request.param
-    pk.set_kernel_backend("auto")
 
 
 def check(case, dtype, **kw):
@@ -84,7 +75,7 @@ def test_threads_settable():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (9, 3), (32, 8)])
 @pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
-def test_gqa_and_head_dims(kernel_backend, dtype, hq, hkv, d):
+def test_gqa_and_head_dims(isa, dtype, hq, hkv, d):
     rng = np.random.default_rng(hq * 1000 + d)
     case = make_case(rng, seq_lens=[1, 37, 20], q_lens=[1, 1, 20], hq=hq, hkv=hkv, d=d, bs=16, dtype=dtype)
     check(case, dtype)
@@ -92,7 +83,7 @@ def test_gqa_and_head_dims(kernel_backend, dtype, hq, hkv, d):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bs", [1, 16, 32, 128])
-def test_block_sizes_and_edge_lengths(kernel_backend, dtype, bs):
+def test_block_sizes_and_edge_lengths(isa, dtype, bs):
     rng = np.random.default_rng(bs)
     lens = sorted({1, max(bs - 1, 1), bs, bs + 1})
     seq_lens = lens + lens
@@ -102,7 +93,7 @@ def test_block_sizes_and_edge_lengths(kernel_backend, dtype, bs):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_random_long_mixed_batch(kernel_backend, dtype):
+def test_random_long_mixed_batch(isa, dtype):
     rng = np.random.default_rng(42)
     seq_lens = rng.integers(1, 4096, size=4)
     q_lens = [1, 1, int(min(seq_lens[2], 64)), int(seq_lens[3] % 300 + 1 if seq_lens[3] > 300 else seq_lens[3])]
@@ -111,13 +102,13 @@ def test_random_long_mixed_batch(kernel_backend, dtype):
 
 
 @pytest.mark.parametrize("window,cap", [(1, None), (7, None), (100, None), (None, 2.5), (13, 10.0)])
-def test_sliding_window_and_soft_cap(kernel_backend, window, cap):
+def test_sliding_window_and_soft_cap(isa, window, cap):
     rng = np.random.default_rng(window or 0)
     case = make_case(rng, seq_lens=[50, 200, 3], q_lens=[50, 1, 2], hq=4, hkv=2, d=64, bs=16)
     check(case, "float32", sliding_window=window, soft_cap=cap)
 
 
-def test_custom_scale_and_out(kernel_backend):
+def test_custom_scale_and_out(isa):
     rng = np.random.default_rng(5)
     case = make_case(rng, seq_lens=[30], q_lens=[5], hq=2, hkv=1, d=64, bs=8)
     out = np.full(case.q.shape, np.nan, np.float32)
@@ -126,7 +117,7 @@ def test_custom_scale_and_out(kernel_backend):
     assert max_err(out, ref.paged_attention(*case.args(), scale=0.3)) < 3e-5
 
 
-def test_empty_and_zero_length_rows(kernel_backend):
+def test_empty_and_zero_length_rows(isa):
     rng = np.random.default_rng(6)
     # A sequence scheduling no tokens (q_len 0) next to one decoding, and one with seq_len 0.
     case = make_case(rng, seq_lens=[10, 0, 5], q_lens=[0, 0, 1], hq=2, hkv=1, d=64, bs=4)
@@ -136,7 +127,7 @@ def test_empty_and_zero_length_rows(kernel_backend):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_split_kv_long_single_sequence(kernel_backend, dtype):
+def test_split_kv_long_single_sequence(isa, dtype):
     # B=1, one KV head: one work item < 4 * threads, so the keys are split and LSE-merged.
     rng = np.random.default_rng(9)
     case = make_case(rng, seq_lens=[4000], q_lens=[1], hq=4, hkv=1, d=128, bs=16, dtype=dtype)

@@ -21,7 +21,7 @@ from pagedkv_rs.batch import BatchInputs
 def _outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
     try:
         return "ok", fn()
-    except Exception as e:  # noqa: BLE001 - the exception itself is compared
+    except Exception as e:
         return "err", (type(e), str(e))
 
 
@@ -405,7 +405,7 @@ def test_rust_manager_is_safe_under_threads() -> None:
                 for s in ids:
                     m.free(s)
                 m.check_invariants()
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]

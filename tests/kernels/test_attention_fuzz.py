@@ -13,10 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedkv_rs as pk
-from pagedkv_rs.kernels import reference as ref
-
 from kernel_util import make_case, max_err
-
+from pagedkv_rs.kernels import reference as ref
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

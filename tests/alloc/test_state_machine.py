@@ -23,7 +23,7 @@ def outcome(fn):
     """A comparable result: the value (arrays as lists) or the exception type."""
     try:
         value = fn()
-    except Exception as e:  # noqa: BLE001 - the type is the result
+    except Exception as e:
         return ("raised", type(e).__name__)
     if hasattr(value, "slot_mapping"):  # BatchInputs
         return tuple((f, getattr(value, f).dtype.str, getattr(value, f).tolist()) for f in value.__dataclass_fields__)

@@ -33,7 +33,7 @@ def compute_all(m, seq_ids):
     return m.prepare_batch(seq_ids, [m.num_tokens(s) - m.num_computed_tokens(s) for s in seq_ids])
 
 
-def test_allocate_grow_free_no_leak_I1_I2(backend):
+def test_I1_I2_allocate_grow_free_no_leak(backend):
     m = backend.KVCacheManager(16, 4)
     assert m.allocate(1, list(range(10))) == 0
     assert m.block_table(1) == [0, 1, 2] and m.num_tokens(1) == 10 and 1 in m and len(m) == 1
@@ -79,7 +79,7 @@ def test_prefix_hit_shares_blocks_and_lru_order(backend):
     m.check_invariants()
 
 
-def test_hit_never_covers_whole_prompt_I6(backend):
+def test_I6_hit_never_covers_whole_prompt(backend):
     m = backend.KVCacheManager(8, 4)
     p = list(range(8))
     m.allocate(1, p)
@@ -342,7 +342,7 @@ def test_many_threads_share_one_manager(backend):
                     pass
                 m.prepare_batch([sid], [1])
                 m.free(sid)
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]

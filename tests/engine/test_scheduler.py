@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv_rs.errors import PagedKVError
 from pagedkv_rs.engine.request import (
     InvalidRequestError,
     RequestOutput,
@@ -22,6 +21,7 @@ from pagedkv_rs.engine.request import (
 )
 from pagedkv_rs.engine.sampling import sample
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv_rs.errors import PagedKVError
 
 VOCAB = 97
 EOS = 3

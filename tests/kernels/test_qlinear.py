@@ -19,13 +19,6 @@ from pagedkv_rs.kernels import reference
 ISAS = pagedkv_rs.kernel_info()["backends"]
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    pagedkv_rs.set_kernel_backend(request.param)
-    yield pagedkv_rs.kernel_info()["linear_isa"]
-    pagedkv_rs.set_kernel_backend("auto")
-
-
 def _weights(rng, n, k, scale=0.1):
     return (rng.standard_normal((n, k)) * scale).astype(np.float32)
 
