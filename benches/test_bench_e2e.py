@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-
-from pagedkv_rs.cli.bench.e2e import run_benchmark, synthetic_requests  # noqa: E402
-from pagedkv_rs.llm import LLM  # noqa: E402
+from pagedkv_rs.cli.bench.e2e import run_benchmark, synthetic_requests
+from pagedkv_rs.llm import LLM
 
 
 @pytest.fixture(scope="module")

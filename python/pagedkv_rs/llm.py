@@ -19,10 +19,10 @@ except ImportError as e:
     raise ImportError(f'pagedkv_rs.LLM needs the "model" extra ({e.name} is missing): pip install "pagedkv-rs[model]"') from e
 
 from pagedkv_rs.engine import LLMEngine, RequestStream
+from pagedkv_rs.engine.request import RequestOutput, SamplingParams
 from pagedkv_rs.models.gguf_loader import load_gguf
 from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, eos_ids_from_metadata
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
-from pagedkv_rs.engine.request import RequestOutput, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "parse_memory"]
 
@@ -152,7 +152,7 @@ class LLM:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:

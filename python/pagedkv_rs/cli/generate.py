@@ -34,10 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
     args = build_parser().parse_args(argv)
-    from pagedkv_rs.errors import PagedKVError
     from pagedkv_rs.cli.args import llm_from_args
-    from pagedkv_rs.models.tokenizer import IncrementalDecoder
     from pagedkv_rs.engine.request import SamplingParams
+    from pagedkv_rs.errors import PagedKVError
+    from pagedkv_rs.models.tokenizer import IncrementalDecoder
 
     try:
         params = SamplingParams(

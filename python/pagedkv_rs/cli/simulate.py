@@ -91,7 +91,7 @@ def replay(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 2048,
     preemption_mode: str = "recompute",
-    cost: CostModel = CostModel(),
+    cost: CostModel = CostModel(),  # noqa: B008 - frozen dataclass, safe to share
     backend: Any = "auto",
 ) -> ReplayResult:
     """Replay ``trace`` on a pool of ``kv_tokens`` slots; ``contiguous`` reserves max_model_len per sequence."""

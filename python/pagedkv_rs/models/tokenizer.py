@@ -66,7 +66,7 @@ class GGUFTokenizer:
         self._template: Any = None
 
     @classmethod
-    def from_gguf(cls, gguf: Any = None) -> "GGUFTokenizer":
+    def from_gguf(cls, gguf: Any = None) -> GGUFTokenizer:
         """Build from a ``GGUFFile``, a path, or ``None`` (the bundled SmolLM2)."""
         g = gguf if isinstance(gguf, GGUFFile) else load_gguf(gguf, load_tensors=False)
         return cls(g.metadata, path=g.path)
