@@ -1,6 +1,6 @@
 """Allocator / block-table workloads; Rust and Python rows side by side in each group.
 
-    pytest benches/test_bench_allocator.py --benchmark-only --benchmark-group-by=group
+pytest benches/test_bench_allocator.py --benchmark-only --benchmark-group-by=group
 """
 
 from __future__ import annotations

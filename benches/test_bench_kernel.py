@@ -41,10 +41,12 @@ def test_paged_attention(benchmark, config, impl):
     benchmark.extra_info["flops"] = config.flops
 
     if impl == "numpy":
+
         def fn():
             for x, o in zip(layers, outs):
                 numpy_attention(*x, out=o)
     else:
+
         def fn():
             for x, o in zip(layers, outs):
                 pk.paged_attention(*x, out=o)

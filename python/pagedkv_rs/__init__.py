@@ -78,6 +78,7 @@ def __getattr__(name: str) -> Any:
         return LLM
     raise AttributeError(f"module 'pagedkv_rs' has no attribute {name!r}")
 
+
 if _core is not None:  # the kernel functions exist only in the compiled core
     from pagedkv_rs._core import (
         QLinear,
@@ -95,6 +96,7 @@ if _core is not None:  # the kernel functions exist only in the compiled core
         silu_and_mul,
         write_kv,
     )
+
     __all__ += [
         "new_kv_cache",
         "write_kv",

@@ -36,9 +36,7 @@ def backend(name: str = "auto") -> types.SimpleNamespace:
         mod = fallback
     else:
         raise ValueError(f"unknown backend {name!r}: expected 'auto', 'rust' or 'python'")
-    return types.SimpleNamespace(
-        name=name, BlockAllocator=mod.BlockAllocator, KVCacheManager=mod.KVCacheManager
-    )
+    return types.SimpleNamespace(name=name, BlockAllocator=mod.BlockAllocator, KVCacheManager=mod.KVCacheManager)
 
 
 _selected = backend(os.environ.get("PAGEDKV_BACKEND", "auto").strip().lower() or "auto")

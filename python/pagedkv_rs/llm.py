@@ -16,7 +16,9 @@ try:  # the `model` extra, checked here so that its absence is named
     import jinja2  # noqa: F401
     import tokenizers  # noqa: F401
 except ImportError as e:
-    raise ImportError(f'pagedkv_rs.LLM needs the "model" extra ({e.name} is missing): pip install "pagedkv-rs[model]"') from e
+    raise ImportError(
+        f'pagedkv_rs.LLM needs the "model" extra ({e.name} is missing): pip install "pagedkv-rs[model]"'
+    ) from e
 
 from pagedkv_rs.engine import LLMEngine, RequestStream
 from pagedkv_rs.engine.request import RequestOutput, SamplingParams
@@ -31,8 +33,19 @@ DEFAULT_KV_MEMORY = 512 << 20  # bytes of KV cache when neither num_blocks nor k
 Prompt = Union[str, Sequence[int]]
 Conversation = Sequence[Mapping[str, Any]]
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 10**3,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+}
 
 
 def parse_memory(value: Union[int, str]) -> int:
@@ -162,8 +175,10 @@ class LLM:
     def _conversations(messages: Any) -> list[Conversation]:
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
             return [messages]
-        if isinstance(messages, Sequence) and all(
-            isinstance(c, Sequence) and c and all(isinstance(m, Mapping) for m in c) for c in messages
-        ) and messages:
+        if (
+            isinstance(messages, Sequence)
+            and all(isinstance(c, Sequence) and c and all(isinstance(m, Mapping) for m in c) for c in messages)
+            and messages
+        ):
             return list(messages)
         raise ValueError("chat() takes a conversation (list of {'role', 'content'} dicts) or a list of them")

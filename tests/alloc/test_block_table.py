@@ -319,8 +319,16 @@ def test_append_batch(backend):
 def test_stats_keys(backend):
     m = backend.KVCacheManager(8, 2)
     assert set(m.stats()) == {
-        "num_blocks", "block_size", "num_seqs", "free_blocks", "cached_blocks", "live_blocks", "usage",
-        "evictions", "prefix_query_tokens", "prefix_hit_tokens",
+        "num_blocks",
+        "block_size",
+        "num_seqs",
+        "free_blocks",
+        "cached_blocks",
+        "live_blocks",
+        "usage",
+        "evictions",
+        "prefix_query_tokens",
+        "prefix_hit_tokens",
     }
 
 

@@ -41,7 +41,9 @@ class BothBackends(RuleBasedStateMachine):
     )
     def setup(self, num_blocks, block_size, caching, policy, hash_bits, max_seq_len):
         kw = dict(enable_prefix_caching=caching, policy=policy, hash_bits=hash_bits, max_seq_len=max_seq_len)
-        self.managers = [pagedkv_rs.backend(b).KVCacheManager(num_blocks, block_size, **kw) for b in pagedkv_rs.BACKENDS]
+        self.managers = [
+            pagedkv_rs.backend(b).KVCacheManager(num_blocks, block_size, **kw) for b in pagedkv_rs.BACKENDS
+        ]
 
     def both(self, call):
         results = [outcome(lambda m=m: call(m)) for m in self.managers]

@@ -170,9 +170,7 @@ def test_seeded_sampling_is_reproducible_under_pressure(backend):
     ps = prompts(5, 6, 2, 20)
     params = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95, seed=1234, ignore_eos=True)
     roomy = engine(backend, num_blocks=128).generate(ps, params)
-    tight = engine(backend, num_blocks=16, preemption_mode="recompute", max_num_batched_tokens=10).generate(
-        ps, params
-    )
+    tight = engine(backend, num_blocks=16, preemption_mode="recompute", max_num_batched_tokens=10).generate(ps, params)
     assert [o.token_ids for o in roomy] == [o.token_ids for o in tight]
     greedy = engine(backend).generate(ps, GREEDY)
     assert [o.token_ids for o in roomy] != [o.token_ids for o in greedy]

@@ -55,9 +55,7 @@ class FakeRunner:
     def execute(self, so) -> list[int]:
         """Apply the step's memory ops and KV writes, check every history, return the sampled tokens."""
         cfg = self.s.config
-        assert so.num_tokens <= cfg.max_num_batched_tokens or (
-            not cfg.enable_chunked_prefill and len(so.requests) == 1
-        )
+        assert so.num_tokens <= cfg.max_num_batched_tokens or (not cfg.enable_chunked_prefill and len(so.requests) == 1)
         assert len(self.s.running) <= cfg.max_num_seqs
         for sw in so.swap_out:
             self.host[sw.request_id] = self.cache[sw.block_ids].copy()

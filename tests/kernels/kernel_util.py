@@ -66,8 +66,13 @@ def make_case(
     for i, L in enumerate(seq_lens):
         pos = np.arange(L)
         slots = tables[i, pos // bs].astype(np.int64) * bs + pos % bs
-        ref.write_kv(k, v, rng.standard_normal((L, hkv, d), dtype=np.float32),
-                     rng.standard_normal((L, hkv, d), dtype=np.float32), slots)
+        ref.write_kv(
+            k,
+            v,
+            rng.standard_normal((L, hkv, d), dtype=np.float32),
+            rng.standard_normal((L, hkv, d), dtype=np.float32),
+            slots,
+        )
     qsl = np.zeros(len(seq_lens) + 1, np.int32)
     qsl[1:] = np.cumsum(q_lens)
     q = rng.standard_normal((int(qsl[-1]), hq, d), dtype=np.float32)

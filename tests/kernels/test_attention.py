@@ -264,8 +264,13 @@ def test_end_to_end_with_kv_manager():
             n_new = [1] * len(seqs)
         batch = m.prepare_batch(seqs, n_new)
         T = batch.num_tokens
-        pk.write_kv(k, v, rng.standard_normal((T, hkv, d), dtype=np.float32),
-                    rng.standard_normal((T, hkv, d), dtype=np.float32), batch.slot_mapping)
+        pk.write_kv(
+            k,
+            v,
+            rng.standard_normal((T, hkv, d), dtype=np.float32),
+            rng.standard_normal((T, hkv, d), dtype=np.float32),
+            batch.slot_mapping,
+        )
         q = rng.standard_normal((T, hq, d), dtype=np.float32)
         args = (q, k, v, batch.block_tables, batch.seq_lens, batch.query_start_loc)
         assert max_err(pk.paged_attention(*args), ref.paged_attention(*args).astype(np.float64)) < 3e-5

@@ -30,12 +30,26 @@ def cases(draw):
     q_lens = [draw(st.integers(0, L)) for L in seq_lens]
     dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"]))
     seed = draw(st.integers(0, 2**32 - 1))
-    return make_case(np.random.default_rng(seed), seq_lens=seq_lens, q_lens=q_lens, hq=hkv * g, hkv=hkv, d=d,
-                     bs=bs, dtype=dtype, share=draw(st.booleans()))
+    return make_case(
+        np.random.default_rng(seed),
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        hq=hkv * g,
+        hkv=hkv,
+        d=d,
+        bs=bs,
+        dtype=dtype,
+        share=draw(st.booleans()),
+    )
 
 
 @SETTINGS
-@given(cases(), st.sampled_from(pk.kernel_info()["backends"]), st.sampled_from([None, 1, 3, 50]), st.sampled_from([None, 1.5]))
+@given(
+    cases(),
+    st.sampled_from(pk.kernel_info()["backends"]),
+    st.sampled_from([None, 1, 3, 50]),
+    st.sampled_from([None, 1.5]),
+)
 def test_valid_random_inputs_match_reference(case, backend, window, cap):
     pk.set_kernel_backend(backend)
     try:
@@ -170,13 +184,41 @@ def _bad_attention_args(case, kind: str, rng: np.random.Generator):
 
 
 ATTN_KINDS = [
-    "q_dtype", "q_ndim", "q_noncontig", "q_head_dim", "q_heads", "q_not_array", "q_unaligned", "q_byteswapped",
-    "cache_dtype", "cache_mismatch", "cache_shape", "cache_noncontig", "cache_ndim",
-    "tables_dtype", "tables_id_high", "tables_id_negative", "tables_too_narrow", "tables_rows",
-    "seq_len_negative", "seq_len_over_capacity", "seq_len_below_q_len", "seq_lens_dtype",
-    "qsl_decreasing", "qsl_start", "qsl_end", "qsl_length",
-    "out_dtype", "out_shape", "out_readonly", "out_aliases_q", "out_aliases_cache", "out_noncontig",
-    "scale_nan", "window_bad", "soft_cap_bad",
+    "q_dtype",
+    "q_ndim",
+    "q_noncontig",
+    "q_head_dim",
+    "q_heads",
+    "q_not_array",
+    "q_unaligned",
+    "q_byteswapped",
+    "cache_dtype",
+    "cache_mismatch",
+    "cache_shape",
+    "cache_noncontig",
+    "cache_ndim",
+    "tables_dtype",
+    "tables_id_high",
+    "tables_id_negative",
+    "tables_too_narrow",
+    "tables_rows",
+    "seq_len_negative",
+    "seq_len_over_capacity",
+    "seq_len_below_q_len",
+    "seq_lens_dtype",
+    "qsl_decreasing",
+    "qsl_start",
+    "qsl_end",
+    "qsl_length",
+    "out_dtype",
+    "out_shape",
+    "out_readonly",
+    "out_aliases_q",
+    "out_aliases_cache",
+    "out_noncontig",
+    "scale_nan",
+    "window_bad",
+    "soft_cap_bad",
 ]
 
 
@@ -191,13 +233,27 @@ def test_bad_attention_inputs_raise(case, kind, seed):
         pk.paged_attention(*args, **kw)
 
 
-WRITE_KINDS = ["slot_high", "slot_low", "slot_dtype", "key_shape", "key_dtype", "value_shape", "readonly",
-               "key_aliases_cache", "cache_mismatch", "slots_2d"]
+WRITE_KINDS = [
+    "slot_high",
+    "slot_low",
+    "slot_dtype",
+    "key_shape",
+    "key_dtype",
+    "value_shape",
+    "readonly",
+    "key_aliases_cache",
+    "cache_mismatch",
+    "slots_2d",
+]
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.sampled_from(WRITE_KINDS), st.sampled_from(["float32", "float16", "bfloat16"]), st.integers(1, 6),
-       st.integers(0, 2**32 - 1))
+@given(
+    st.sampled_from(WRITE_KINDS),
+    st.sampled_from(["float32", "float16", "bfloat16"]),
+    st.integers(1, 6),
+    st.integers(0, 2**32 - 1),
+)
 def test_bad_write_kv_inputs_raise(kind, dtype, T, seed):
     rng = np.random.default_rng(seed)
     k, v = pk.new_kv_cache(4, 4, 2, 8, dtype)

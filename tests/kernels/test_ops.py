@@ -121,7 +121,9 @@ def test_kernel_source_switches_at_run_time():
 def _kernel_source_under(value: str) -> subprocess.CompletedProcess:
     code = "import pagedkv_rs.kernels as k; print(k.kernel_source())"
     env = dict(os.environ, PAGEDKV_KERNEL=value)
-    return subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True, check=True)
+    return subprocess.run(
+        [sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True, check=True
+    )
 
 
 @pytest.mark.parametrize("value,source", [("reference", "reference"), ("rust", "rust"), ("auto", "rust"), ("", "rust")])

@@ -39,8 +39,10 @@ def test_isa_names():
         pagedkv_rs.set_kernel_backend("auto")
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (2, 5, 64), (3, 16, 96), (4, 17, 32), (5, 33, 160), (9, 100, 256),
-                                   (33, 48, 576), (64, 31, 128)])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [(1, 1, 32), (2, 5, 64), (3, 16, 96), (4, 17, 32), (5, 33, 160), (9, 100, 256), (33, 48, 576), (64, 31, 128)],
+)
 def test_matches_reference(isa, m, n, k):
     rng = np.random.default_rng(m * 1000 + n * 10 + k)
     q = QLinear.from_float(_weights(rng, n, k))
@@ -188,7 +190,9 @@ def test_bad_input_is_a_clear_exception():
     with pytest.raises(ValueError, match="need codes"):
         QLinear.from_parts(np.zeros((2, 64), np.uint8), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32))
     with pytest.raises(ValueError, match="not finite"):
-        QLinear.from_parts(np.zeros((1, 32), np.uint8), np.full((1, 1), np.nan, np.float32), np.zeros((1, 1), np.float32))
+        QLinear.from_parts(
+            np.zeros((1, 32), np.uint8), np.full((1, 1), np.nan, np.float32), np.zeros((1, 1), np.float32)
+        )
 
 
 def test_the_gil_is_released_during_a_call():

@@ -55,12 +55,16 @@ def test_reference_matches_naive_loop(dtype, window, cap):
     for i, L in enumerate(seq_lens):
         pos = np.arange(L)
         slots = tables[i, pos // bs].astype(np.int64) * bs + pos % bs
-        ref.write_kv(kc, vc, rng.standard_normal((L, hkv, d), dtype=np.float32),
-                     rng.standard_normal((L, hkv, d), dtype=np.float32), slots)
+        ref.write_kv(
+            kc,
+            vc,
+            rng.standard_normal((L, hkv, d), dtype=np.float32),
+            rng.standard_normal((L, hkv, d), dtype=np.float32),
+            slots,
+        )
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = rng.standard_normal((qsl[-1], hkv * g, d)).astype(np.float32)
-    got = ref.paged_attention(q, kc, vc, tables, np.array(seq_lens, np.int32), qsl,
-                              sliding_window=window, soft_cap=cap)
+    got = ref.paged_attention(q, kc, vc, tables, np.array(seq_lens, np.int32), qsl, sliding_window=window, soft_cap=cap)
     want = naive_attention(q, kc, vc, tables, seq_lens, qsl, window=window, cap=cap)
     assert got.dtype == np.float32 and np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -150,8 +150,11 @@ def test_weight_format_choice(gguf_file):
 
 
 def _nll(weights, ids) -> float:
-    logits = DenseLlama(weights).forward(np.asarray([ids]), 0, DenseLlama(weights).new_cache(1, len(ids)),
-                                         all_positions=True)[0, :-1].astype(np.float64)
+    logits = (
+        DenseLlama(weights)
+        .forward(np.asarray([ids]), 0, DenseLlama(weights).new_cache(1, len(ids)), all_positions=True)[0, :-1]
+        .astype(np.float64)
+    )
     logits -= logits.max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     return float(-logp[np.arange(len(ids) - 1), ids[1:]].mean())
@@ -279,12 +282,16 @@ def test_kernels_come_from_rust_when_built():
 ENGINE_CONFIGS = {
     # name: (engine kwargs, expect preemptions)
     "plain": (dict(enable_prefix_caching=False, enable_chunked_prefill=False, num_blocks=256), False),
-    "chunked": (dict(enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=16,
-                     num_blocks=256), False),
+    "chunked": (
+        dict(enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=16, num_blocks=256),
+        False,
+    ),
     "prefix": (dict(enable_prefix_caching=True, enable_chunked_prefill=False, num_blocks=256), False),
     "preempt": (dict(enable_prefix_caching=False, enable_chunked_prefill=False, num_blocks=20), True),
-    "all": (dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=24,
-                 num_blocks=14), True),
+    "all": (
+        dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=24, num_blocks=14),
+        True,
+    ),
 }
 
 
@@ -299,8 +306,13 @@ def test_engine_greedy_equals_dense(backend, weights, prompts, dense_f16, config
     from pagedkv_rs.engine.request import SamplingParams
 
     kwargs, preempts = ENGINE_CONFIGS[config]
-    engine = LLMEngine(LlamaModel(weights, eos_token_ids=(2, 0)), block_size=4, kv_cache_dtype="float16",
-                       backend=backend.name, **kwargs)
+    engine = LLMEngine(
+        LlamaModel(weights, eos_token_ids=(2, 0)),
+        block_size=4,
+        kv_cache_dtype="float16",
+        backend=backend.name,
+        **kwargs,
+    )
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     # The third prompt shares the system-prompt prefix with the others and arrives after them.
     outs = engine.generate(prompts[:2], params)
@@ -324,8 +336,13 @@ def test_llm_api(prompts, tok):
     chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy)
     assert len(chat) == 1 and "Paris" in chat[0].text and "<|im_end|>" not in chat[0].text
     assert chat[0].prompt_token_ids == prompts[0]
-    many = llm.chat([[{"role": "user", "content": "Name three colors."}],
-                     [{"role": "user", "content": "What is the capital of France?"}]], greedy)
+    many = llm.chat(
+        [
+            [{"role": "user", "content": "Name three colors."}],
+            [{"role": "user", "content": "What is the capital of France?"}],
+        ],
+        greedy,
+    )
     assert many[1].token_ids == chat[0].token_ids
     raw = llm.generate(["The capital of France is", prompts[0]], greedy)
     assert raw[1].token_ids == chat[0].token_ids and raw[0].prompt == "The capital of France is"
@@ -345,8 +362,21 @@ def test_llm_api(prompts, tok):
 def test_generate_cli(capsys):
     from pagedkv_rs.cli.generate import main
 
-    assert main(["What is the capital of France?", "Name three colors.", "--max-tokens", "12", "--kv-memory",
-                 "32MiB", "--backend", "python"]) == 0
+    assert (
+        main(
+            [
+                "What is the capital of France?",
+                "Name three colors.",
+                "--max-tokens",
+                "12",
+                "--kv-memory",
+                "32MiB",
+                "--backend",
+                "python",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "[1/2] What is the capital of France?" in out and "Paris" in out and "[2/2]" in out
     assert main(["x", "--model", "/no/such/model.gguf"]) == 2
@@ -360,8 +390,23 @@ def test_bench_e2e_smoke(capsys):
     assert reqs == synthetic_requests(6, 20, 10, 0.5, 8, 1000, special_ids=range(17), seed=1)
     assert all(10 + 8 <= len(p) <= 30 + 8 and 5 <= n <= 15 and min(p) >= 17 for p, n in reqs)
     assert len({tuple(p[:8]) for p, _ in reqs}) == 1
-    assert main(["--num-requests", "3", "--input-len", "12", "--output-len", "4", "--kv-memory", "16MiB",
-                 "--no-progress", "--profile"]) == 0
+    assert (
+        main(
+            [
+                "--num-requests",
+                "3",
+                "--input-len",
+                "12",
+                "--output-len",
+                "4",
+                "--kv-memory",
+                "16MiB",
+                "--no-progress",
+                "--profile",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     for key in ("Output token throughput (tok/s):", "Mean TTFT (ms):", "P99 ITL (ms):", "weight matmuls"):
         assert key in out

@@ -17,11 +17,10 @@ SAMPLES = [
     "Hello, world!",
     "The year 2024 had 366 days; pi is 3.14159 and 1,000,000 is a million.",
     "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
-    "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }",
+    'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }',
     "    leading spaces, trailing spaces    ",
     "tabs\t\tand\nnewlines\n\n\n  mixed \t \n whitespace runs",
-    "Ünïcödé: naïve café, Straße, 日本語のテキスト, 中文, "
-    "Ελληνικά, русский, עברית, عربى",
+    "Ünïcödé: naïve café, Straße, 日本語のテキスト, 中文, " "Ελληνικά, русский, עברית, عربى",
     "emoji 🎉🚀👩‍💻 and symbols ∑∫√∞ ≠ ≤ → ©®",
     "mixed1a2b3c 0x1F 1e-9 v2.0.1 #42 @user $3.50 50% 12:30pm",
     "'s 't 're 've 'm 'll 'd — contractions don't won't it's",
@@ -29,7 +28,7 @@ SAMPLES = [
     "",
     "a",
     "<|im_start|>user\nliteral special tokens<|im_end|>",
-    "JSON: {\"key\": [1, 2, 3], \"nested\": {\"x\": null}}",
+    'JSON: {"key": [1, 2, 3], "nested": {"x": null}}',
     "snake_case_name = __dunder__ + CONSTANT_VALUE",
 ]
 
@@ -119,8 +118,12 @@ def test_matches_reference_bpe(tok, bpe, text):
     # Pre-tokenize as llama.cpp's smollm rule (digits alone, then the GPT-2 regex), BPE each piece.
     # \p{L} ~ [^\W\d_], \p{N} ~ \d, [^\s\p{L}\p{N}] ~ (?:[^\s\w]|_) in Python's re
     gpt2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+"""
-    pieces = [p for chunk in re.split(r"(\d)", text) if chunk for p in (
-        [chunk] if chunk.isdigit() else re.findall(gpt2, chunk))]
+    pieces = [
+        p
+        for chunk in re.split(r"(\d)", text)
+        if chunk
+        for p in ([chunk] if chunk.isdigit() else re.findall(gpt2, chunk))
+    ]
     assert "".join(pieces) == text
     assert tok.encode(text) == [i for p in pieces for i in bpe(p)]
     # GPT-2 regex: \s+(?!\S) takes "\n" (the next char is space), then "\n" alone before "b"
@@ -177,8 +180,25 @@ def test_chat_template_default_system_prompt_multi_turn(tok, bpe):
     expected = (
         [1, *bpe("system"), nl]
         # pre-tokens by the GPT-2 rule: a word keeps its leading space, punctuation splits off
-        + [t for w in ["You", " are", " a", " helpful", " AI", " assistant", " named", " SmolLM", ",", " trained",
-                       " by", " Hugging", " Face"] for t in bpe(w)]
+        + [
+            t
+            for w in [
+                "You",
+                " are",
+                " a",
+                " helpful",
+                " AI",
+                " assistant",
+                " named",
+                " SmolLM",
+                ",",
+                " trained",
+                " by",
+                " Hugging",
+                " Face",
+            ]
+            for t in bpe(w)
+        ]
         + [2, nl]
         + [1, v(tok, "user"), nl, v(tok, "Hi"), 2, nl]
         + [1, *bpe("assistant"), nl, *bpe("Hello"), *bpe(" there"), 2, nl]

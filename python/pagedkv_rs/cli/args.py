@@ -22,9 +22,13 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
     mem.add_argument("--kv-memory", default=None, help="KV cache size, e.g. 512MiB (default)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--backend", choices=("auto", "rust", "python"), default="auto", help="allocator backend")
-    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
-                   help="int8: the GGUF's 8/4-bit blocks run by pagedkv_rs.QLinear; float32: dequantized, numpy BLAS; "
-                        "auto (default): int8 where the AVX-512 VNNI kernel runs")
+    p.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default="auto",
+        help="int8: the GGUF's 8/4-bit blocks run by pagedkv_rs.QLinear; float32: dequantized, numpy BLAS; "
+        "auto (default): int8 where the AVX-512 VNNI kernel runs",
+    )
 
 
 def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:

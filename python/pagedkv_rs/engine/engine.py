@@ -309,9 +309,7 @@ class LLMEngine:
                 outputs = [self._output(r) for r in changed if not r.final_only or r.status in FINISHED]
                 for r in changed:
                     if r.status in FINISHED:
-                        self._finished_metrics.append(
-                            (r.metrics.time_to_first_token or 0.0, r.inter_token_latencies())
-                        )
+                        self._finished_metrics.append((r.metrics.time_to_first_token or 0.0, r.inter_token_latencies()))
                 self._publish(outputs)
                 return outputs
 

@@ -292,9 +292,7 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     @classmethod
-    def from_request(
-        cls, req: Request, detokenize: Optional[Callable[[list[int]], str]] = None
-    ) -> RequestOutput:
+    def from_request(cls, req: Request, detokenize: Optional[Callable[[list[int]], str]] = None) -> RequestOutput:
         """Snapshot of ``req``; the delta covers tokens not yet reported (and marks them reported)."""
         new = req.output_token_ids[req.num_sent :]
         req.num_sent = len(req.output_token_ids)

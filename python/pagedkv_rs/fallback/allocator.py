@@ -56,6 +56,7 @@ def _salt_bytes(cache_salt: Salt) -> bytes:
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
+
 class BlockAllocator:
     """Physical block pool: ref counts, an O(1) free list, and the prefix-hash index."""
 
@@ -180,9 +181,7 @@ class BlockAllocator:
         with self._lock:
             k = _check_int("num_blocks", num_blocks, 0, MAX_NUM_BLOCKS)
             if k > self._num_on_list:
-                raise OutOfBlocksError(
-                    f"out of KV-cache blocks: need {k} blocks, {self._num_on_list} free"
-                )
+                raise OutOfBlocksError(f"out of KV-cache blocks: need {k} blocks, {self._num_on_list} free")
             return self._allocate(k)
 
     def _allocate(self, k: int) -> list[int]:
@@ -221,9 +220,7 @@ class BlockAllocator:
             for b in ids:
                 need[b] = need.get(b, 0) + 1
                 if need[b] > self._ref[b]:
-                    raise DoubleFreeError(
-                        f"block {b} freed {need[b]} time(s) but its ref count is {self._ref[b]}"
-                    )
+                    raise DoubleFreeError(f"block {b} freed {need[b]} time(s) but its ref count is {self._ref[b]}")
             self._free(ids)
 
     def _free(self, ids: Sequence[int]) -> None:

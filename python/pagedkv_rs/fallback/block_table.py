@@ -313,9 +313,7 @@ class KVCacheManager:
         with self._lock:
             return self._alloc.reset_prefix_cache()
 
-    def prepare_batch(
-        self, seq_ids: Sequence[int], num_new_tokens: Optional[Sequence[int]] = None
-    ) -> BatchInputs:
+    def prepare_batch(self, seq_ids: Sequence[int], num_new_tokens: Optional[Sequence[int]] = None) -> BatchInputs:
         """Build one step's kernel inputs and mark the scheduled tokens computed.
 
         Sequence ``seq_ids[i]`` computes its next ``num_new_tokens[i]`` tokens (default 0: just

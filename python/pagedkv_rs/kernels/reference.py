@@ -27,8 +27,17 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-__all__ = ["new_kv_cache", "write_kv", "copy_blocks", "paged_attention", "cache_dtype", "quantize_activations", "qlinear",
-           "rms_norm", "silu_and_mul"]
+__all__ = [
+    "new_kv_cache",
+    "write_kv",
+    "copy_blocks",
+    "paged_attention",
+    "cache_dtype",
+    "quantize_activations",
+    "qlinear",
+    "rms_norm",
+    "silu_and_mul",
+]
 
 DTypeLike = Union[str, np.dtype, type]
 
@@ -57,8 +66,12 @@ def new_kv_cache(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Zeroed ``(k_cache, v_cache)``, each ``[num_blocks, num_kv_heads, block_size, head_dim]``."""
     dt = cache_dtype(dtype)
-    for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
-                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+    for name, v in (
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
         if int(v) < (0 if name == "num_blocks" else 1):
             raise ValueError(f"{name} must be positive, got {v}")
     shape = (int(num_blocks), int(num_kv_heads), int(block_size), int(head_dim))
@@ -219,8 +232,11 @@ def qlinear(x: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> n
     c = codes.astype(np.float64).reshape(n, nb, QBLOCK)
     dot_h = np.einsum("rbj,nbj->rnb", hi.astype(np.float64).reshape(rows, nb, QBLOCK), c)
     dot_l = np.einsum("rbj,nbj->rnb", lo.astype(np.float64).reshape(rows, nb, QBLOCK), c)
-    y = (d[None].astype(np.float64) * (s_hi[:, None].astype(np.float64) * dot_h + s_lo[:, None].astype(np.float64) * dot_l)
-         + m[None].astype(np.float64) * qs[:, None].astype(np.float64)).sum(-1)
+    y = (
+        d[None].astype(np.float64)
+        * (s_hi[:, None].astype(np.float64) * dot_h + s_lo[:, None].astype(np.float64) * dot_l)
+        + m[None].astype(np.float64) * qs[:, None].astype(np.float64)
+    ).sum(-1)
     return y.astype(np.float32)
 
 
@@ -235,8 +251,14 @@ def _out(out: Optional[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
     return out
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, *, residual: Optional[np.ndarray] = None,
-             out: Optional[np.ndarray] = None) -> np.ndarray:
+def rms_norm(
+    x: np.ndarray,
+    weight: np.ndarray,
+    eps: float,
+    *,
+    residual: Optional[np.ndarray] = None,
+    out: Optional[np.ndarray] = None,
+) -> np.ndarray:
     """``out = s / sqrt(mean(s**2) + eps) * weight`` per row, float64 inside; ``s = x``, or with a
     ``residual``: ``residual += x`` (float32, in place) and ``s = residual``."""
     x = np.asarray(x)

@@ -30,8 +30,17 @@ from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.models.gguf_loader import GGUFFile, LlamaConfig, load_gguf
 
 __all__ = [
-    "DenseLlama", "FloatLinear", "Int8Linear", "LlamaModel", "LlamaWeights", "WEIGHT_FORMATS", "eos_ids_from_metadata",
-    "int8_is_fast", "kernels", "resolve_weight_format", "unpermute_rope_rows",
+    "DenseLlama",
+    "FloatLinear",
+    "Int8Linear",
+    "LlamaModel",
+    "LlamaWeights",
+    "WEIGHT_FORMATS",
+    "eos_ids_from_metadata",
+    "int8_is_fast",
+    "kernels",
+    "resolve_weight_format",
+    "unpermute_rope_rows",
 ]
 
 ROPE_MODES = ("half", "adjacent", "mismatched")
@@ -281,8 +290,11 @@ class LlamaModel:
         attn = np.empty((n, hq, d), np.float32)
         delta: Optional[np.ndarray] = None  # the last sublayer's output, not yet added to x
         for layer, (k_cache, v_cache) in zip(w.layers, kv_caches):
-            h = rms_norm(x, layer["attn_norm"], cfg.rms_eps) if delta is None else \
-                rms_norm(delta, layer["attn_norm"], cfg.rms_eps, residual=x)
+            h = (
+                rms_norm(x, layer["attn_norm"], cfg.rms_eps)
+                if delta is None
+                else rms_norm(delta, layer["attn_norm"], cfg.rms_eps, residual=x)
+            )
             qkv = linear(h, layer["wqkv"])  # [T, (Hq + 2 Hkv) D]
             q = apply_rope(qkv[:, :nq].reshape(n, hq, d), cos, sin, self._mode)
             k = apply_rope(qkv[:, nq : nq + nk].reshape(n, hkv, d), cos, sin, self._mode)
@@ -382,8 +394,9 @@ class DenseLlama:
         last = x.reshape(b, t, -1)[:, -1]
         return linear(rms_norm(last, w.final_norm, cfg.rms_eps), w.lm_head)
 
-    def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                        eos_token_ids: Sequence[int] = ()) -> list[list[int]]:
+    def generate_greedy(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_ids: Sequence[int] = ()
+    ) -> list[list[int]]:
         """Greedy continuation of equal-length prompts (all run max_new_tokens steps; cut at EOS after)."""
         arr = np.asarray([list(p) for p in prompts], np.int64)
         if arr.ndim != 2 or arr.shape[1] == 0:

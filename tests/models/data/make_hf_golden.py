@@ -22,17 +22,24 @@ import sys
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Write a haiku about memory."}],
-    [{"role": "user", "content": "def f(x):\n    return x  # code\n\ttabs"},
-     {"role": "assistant", "content": "Sure — here: naïve café 🚀"}, {"role": "user", "content": "Again?"}],
+    [
+        {"role": "user", "content": "def f(x):\n    return x  # code\n\ttabs"},
+        {"role": "assistant", "content": "Sure — here: naïve café 🚀"},
+        {"role": "user", "content": "Again?"},
+    ],
     [{"role": "user", "content": "   leading and trailing spaces   "}],
     [{"role": "user", "content": "Ünïcödé: Straße, 日本語のテキスト, 中文, Ελληνικά, русский, עברית, عربى"}],
     [{"role": "user", "content": "emoji 🎉🚀👩‍💻 and symbols ∑∫√∞ ≠ ≤ → ©®"}],
-    [{"role": "user", "content": "JSON: {\"key\": [\"a\", \"b\"], \"nested\": {\"x\": null}}"}],
+    [{"role": "user", "content": 'JSON: {"key": ["a", "b"], "nested": {"x": null}}'}],
     [{"role": "user", "content": "tabs\t\tand\nnewlines\n\n\n  mixed \t \n whitespace runs"}],
-    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello!"},
-     {"role": "assistant", "content": "Bonjour !"}, {"role": "user", "content": "How are you?"}],
+    [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Bonjour !"},
+        {"role": "user", "content": "How are you?"},
+    ],
     [{"role": "user", "content": "'s 't 're 've 'm 'll 'd — contractions don't won't it's"}],
-    [{"role": "user", "content": "for (int i = n; i > j; --i) { printf(\"%s\\n\", s); }"}],
+    [{"role": "user", "content": 'for (int i = n; i > j; --i) { printf("%s\\n", s); }'}],
     [{"role": "user", "content": "snake_case_name = __dunder__ + CONSTANT_VALUE"}],
 ]
 
@@ -63,8 +70,10 @@ def main() -> None:
         assert not any(ch.isdigit() for m in c for ch in m["content"]), c
     out = {
         "generator": f"transformers {sys.modules['transformers'].__version__} GGUF conversion ({type(hf).__name__})",
-        "chat": [{"messages": c, "ids": hf.apply_chat_template(c, add_generation_prompt=True, tokenize=True)}
-                 for c in CONVERSATIONS],
+        "chat": [
+            {"messages": c, "ids": hf.apply_chat_template(c, add_generation_prompt=True, tokenize=True)}
+            for c in CONVERSATIONS
+        ],
         "encode": [{"text": t, "ids": hf.encode(t, add_special_tokens=False)} for t in TEXTS],
     }
     with open(os.path.join(os.path.dirname(__file__), "hf_golden.json"), "w", encoding="utf-8") as f:

@@ -54,8 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def synthetic_requests(
-    num: int, input_len: int, output_len: int, range_ratio: float, prefix_len: int, vocab: int,
-    special_ids: Sequence[int] = (), seed: int = 0,
+    num: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    prefix_len: int,
+    vocab: int,
+    special_ids: Sequence[int] = (),
+    seed: int = 0,
 ) -> list[tuple[list[int], int]]:
     """Fixed-seed ``(prompt_ids, output_len)`` pairs; prompts avoid special tokens."""
     if not 0.0 <= range_ratio < 1.0:
@@ -85,8 +91,7 @@ def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: 
     t0 = time.perf_counter()
     ids = []
     for prompt, n_out in requests:
-        ids.append(engine.add_request(None, prompt, SamplingParams(max_tokens=n_out, temperature=0.0,
-                                                                   ignore_eos=True)))
+        ids.append(engine.add_request(None, prompt, SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)))
     stamps: dict[str, list[float]] = {r: [] for r in ids}
     done = 0
     usage: list[float] = []
@@ -189,8 +194,12 @@ def profile_breakdown(stats: Any, total: float) -> dict[str, float]:
     """Seconds per category from a ``pstats.Stats`` of a benchmark run (cumulative times)."""
     cum: dict[str, float] = {}
     wanted = {
-        ("models/llama.py", "linear"), ("models/llama.py", "forward"), ("kernels/__init__.py", "paged_attention"),
-        ("kernels/__init__.py", "write_kv"), ("engine/sampling.py", "sample"), ("engine/engine.py", "step"),
+        ("models/llama.py", "linear"),
+        ("models/llama.py", "forward"),
+        ("kernels/__init__.py", "paged_attention"),
+        ("kernels/__init__.py", "write_kv"),
+        ("engine/sampling.py", "sample"),
+        ("engine/engine.py", "step"),
     }
     for (filename, _line, name), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
         parts = filename.replace(os.sep, "/").rsplit("/", 2)
@@ -222,8 +231,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     tok = llm.get_tokenizer()
     reqs = synthetic_requests(
-        args.num_requests, args.input_len, args.output_len, args.range_ratio, args.prefix_len,
-        llm.model.vocab_size, sorted(tok.special_ids), args.seed,
+        args.num_requests,
+        args.input_len,
+        args.output_len,
+        args.range_ratio,
+        args.prefix_len,
+        llm.model.vocab_size,
+        sorted(tok.special_ids),
+        args.seed,
     )
     # warm-up: BLAS threads, kernel dispatch, first-touch of the KV pool
     run_benchmark(llm, [(reqs[0][0][::-1][:16], 4)], progress=False)

@@ -60,8 +60,12 @@ CONFIGS = [
 
 def quick(c: Config) -> Config:
     """A smaller version (still > L3 for the decode configs where it matters less)."""
-    scale = {"A": dict(batch=8), "Long": dict(seq_len=8192), "SmolLM2": dict(layers=4),
-             "Prefill": dict(seq_len=512, q_len=512)}[c.name]
+    scale = {
+        "A": dict(batch=8),
+        "Long": dict(seq_len=8192),
+        "SmolLM2": dict(layers=4),
+        "Prefill": dict(seq_len=512, q_len=512),
+    }[c.name]
     return Config(**{**c.__dict__, **scale})
 
 
@@ -186,19 +190,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     info = pk.kernel_info()
     bw = pk.memory_bandwidth(1 << (28 if args.quick else 30), threads)
     fma = pk.fma_peak(0.2, threads)
-    print(f"kernel {info['isa']}, {threads} threads, block_size {args.block_size}; memory read bandwidth {bw:.1f} GB/s, "
-          f"FMA peak {fma:.0f} GFLOP/s (both measured now)")
-    hdr = (f"{'config':<9}{'dtype':<9}{'KV MiB':>8}{'time ms':>10}{'GB/s':>8}{'of bw':>7}"
-           f"{'GFLOP/s':>9}{'of fma':>8}{'scalar ms':>11}{'numpy ms':>10}{'x numpy':>9}")
+    print(
+        f"kernel {info['isa']}, {threads} threads, block_size {args.block_size}; memory read bandwidth {bw:.1f} GB/s, "
+        f"FMA peak {fma:.0f} GFLOP/s (both measured now)"
+    )
+    hdr = (
+        f"{'config':<9}{'dtype':<9}{'KV MiB':>8}{'time ms':>10}{'GB/s':>8}{'of bw':>7}"
+        f"{'GFLOP/s':>9}{'of fma':>8}{'scalar ms':>11}{'numpy ms':>10}{'x numpy':>9}"
+    )
     print(hdr)
     rows = []
     for c in configs:
         r = run_config(c, bw, fma, repeat, not args.no_scalar, not args.no_numpy)
         rows.append(r)
-        print(f"{r['config']:<9}{r['dtype']:<9}{r['kv_MiB']:>8.0f}{r['time_ms']:>10.2f}{r['GBps']:>8.1f}"
-              f"{r['bw_frac']:>7.2f}{r['GFLOPs']:>9.1f}{r['fma_frac']:>8.2f}"
-              f"{r.get('scalar_ms', math.nan):>11.1f}{r.get('numpy_ms', math.nan):>10.1f}"
-              f"{r.get('vs_numpy', math.nan):>9.1f}", flush=True)
+        print(
+            f"{r['config']:<9}{r['dtype']:<9}{r['kv_MiB']:>8.0f}{r['time_ms']:>10.2f}{r['GBps']:>8.1f}"
+            f"{r['bw_frac']:>7.2f}{r['GFLOPs']:>9.1f}{r['fma_frac']:>8.2f}"
+            f"{r.get('scalar_ms', math.nan):>11.1f}{r.get('numpy_ms', math.nan):>10.1f}"
+            f"{r.get('vs_numpy', math.nan):>9.1f}",
+            flush=True,
+        )
     print("targets: A and Long >= 0.75 of bw (A >= 30x numpy); Prefill >= 0.5 of fma")
     return 0
 

@@ -72,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     info = pagedkv_rs.kernel_info()
     fma = pagedkv_rs.fma_peak(0.3)
-    print(f"linear ISA {info['linear_isa']}, {info['num_threads']} threads; FMA probe {fma:.0f} GFLOP/s "
-          f"(int8 vpdpbusd peak ~{4 * fma:.0f} GOP/s)")
+    print(
+        f"linear ISA {info['linear_isa']}, {info['num_threads']} threads; FMA probe {fma:.0f} GFLOP/s "
+        f"(int8 vpdpbusd peak ~{4 * fma:.0f} GOP/s)"
+    )
     print(f"{'shape':<16}{'M':>6}{'N':>7}{'K':>6}{'int8 ms':>10}{'GOP/s':>8}{'f32 ms':>10}{'GFLOP/s':>9}{'x f32':>7}")
     # All int8 rows first, then all float32 ones: OpenBLAS's worker keeps spinning for a while
     # after each sgemm and would steal a core from the int8 kernel timed right after it.
@@ -82,14 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     tf = [_time(ff, args.rounds) for _, ff in built]
     step_q = step_f = 0.0
     for s, a, b in zip(SHAPES, tq, tf):
-        print(f"{s.name.split()[0]:<16}{s.m:>6}{s.n:>7}{s.k:>6}{a * 1e3:>10.3f}{s.ops / a / 1e9:>8.0f}"
-              f"{b * 1e3:>10.3f}{s.ops / b / 1e9:>9.0f}{b / a:>7.2f}")
+        print(
+            f"{s.name.split()[0]:<16}{s.m:>6}{s.n:>7}{s.k:>6}{a * 1e3:>10.3f}{s.ops / a / 1e9:>8.0f}"
+            f"{b * 1e3:>10.3f}{s.ops / b / 1e9:>9.0f}{b / a:>7.2f}"
+        )
         if s.m == 32:
             reps = 1 if s.name.startswith("lm_head") else 30
             step_q += reps * a
             step_f += reps * b
     ops = 30 * sum(2 * 32 * n * k for _, n, k in _LAYER) + 2 * 32 * 49152 * 576
-    print(f"one decode step's matmuls (30 layers + lm_head, M=32): int8 {step_q * 1e3:.1f} ms "
-          f"({ops / step_q / 1e9:.0f} GOP/s, {2 * ops / step_q / 1e9 / (4 * fma):.2f} of the int8 peak counting "
-          f"both digits), float32 {step_f * 1e3:.1f} ms: {step_f / step_q:.2f}x")
+    print(
+        f"one decode step's matmuls (30 layers + lm_head, M=32): int8 {step_q * 1e3:.1f} ms "
+        f"({ops / step_q / 1e9:.0f} GOP/s, {2 * ops / step_q / 1e9 / (4 * fma):.2f} of the int8 peak counting "
+        f"both digits), float32 {step_f * 1e3:.1f} ms: {step_f / step_q:.2f}x"
+    )
     return 0
