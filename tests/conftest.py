@@ -1,4 +1,4 @@
-"""Shared fixtures: each allocator test runs on every built backend, each kernel test on every ISA; Hypothesis profiles."""
+"""Shared fixtures: allocator tests run on every built backend, kernel tests on every ISA; Hypothesis profiles."""
 
 from __future__ import annotations
 
