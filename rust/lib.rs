@@ -9,10 +9,10 @@ pub mod block_table;
 pub mod error;
 pub mod linear;
 pub mod ops;
-#[cfg(test)]
-mod testing;
 #[cfg(feature = "python")]
 mod py;
+#[cfg(test)]
+mod testing;
 
 #[cfg(feature = "python")]
 #[pyo3::pymodule]

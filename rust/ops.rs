@@ -22,7 +22,12 @@ const LANES: usize = 16;
 /// `out = residual' * rsqrt(mean(residual'^2) + eps) * w`, where `residual' = residual + x`
 /// (stored back into `residual`) when a residual is given, else `x`.
 pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut [f32]>, out: &mut [f32]) -> Result<()> {
-    if h == 0 || w.len() != h || x.len() % h != 0 || out.len() != x.len() || residual.as_ref().is_some_and(|r| r.len() != x.len()) {
+    if h == 0
+        || w.len() != h
+        || x.len() % h != 0
+        || out.len() != x.len()
+        || residual.as_ref().is_some_and(|r| r.len() != x.len())
+    {
         return Err(Error::Invalid(format!(
             "rms_norm needs x, out (and residual) of one shape [T, {h}] and weight [{h}]; got {}, {}, {:?} and {} values",
             x.len(),
@@ -56,7 +61,10 @@ pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut 
             .zip(res.par_chunks_mut(ROWS * h))
             .zip(out.par_chunks_mut(ROWS * h))
             .for_each(|((x, r), o)| run(x, Some(r), o)),
-        None => x.par_chunks(ROWS * h).zip(out.par_chunks_mut(ROWS * h)).for_each(|(x, o)| run(x, None, o)),
+        None => x
+            .par_chunks(ROWS * h)
+            .zip(out.par_chunks_mut(ROWS * h))
+            .for_each(|(x, o)| run(x, None, o)),
     });
     Ok(())
 }
@@ -88,7 +96,10 @@ pub fn silu_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
     }
     use rayon::prelude::*;
     crate::attention::pool()?.install(|| {
-        gate_up.par_chunks(ROWS * 2 * f).zip(out.par_chunks_mut(ROWS * f)).for_each(|(g, o)| run(g, o))
+        gate_up
+            .par_chunks(ROWS * 2 * f)
+            .zip(out.par_chunks_mut(ROWS * f))
+            .for_each(|(g, o)| run(g, o))
     });
     Ok(())
 }
@@ -160,14 +171,17 @@ pub fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: rounds to an integer
-    // max/min (not clamp): a NaN x gives a finite xc here and is restored at the end.
+                                     // max/min (not clamp): a NaN x gives a finite xc here and is restored at the end.
     let xc = x.max(-87.3).min(88.7);
     let t = xc * LOG2E + MAGIC;
     let n = t - MAGIC;
     // n as an integer from t's low mantissa bits (no float->int conversion: it vectorizes).
     let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
     let r = (xc - n * LN2_HI) - n * LN2_LO;
-    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
     let scale = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
     let y = p * scale;
     if x > 88.7 {
@@ -201,7 +215,9 @@ mod tests {
     }
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
-        (0..n).map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2000) as f32 / 250.0 - 4.0).collect()
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2000) as f32 / 250.0 - 4.0)
+            .collect()
     }
 
     #[test]

@@ -59,9 +59,7 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
 /// `obj.__index__()` as an int; TypeError for bool and non-integers (fallback `_check_int`).
 fn as_index<'py>(name: &str, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyInt>> {
     let py = obj.py();
-    if obj.is_instance_of::<PyBool>()
-        || !(obj.is_instance_of::<PyInt>() || obj.hasattr(intern!(py, "__index__"))?)
-    {
+    if obj.is_instance_of::<PyBool>() || !(obj.is_instance_of::<PyInt>() || obj.hasattr(intern!(py, "__index__"))?) {
         return Err(PyTypeError::new_err(format!(
             "{name} must be an int, got {}",
             type_name(obj)
@@ -124,19 +122,13 @@ fn int_array(obj: &Bound<'_, PyAny>) -> Option<Vec<i64>> {
         return a.to_vec().ok();
     }
     if let Ok(a) = obj.cast::<PyArray1<i32>>() {
-        return a
-            .to_vec()
-            .ok()
-            .map(|v| v.into_iter().map(i64::from).collect());
+        return a.to_vec().ok().map(|v| v.into_iter().map(i64::from).collect());
     }
     None
 }
 
 /// Calls `f` on each item of a list, tuple or any iterable, stopping at the first error.
-fn for_each_item<'py>(
-    obj: &Bound<'py, PyAny>,
-    mut f: impl FnMut(&Bound<'py, PyAny>) -> PyResult<()>,
-) -> PyResult<()> {
+fn for_each_item<'py>(obj: &Bound<'py, PyAny>, mut f: impl FnMut(&Bound<'py, PyAny>) -> PyResult<()>) -> PyResult<()> {
     if let Ok(l) = obj.cast::<PyList>() {
         return l.iter().try_for_each(|x| f(&x));
     }
@@ -156,12 +148,7 @@ fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     }
     if let Some(v) = int_array(obj) {
         if let Some(&t) = v.iter().find(|&&t| u32::try_from(t).is_err()) {
-            return Err(range_error(
-                "token id",
-                0,
-                MAX_TOKEN_ID.into(),
-                &t.to_string(),
-            ));
+            return Err(range_error("token id", 0, MAX_TOKEN_ID.into(), &t.to_string()));
         }
         return Ok(v.into_iter().map(|t| t as u32).collect());
     }
@@ -228,9 +215,7 @@ struct SeqIds {
 fn seq_ids(obj: &Bound<'_, PyAny>) -> PyResult<SeqIds> {
     if let Some(v) = int_array(obj) {
         let valid = v.iter().position(|&t| t < 0).unwrap_or(v.len());
-        let stop = v
-            .get(valid)
-            .map(|t| Error::UnknownSequence(t.to_string()).into());
+        let stop = v.get(valid).map(|t| Error::UnknownSequence(t.to_string()).into());
         let ids = v[..valid].iter().map(|&t| t as u64).collect();
         return Ok(SeqIds { ids, stop });
     }
@@ -262,12 +247,7 @@ fn counts(obj: &Bound<'_, PyAny>) -> Counts {
     let len = obj.len();
     let values = match int_array(obj) {
         Some(v) => match v.iter().find(|&&n| !(0..=MAX_COUNT as i64).contains(&n)) {
-            Some(n) => Err(range_error(
-                "num_new_tokens",
-                0,
-                MAX_COUNT.into(),
-                &n.to_string(),
-            )),
+            Some(n) => Err(range_error("num_new_tokens", 0, MAX_COUNT.into(), &n.to_string())),
             None => Ok(v.into_iter().map(|n| n as u64).collect()),
         },
         None => {
@@ -412,20 +392,9 @@ impl BlockAllocator {
         policy: Arg<'_, &str>,
         hash_bits: Arg<'_, u32>,
     ) -> PyResult<Self> {
-        let cfg = Config::parse(
-            num_blocks,
-            block_size,
-            &enable_prefix_caching,
-            &policy,
-            &hash_bits,
-        )?;
-        let core = allocator::BlockAllocator::new(
-            cfg.num_blocks,
-            cfg.block_size,
-            cfg.caching,
-            cfg.policy,
-            cfg.hash_bits,
-        )?;
+        let cfg = Config::parse(num_blocks, block_size, &enable_prefix_caching, &policy, &hash_bits)?;
+        let core =
+            allocator::BlockAllocator::new(cfg.num_blocks, cfg.block_size, cfg.caching, cfg.policy, cfg.hash_bits)?;
         Ok(BlockAllocator {
             cfg,
             inner: Mutex::new(core),
@@ -654,13 +623,7 @@ impl KVCacheManager {
         hash_bits: Arg<'_, u32>,
         max_seq_len: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let cfg = Config::parse(
-            num_blocks,
-            block_size,
-            &enable_prefix_caching,
-            &policy,
-            &hash_bits,
-        )?;
+        let cfg = Config::parse(num_blocks, block_size, &enable_prefix_caching, &policy, &hash_bits)?;
         let max_seq_len = max_seq_len
             .map(|m| check_u64("max_seq_len", m, 1, MAX_COUNT))
             .transpose()?;
@@ -785,12 +748,7 @@ impl KVCacheManager {
         signature = (seq_id, num_new_tokens = Arg::Default(1)),
         text_signature = "($self, seq_id, num_new_tokens=1)"
     )]
-    fn can_append(
-        &self,
-        py: Python<'_>,
-        seq_id: &Bound<'_, PyAny>,
-        num_new_tokens: Arg<'_, u64>,
-    ) -> PyResult<bool> {
+    fn can_append(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>, num_new_tokens: Arg<'_, u64>) -> PyResult<bool> {
         let id = self::seq_id(seq_id)?;
         // The fallback looks the sequence up before it checks the count.
         let k = match num_new_tokens {
@@ -803,15 +761,11 @@ impl KVCacheManager {
     }
 
     fn block_table(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        self.with_seq(py, seq_id, |core, id| {
-            core.block_table(id).map(<[u32]>::to_vec)
-        })
+        self.with_seq(py, seq_id, |core, id| core.block_table(id).map(<[u32]>::to_vec))
     }
 
     fn token_ids(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        self.with_seq(py, seq_id, |core, id| {
-            core.token_ids(id).map(<[u32]>::to_vec)
-        })
+        self.with_seq(py, seq_id, |core, id| core.token_ids(id).map(<[u32]>::to_vec))
     }
 
     fn num_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -912,12 +866,7 @@ impl KVCacheManager {
     }
 
     /// Make ``child_id`` share all of the parent's blocks (copy-on-write on append).
-    fn fork(
-        &self,
-        py: Python<'_>,
-        parent_id: &Bound<'_, PyAny>,
-        child_id: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    fn fork(&self, py: Python<'_>, parent_id: &Bound<'_, PyAny>, child_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let parent = self::seq_id(parent_id)?;
         let child = check_int("child_id", child_id, 0, MAX_SEQ_ID);
         let mut core = self.core(py)?;
@@ -1002,17 +951,17 @@ pub fn core_version() -> &'static str {
 mod kernel {
     use half::{bf16, f16};
     use numpy::{
-        npyffi, Element, PyArray, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
-        PyUntypedArray, PyUntypedArrayMethods,
+        npyffi, Element, PyArray, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray,
+        PyUntypedArrayMethods,
     };
     use pyo3::exceptions::{PyTypeError, PyValueError};
     use pyo3::prelude::*;
     use pyo3::types::{PyDict, PyTuple};
 
     use crate::attention::{self as att, Batch, CacheShape, DType, Kv, KvMut, Params};
+    use crate::error::Error;
     use crate::linear as lin;
     use numpy::IntoPyArray;
-    use crate::error::Error;
 
     fn value_err(e: Error) -> PyErr {
         PyValueError::new_err(e.to_string())
@@ -1045,10 +994,15 @@ mod kernel {
             .map_err(|_| PyTypeError::new_err(format!("{name} must be a numpy.ndarray, got {}", type_name(obj))))?
             .clone();
         if arr.ndim() != ndim {
-            return Err(PyValueError::new_err(format!("{name} must be {ndim}-d, got shape {:?}", arr.shape())));
+            return Err(PyValueError::new_err(format!(
+                "{name} must be {ndim}-d, got shape {:?}",
+                arr.shape()
+            )));
         }
         if !arr.is_c_contiguous() {
-            return Err(PyValueError::new_err(format!("{name} must be C-contiguous (use numpy.ascontiguousarray)")));
+            return Err(PyValueError::new_err(format!(
+                "{name} must be C-contiguous (use numpy.ascontiguousarray)"
+            )));
         }
         let dt = arr.dtype();
         if dt.is_native_byteorder() == Some(false) {
@@ -1060,24 +1014,41 @@ mod kernel {
         let shape = arr.shape().to_vec();
         let nbytes = shape.iter().product::<usize>() * item;
         if nbytes > 0 && (ptr as usize) % item.max(1) != 0 {
-            return Err(PyValueError::new_err(format!("{name} data is not aligned to its {item}-byte items")));
+            return Err(PyValueError::new_err(format!(
+                "{name} data is not aligned to its {item}-byte items"
+            )));
         }
-        Ok(Raw { arr, ptr, nbytes, shape })
+        Ok(Raw {
+            arr,
+            ptr,
+            nbytes,
+            shape,
+        })
     }
 
     fn type_name(obj: &Bound<'_, PyAny>) -> String {
-        obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+        obj.get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_else(|_| "?".into())
     }
 
     fn dtype_name(r: &Raw) -> String {
-        r.arr.dtype().getattr("name").and_then(|n| n.extract::<String>()).unwrap_or_else(|_| "?".into())
+        r.arr
+            .dtype()
+            .getattr("name")
+            .and_then(|n| n.extract::<String>())
+            .unwrap_or_else(|_| "?".into())
     }
 
     /// A typed array (float32 / int32 / int64) of `ndim` dimensions.
     fn typed<'py, T: Element>(obj: &Bound<'py, PyAny>, name: &str, ndim: usize, want: &str) -> PyResult<Raw<'py>> {
         let r = raw(obj, name, ndim)?;
         if !r.arr.dtype().is_equiv_to(&numpy::dtype::<T>(obj.py())) {
-            return Err(PyTypeError::new_err(format!("{name} must be {want}, got {}", dtype_name(&r))));
+            return Err(PyTypeError::new_err(format!(
+                "{name} must be {want}, got {}",
+                dtype_name(&r)
+            )));
         }
         Ok(r)
     }
@@ -1104,14 +1075,19 @@ mod kernel {
             (b'f', 2, _) => DType::F16,
             (_, 2, "bfloat16") => DType::Bf16,
             (_, _, n) => {
-                return Err(PyTypeError::new_err(format!("{name} must be float32, float16 or bfloat16, got {n}")))
+                return Err(PyTypeError::new_err(format!(
+                    "{name} must be float32, float16 or bfloat16, got {n}"
+                )))
             }
         };
         Ok((r, d))
     }
 
     /// `cache_pair` for kernels that write the caches.
-    fn cache_pair_mut<'py>(k: &Bound<'py, PyAny>, v: &Bound<'py, PyAny>) -> PyResult<(Raw<'py>, Raw<'py>, DType, CacheShape)> {
+    fn cache_pair_mut<'py>(
+        k: &Bound<'py, PyAny>,
+        v: &Bound<'py, PyAny>,
+    ) -> PyResult<(Raw<'py>, Raw<'py>, DType, CacheShape)> {
         let pair = cache_pair(k, v)?;
         if !pair.0.writeable() || !pair.1.writeable() {
             return Err(PyValueError::new_err("k_cache and v_cache must be writeable"));
@@ -1119,7 +1095,10 @@ mod kernel {
         Ok(pair)
     }
 
-    fn cache_pair<'py>(k: &Bound<'py, PyAny>, v: &Bound<'py, PyAny>) -> PyResult<(Raw<'py>, Raw<'py>, DType, CacheShape)> {
+    fn cache_pair<'py>(
+        k: &Bound<'py, PyAny>,
+        v: &Bound<'py, PyAny>,
+    ) -> PyResult<(Raw<'py>, Raw<'py>, DType, CacheShape)> {
         let (kr, kd) = cache(k, "k_cache")?;
         let (vr, vd) = cache(v, "v_cache")?;
         if kd != vd || kr.shape != vr.shape {
@@ -1135,7 +1114,12 @@ mod kernel {
             return Err(PyValueError::new_err("k_cache and v_cache must not share memory"));
         }
         let s = &kr.shape;
-        let shape = CacheShape { num_blocks: s[0], num_kv_heads: s[1], block_size: s[2], head_dim: s[3] };
+        let shape = CacheShape {
+            num_blocks: s[0],
+            num_kv_heads: s[1],
+            block_size: s[2],
+            head_dim: s[3],
+        };
         shape.numel().map_err(value_err)?;
         Ok((kr, vr, kd, shape))
     }
@@ -1176,7 +1160,9 @@ mod kernel {
 
     fn dim(name: &str, v: i64, min: i64) -> PyResult<usize> {
         if v < min || v > (1 << 40) {
-            return Err(PyValueError::new_err(format!("{name} must be in [{min}, 2**40], got {v}")));
+            return Err(PyValueError::new_err(format!(
+                "{name} must be in [{min}, 2**40], got {v}"
+            )));
         }
         Ok(v as usize)
     }
@@ -1203,17 +1189,18 @@ mod kernel {
         let np = py.import("numpy")?;
         let dt = match dtype {
             None => np.getattr("dtype")?.call1(("float16",))?,
-            Some(d) if d.extract::<String>().is_ok_and(|s| s == "bfloat16") => {
-                np.getattr("dtype")?.call1((py.import("ml_dtypes")?.getattr("bfloat16")?,))?
-            }
-            Some(d) => np
+            Some(d) if d.extract::<String>().is_ok_and(|s| s == "bfloat16") => np
                 .getattr("dtype")?
-                .call1((d,))
-                .map_err(|_| PyTypeError::new_err(format!("dtype must be 'float32', 'float16' or 'bfloat16', got {d}")))?,
+                .call1((py.import("ml_dtypes")?.getattr("bfloat16")?,))?,
+            Some(d) => np.getattr("dtype")?.call1((d,)).map_err(|_| {
+                PyTypeError::new_err(format!("dtype must be 'float32', 'float16' or 'bfloat16', got {d}"))
+            })?,
         };
         let name: String = dt.getattr("name")?.extract()?;
         if !matches!(name.as_str(), "float32" | "float16" | "bfloat16") {
-            return Err(PyValueError::new_err(format!("cache dtype must be float32, float16 or bfloat16, got {name}")));
+            return Err(PyValueError::new_err(format!(
+                "cache dtype must be float32, float16 or bfloat16, got {name}"
+            )));
         }
         // `empty` + an explicit zero fill rather than `zeros`: calloc'd pages would fault in on
         // their first write_kv, mid-serving (on this project's VMs first touch runs ~110 MB/s).
@@ -1248,18 +1235,29 @@ mod kernel {
         }
         for (r, n) in [(&keyr, "key"), (&valr, "value"), (&slr, "slot_mapping")] {
             if r.overlaps(&kr) || r.overlaps(&vr) {
-                return Err(PyValueError::new_err(format!("{n} must not share memory with the caches")));
+                return Err(PyValueError::new_err(format!(
+                    "{n} must not share memory with the caches"
+                )));
             }
         }
-        let (kg, vg, sg) = (readonly::<f32>(&keyr, "key")?, readonly::<f32>(&valr, "value")?, readonly::<i64>(&slr, "slot_mapping")?);
-        let (ks, vs, ss) = (slice_of(&kg, "key")?, slice_of(&vg, "value")?, slice_of(&sg, "slot_mapping")?);
+        let (kg, vg, sg) = (
+            readonly::<f32>(&keyr, "key")?,
+            readonly::<f32>(&valr, "value")?,
+            readonly::<i64>(&slr, "slot_mapping")?,
+        );
+        let (ks, vs, ss) = (
+            slice_of(&kg, "key")?,
+            slice_of(&vg, "value")?,
+            slice_of(&sg, "slot_mapping")?,
+        );
         let numel = shape.numel().map_err(value_err)?;
         // SAFETY: both caches passed `cache_pair` (C-contiguous, aligned, `numel` items, disjoint)
         // and are writeable; key/value/slots are disjoint from them (checked above). The Bound
         // arrays outlive the call. As with any numpy kernel that releases the GIL, the caller
         // must not mutate these arrays from another thread during the call.
         let (km, vm) = unsafe { (kv_mut(&kr, dt, numel), kv_mut(&vr, dt, numel)) };
-        py.detach(|| att::write_kv(km, vm, shape, ks, vs, ss)).map_err(value_err)
+        py.detach(|| att::write_kv(km, vm, shape, ks, vs, ss))
+            .map_err(value_err)
     }
 
     /// Copy whole blocks `(src, dst)` in order; `pairs` is int64 `[n, 2]` or a sequence of pairs.
@@ -1274,7 +1272,10 @@ mod kernel {
         let flat: Vec<i64> = if pairs.cast::<PyUntypedArray>().is_ok() {
             let pr = typed::<i64>(pairs, "pairs", 2, "int64")?;
             if pr.shape[1] != 2 {
-                return Err(PyValueError::new_err(format!("pairs must be [n, 2], got {:?}", pr.shape)));
+                return Err(PyValueError::new_err(format!(
+                    "pairs must be [n, 2], got {:?}",
+                    pr.shape
+                )));
             }
             slice_of(&readonly::<i64>(&pr, "pairs")?, "pairs")?.to_vec()
         } else {
@@ -1311,7 +1312,10 @@ mod kernel {
         let qr = typed::<f32>(q, "q", 3, "float32")?;
         let (t, hq, d) = (qr.shape[0], qr.shape[1], qr.shape[2]);
         if d != shape.head_dim {
-            return Err(PyValueError::new_err(format!("q head_dim {d} != cache head_dim {}", shape.head_dim)));
+            return Err(PyValueError::new_err(format!(
+                "q head_dim {d} != cache head_dim {}",
+                shape.head_dim
+            )));
         }
         if hq == 0 || hq % shape.num_kv_heads != 0 {
             return Err(PyValueError::new_err(format!(
@@ -1336,9 +1340,19 @@ mod kernel {
         };
         let outr = typed::<f32>(&out_obj, "out", 3, "float32")?;
         if outr.shape != qr.shape {
-            return Err(PyValueError::new_err(format!("out must have q's shape {:?}, got {:?}", qr.shape, outr.shape)));
+            return Err(PyValueError::new_err(format!(
+                "out must have q's shape {:?}, got {:?}",
+                qr.shape, outr.shape
+            )));
         }
-        for (r, n) in [(&qr, "q"), (&kr, "k_cache"), (&vr, "v_cache"), (&btr, "block_tables"), (&slr, "seq_lens"), (&qslr, "query_start_loc")] {
+        for (r, n) in [
+            (&qr, "q"),
+            (&kr, "k_cache"),
+            (&vr, "v_cache"),
+            (&btr, "block_tables"),
+            (&slr, "seq_lens"),
+            (&qslr, "query_start_loc"),
+        ] {
             if outr.overlaps(r) {
                 return Err(PyValueError::new_err(format!("out must not share memory with {n}")));
             }
@@ -1363,14 +1377,17 @@ mod kernel {
             seq_lens: slice_of(&slg, "seq_lens")?,
             query_start_loc: slice_of(&qslg, "query_start_loc")?,
         };
-        let o = og.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+        let o = og
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
         let numel = shape.numel().map_err(value_err)?;
         // SAFETY: both caches passed `cache_pair` (C-contiguous, aligned, `numel` items) and are
         // only read; `out` is disjoint from them (checked above). The Bound arrays outlive the
         // call. As with any numpy kernel that releases the GIL, the caller must not mutate the
         // caches from another thread during the call.
         let (k, v) = unsafe { (kv(&kr, dt, numel), kv(&vr, dt, numel)) };
-        py.detach(|| att::paged_attention(k, v, shape, batch, params, o)).map_err(value_err)?;
+        py.detach(|| att::paged_attention(k, v, shape, batch, params, o))
+            .map_err(value_err)?;
         drop(og);
         Ok(out_obj)
     }
@@ -1404,10 +1421,16 @@ mod kernel {
             let w = match ggml_type {
                 "Q4_1" => py.detach(|| lin::QWeight::from_q4_1(raw, n, k)),
                 "Q8_0" => py.detach(|| lin::QWeight::from_q8_0(raw, n, k)),
-                _ => return Err(PyValueError::new_err(format!("ggml_type must be 'Q4_1' or 'Q8_0', got {ggml_type:?}"))),
+                _ => {
+                    return Err(PyValueError::new_err(format!(
+                        "ggml_type must be 'Q4_1' or 'Q8_0', got {ggml_type:?}"
+                    )))
+                }
             }
             .map_err(value_err)?;
-            Ok(QLinear { w: std::sync::Arc::new(w) })
+            Ok(QLinear {
+                w: std::sync::Arc::new(w),
+            })
         }
 
         /// Quantize float32 weights `[n, k]` (k a multiple of 32) per 32-wide block, asymmetric 8-bit.
@@ -1415,8 +1438,12 @@ mod kernel {
         fn from_float(py: Python<'_>, w: &Bound<'_, PyAny>) -> PyResult<Self> {
             let (g, shape) = f32_2d(w, "w")?;
             let v = slice_of(&g, "w")?;
-            let q = py.detach(|| lin::QWeight::from_f32(v, shape[0], shape[1])).map_err(value_err)?;
-            Ok(QLinear { w: std::sync::Arc::new(q) })
+            let q = py
+                .detach(|| lin::QWeight::from_f32(v, shape[0], shape[1]))
+                .map_err(value_err)?;
+            Ok(QLinear {
+                w: std::sync::Arc::new(q),
+            })
         }
 
         /// From `codes: uint8 [n, k]`, `d`, `m`: float32 `[n, k/32]` (the inverse of `unpack`).
@@ -1431,9 +1458,17 @@ mod kernel {
                     lin::QBLOCK
                 )));
             }
-            let q = lin::QWeight::from_parts(cs[0], cs[1], slice_of(&cg, "codes")?, slice_of(&dg, "d")?, slice_of(&mg, "m")?)
-                .map_err(value_err)?;
-            Ok(QLinear { w: std::sync::Arc::new(q) })
+            let q = lin::QWeight::from_parts(
+                cs[0],
+                cs[1],
+                slice_of(&cg, "codes")?,
+                slice_of(&dg, "d")?,
+                slice_of(&mg, "m")?,
+            )
+            .map_err(value_err)?;
+            Ok(QLinear {
+                w: std::sync::Arc::new(q),
+            })
         }
 
         /// Output features.
@@ -1463,23 +1498,41 @@ mod kernel {
                 .map_err(|e| PyValueError::new_err(e.to_string()))?;
             let d = shaped(d).map_err(|e| PyValueError::new_err(e.to_string()))?;
             let m = shaped(m).map_err(|e| PyValueError::new_err(e.to_string()))?;
-            PyTuple::new(py, [c.into_pyarray(py).into_any(), d.into_pyarray(py).into_any(), m.into_pyarray(py).into_any()])
+            PyTuple::new(
+                py,
+                [
+                    c.into_pyarray(py).into_any(),
+                    d.into_pyarray(py).into_any(),
+                    m.into_pyarray(py).into_any(),
+                ],
+            )
         }
 
         /// `x @ W.T`: `x` float32 `[m, k]` -> float32 `[m, n]` (into `out` when given).
         #[pyo3(signature = (x, *, out = None))]
-        fn __call__<'py>(&self, py: Python<'py>, x: &Bound<'py, PyAny>, out: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+        fn __call__<'py>(
+            &self,
+            py: Python<'py>,
+            x: &Bound<'py, PyAny>,
+            out: Option<&Bound<'py, PyAny>>,
+        ) -> PyResult<Bound<'py, PyAny>> {
             let xr = typed::<f32>(x, "x", 2, "float32")?;
             let (m, k) = (xr.shape[0], xr.shape[1]);
             if k != self.w.k() {
-                return Err(PyValueError::new_err(format!("x must be [m, {}], got {:?}", self.w.k(), xr.shape)));
+                return Err(PyValueError::new_err(format!(
+                    "x must be [m, {}], got {:?}",
+                    self.w.k(),
+                    xr.shape
+                )));
             }
             let n = self.w.n();
             let out_obj = out_f32(py, out, &[m, n], &[(&xr, "x")])?;
             let xg = readonly::<f32>(&xr, "x")?;
             let mut og = readwrite_f32(&out_obj, "out")?;
             let xs = slice_of(&xg, "x")?;
-            let o = og.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+            let o = og
+                .as_slice_mut()
+                .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
             let w = &self.w;
             py.detach(|| lin::linear(xs, m, w, o)).map_err(value_err)?;
             drop(og);
@@ -1487,20 +1540,33 @@ mod kernel {
         }
 
         fn __repr__(&self) -> String {
-            format!("QLinear(n={}, k={}, isa={:?})", self.w.n(), self.w.k(), lin::active_isa().name())
+            format!(
+                "QLinear(n={}, k={}, isa={:?})",
+                self.w.n(),
+                self.w.k(),
+                lin::active_isa().name()
+            )
         }
     }
 
     /// A writeable float32 output: `out` when given (checked: shape, writeable, disjoint from
     /// `inputs`), else a new zeroed array of `shape`.
-    fn out_f32<'py>(py: Python<'py>, out: Option<&Bound<'py, PyAny>>, shape: &[usize], inputs: &[(&Raw, &str)]) -> PyResult<Bound<'py, PyAny>> {
+    fn out_f32<'py>(
+        py: Python<'py>,
+        out: Option<&Bound<'py, PyAny>>,
+        shape: &[usize],
+        inputs: &[(&Raw, &str)],
+    ) -> PyResult<Bound<'py, PyAny>> {
         let obj = match out {
             Some(o) => o.clone(),
             None => PyArray::<f32, _>::zeros(py, shape.to_vec(), false).into_any(),
         };
         let r = typed::<f32>(&obj, "out", shape.len(), "float32")?;
         if r.shape != shape {
-            return Err(PyValueError::new_err(format!("out must be {shape:?}, got {:?}", r.shape)));
+            return Err(PyValueError::new_err(format!(
+                "out must be {shape:?}, got {:?}",
+                r.shape
+            )));
         }
         for (i, name) in inputs {
             if r.overlaps(i) {
@@ -1533,13 +1599,21 @@ mod kernel {
         let wr = typed::<f32>(weight, "weight", 1, "float32")?;
         let h = xr.shape[1];
         if wr.shape[0] != h {
-            return Err(PyValueError::new_err(format!("weight must be [{h}], got {:?}", wr.shape)));
+            return Err(PyValueError::new_err(format!(
+                "weight must be [{h}], got {:?}",
+                wr.shape
+            )));
         }
-        let rr = residual.map(|r| typed::<f32>(r, "residual", 2, "float32")).transpose()?;
+        let rr = residual
+            .map(|r| typed::<f32>(r, "residual", 2, "float32"))
+            .transpose()?;
         let mut inputs = vec![(&xr, "x"), (&wr, "weight")];
         if let Some(r) = &rr {
             if r.shape != xr.shape {
-                return Err(PyValueError::new_err(format!("residual must have x's shape {:?}, got {:?}", xr.shape, r.shape)));
+                return Err(PyValueError::new_err(format!(
+                    "residual must have x's shape {:?}, got {:?}",
+                    xr.shape, r.shape
+                )));
             }
             if r.overlaps(&xr) || r.overlaps(&wr) {
                 return Err(PyValueError::new_err("residual must not share memory with x or weight"));
@@ -1552,11 +1626,17 @@ mod kernel {
         let mut og = readwrite_f32(&out_obj, "out")?;
         let (xs, ws) = (slice_of(&xg, "x")?, slice_of(&wg, "weight")?);
         let rs = match rg.as_mut() {
-            Some(g) => Some(g.as_slice_mut().map_err(|e| PyValueError::new_err(format!("residual: {e}")))?),
+            Some(g) => Some(
+                g.as_slice_mut()
+                    .map_err(|e| PyValueError::new_err(format!("residual: {e}")))?,
+            ),
             None => None,
         };
-        let os = og.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
-        py.detach(|| crate::ops::rms_norm(xs, h, ws, eps as f32, rs, os)).map_err(value_err)?;
+        let os = og
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+        py.detach(|| crate::ops::rms_norm(xs, h, ws, eps as f32, rs, os))
+            .map_err(value_err)?;
         drop(og);
         Ok(out_obj)
     }
@@ -1564,17 +1644,26 @@ mod kernel {
     /// SwiGLU activation: float32 `gate_up [T, 2F]` (gate columns, then up) -> `silu(gate) * up [T, F]`.
     #[pyfunction]
     #[pyo3(signature = (gate_up, *, out = None))]
-    pub fn silu_and_mul<'py>(py: Python<'py>, gate_up: &Bound<'py, PyAny>, out: Option<&Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+    pub fn silu_and_mul<'py>(
+        py: Python<'py>,
+        gate_up: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let gr = typed::<f32>(gate_up, "gate_up", 2, "float32")?;
         if gr.shape[1] % 2 != 0 || gr.shape[1] == 0 {
-            return Err(PyValueError::new_err(format!("gate_up must be [T, 2F], got {:?}", gr.shape)));
+            return Err(PyValueError::new_err(format!(
+                "gate_up must be [T, 2F], got {:?}",
+                gr.shape
+            )));
         }
         let f = gr.shape[1] / 2;
         let out_obj = out_f32(py, out, &[gr.shape[0], f], &[(&gr, "gate_up")])?;
         let gg = readonly::<f32>(&gr, "gate_up")?;
         let mut og = readwrite_f32(&out_obj, "out")?;
         let gs = slice_of(&gg, "gate_up")?;
-        let os = og.as_slice_mut().map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+        let os = og
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
         py.detach(|| crate::ops::silu_and_mul(gs, f, os)).map_err(value_err)?;
         drop(og);
         Ok(out_obj)
@@ -1640,9 +1729,12 @@ mod kernel {
     pub fn memory_bandwidth(py: Python<'_>, bytes: i64, threads: Option<i64>) -> PyResult<f64> {
         let th = threads_or_pool(threads)?;
         if !(1 << 20..=1 << 36).contains(&bytes) {
-            return Err(PyValueError::new_err(format!("bytes must be in [2**20, 2**36], got {bytes}")));
+            return Err(PyValueError::new_err(format!(
+                "bytes must be in [2**20, 2**36], got {bytes}"
+            )));
         }
-        py.detach(|| att::probe::memory_bandwidth(bytes as usize, th)).map_err(value_err)
+        py.detach(|| att::probe::memory_bandwidth(bytes as usize, th))
+            .map_err(value_err)
     }
 
     /// Peak fp32 FMA GFLOP/s over all threads, measured for `seconds`.
@@ -1655,6 +1747,6 @@ mod kernel {
 }
 
 pub use kernel::{
-    QLinear, build_profile, rms_norm, silu_and_mul, copy_blocks, fma_peak, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache, paged_attention,
-    set_kernel_backend, set_num_threads, write_kv,
+    build_profile, copy_blocks, fma_peak, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache,
+    paged_attention, rms_norm, set_kernel_backend, set_num_threads, silu_and_mul, write_kv, QLinear,
 };

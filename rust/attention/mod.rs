@@ -27,14 +27,14 @@
 //! 1e-3 for f16, 8e-3 for bf16 (the cache values are exact in both; the difference is the
 //! float32 accumulation and the SIMD exp).
 
-pub mod probe;
-#[cfg(test)]
-mod tests;
-pub mod reference;
-#[cfg(target_arch = "x86_64")]
-pub mod x86;
 #[cfg(target_arch = "aarch64")]
 pub mod aarch64;
+pub mod probe;
+pub mod reference;
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -220,7 +220,12 @@ pub struct Params {
 }
 
 impl Params {
-    pub fn new(head_dim: usize, scale: Option<f64>, sliding_window: Option<i64>, soft_cap: Option<f64>) -> Result<Self> {
+    pub fn new(
+        head_dim: usize,
+        scale: Option<f64>,
+        sliding_window: Option<i64>,
+        soft_cap: Option<f64>,
+    ) -> Result<Self> {
         let scale = scale.unwrap_or(1.0 / (head_dim as f64).sqrt());
         if !(scale as f32).is_finite() {
             return Err(Error::Invalid(format!("scale must be finite in float32, got {scale}")));
@@ -233,9 +238,17 @@ impl Params {
         let soft_cap = match soft_cap {
             None => None,
             Some(c) if (c as f32).is_finite() && c as f32 > 0.0 => Some(c as f32),
-            Some(c) => return Err(Error::Invalid(format!("soft_cap must be a finite float32 > 0, got {c}"))),
+            Some(c) => {
+                return Err(Error::Invalid(format!(
+                    "soft_cap must be a finite float32 > 0, got {c}"
+                )))
+            }
         };
-        Ok(Params { scale: scale as f32, sliding_window, soft_cap })
+        Ok(Params {
+            scale: scale as f32,
+            sliding_window,
+            soft_cap,
+        })
     }
 }
 
@@ -277,7 +290,8 @@ impl Isa {
     pub fn available(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
-            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            let avx2 =
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
             match self {
                 Isa::Scalar => true,
                 Isa::Avx2 => avx2,
@@ -326,7 +340,9 @@ fn parse_backend(name: &str) -> Result<u8> {
         )));
     };
     if !ISAS[i].available() {
-        return Err(Error::Invalid(format!("kernel backend {name:?} is not supported by this CPU")));
+        return Err(Error::Invalid(format!(
+            "kernel backend {name:?} is not supported by this CPU"
+        )));
     }
     Ok(2 + i as u8)
 }
@@ -335,7 +351,10 @@ fn backend_state() -> u8 {
     match BACKEND.load(Ordering::Relaxed) {
         BACKEND_UNSET => {
             // An unknown or unsupported value means auto (import must not fail on it).
-            let env = std::env::var("PAGEDKV_KERNEL").unwrap_or_default().trim().to_ascii_lowercase();
+            let env = std::env::var("PAGEDKV_KERNEL")
+                .unwrap_or_default()
+                .trim()
+                .to_ascii_lowercase();
             let s = parse_backend(&env).unwrap_or(BACKEND_AUTO);
             BACKEND.store(s, Ordering::Relaxed);
             s
@@ -498,7 +517,11 @@ pub(crate) struct State {
 
 impl State {
     pub fn new(queries: usize, head_dim: usize) -> Self {
-        State { acc: vec![0.0; queries * head_dim], max: vec![f32::NEG_INFINITY; queries], sum: vec![0.0; queries] }
+        State {
+            acc: vec![0.0; queries * head_dim],
+            max: vec![f32::NEG_INFINITY; queries],
+            sum: vec![0.0; queries],
+        }
     }
 }
 
@@ -531,18 +554,31 @@ pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, out_len: usize) -
     let inval = |m: String| Err(Error::Invalid(m));
     let numel = shape.numel()?;
     if k.dtype() != v.dtype() {
-        return inval(format!("k_cache is {} but v_cache is {}", k.dtype().name(), v.dtype().name()));
+        return inval(format!(
+            "k_cache is {} but v_cache is {}",
+            k.dtype().name(),
+            v.dtype().name()
+        ));
     }
     if k.len() != numel || v.len() != numel {
-        return inval(format!("k_cache/v_cache hold {}/{} elements, expected {numel}", k.len(), v.len()));
+        return inval(format!(
+            "k_cache/v_cache hold {}/{} elements, expected {numel}",
+            k.len(),
+            v.len()
+        ));
     }
     let (hq, hkv, d) = (b.num_q_heads, shape.num_kv_heads, shape.head_dim);
     if hq == 0 || hq % hkv != 0 {
-        return inval(format!("num_q_heads ({hq}) must be a positive multiple of num_kv_heads ({hkv})"));
+        return inval(format!(
+            "num_q_heads ({hq}) must be a positive multiple of num_kv_heads ({hkv})"
+        ));
     }
     let row = hq * d;
     if b.q.len() % row != 0 {
-        return inval(format!("q holds {} elements, not a multiple of num_q_heads*head_dim = {row}", b.q.len()));
+        return inval(format!(
+            "q holds {} elements, not a multiple of num_q_heads*head_dim = {row}",
+            b.q.len()
+        ));
     }
     let num_tokens = b.q.len() / row;
     if out_len != b.q.len() {
@@ -550,7 +586,11 @@ pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, out_len: usize) -
     }
     let nseq = b.seq_lens.len();
     if b.query_start_loc.len() != nseq + 1 {
-        return inval(format!("query_start_loc must have {} entries (B+1), got {}", nseq + 1, b.query_start_loc.len()));
+        return inval(format!(
+            "query_start_loc must have {} entries (B+1), got {}",
+            nseq + 1,
+            b.query_start_loc.len()
+        ));
     }
     if b.block_tables.len() != nseq * b.max_blocks {
         return inval(format!("block_tables must be [{nseq}, max_blocks]"));
@@ -559,12 +599,18 @@ pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, out_len: usize) -
         return inval(format!("query_start_loc[0] must be 0, got {}", b.query_start_loc[0]));
     }
     if b.query_start_loc[nseq] as i64 != num_tokens as i64 {
-        return inval(format!("query_start_loc[-1] = {} but q has {num_tokens} tokens", b.query_start_loc[nseq]));
+        return inval(format!(
+            "query_start_loc[-1] = {} but q has {num_tokens} tokens",
+            b.query_start_loc[nseq]
+        ));
     }
     for i in 0..nseq {
         let (a, z) = (b.query_start_loc[i], b.query_start_loc[i + 1]);
         if z < a {
-            return inval(format!("query_start_loc must not decrease: [{i}]={a} > [{}]={z}", i + 1));
+            return inval(format!(
+                "query_start_loc must not decrease: [{i}]={a} > [{}]={z}",
+                i + 1
+            ));
         }
         let (q_len, seq_len) = ((z - a) as i64, b.seq_lens[i] as i64);
         if seq_len < 0 {
@@ -581,7 +627,11 @@ pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, out_len: usize) -
             ));
         }
         let row = &b.block_tables[i * b.max_blocks..i * b.max_blocks + need];
-        if let Some((j, &id)) = row.iter().enumerate().find(|(_, &id)| id < 0 || id as usize >= shape.num_blocks) {
+        if let Some((j, &id)) = row
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id < 0 || id as usize >= shape.num_blocks)
+        {
             return inval(format!(
                 "block_tables[{i}, {j}] = {id} is not a block id in [0, {}) (sequence {i} uses {need} blocks)",
                 shape.num_blocks
@@ -614,7 +664,14 @@ pub(crate) fn paged_attention_with(
     validate(&k, &v, &shape, &b, out.len())?;
     assert!(isa.available(), "{isa:?} is not supported by this CPU");
     let isa = if shape.head_dim % 8 != 0 { Isa::Scalar } else { isa };
-    let ctx = Ctx { k, v, shape, batch: b, params, group: b.num_q_heads / shape.num_kv_heads };
+    let ctx = Ctx {
+        k,
+        v,
+        shape,
+        batch: b,
+        params,
+        group: b.num_q_heads / shape.num_kv_heads,
+    };
     let units = plan(&ctx, threads);
     run(isa, &ctx, &units, out);
     Ok(())
@@ -645,7 +702,16 @@ fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
                 let pos0 = first_pos + (r - r0);
                 let (key_lo, _) = ctx.key_range(pos0, 0, seq_len);
                 let key_hi = pos0 + (re - r);
-                items.push(Unit { seq, h0, h1: h0 + step, row0: r, row1: re, pos0, key_lo, key_hi });
+                items.push(Unit {
+                    seq,
+                    h0,
+                    h1: h0 + step,
+                    row0: r,
+                    row1: re,
+                    pos0,
+                    key_lo,
+                    key_hi,
+                });
                 r = re;
             }
         }
@@ -673,7 +739,13 @@ fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
                 }
             }
             cuts.push(u.key_hi);
-            cuts.windows(2).map(|w| Unit { key_lo: w[0], key_hi: w[1], ..u }).collect()
+            cuts.windows(2)
+                .map(|w| Unit {
+                    key_lo: w[0],
+                    key_hi: w[1],
+                    ..u
+                })
+                .collect()
         })
         .collect()
 }
@@ -713,8 +785,11 @@ fn run(isa: Isa, ctx: &Ctx, units: &[Vec<Unit>], out: &mut [f32]) {
     use rayon::prelude::*;
     let d = ctx.shape.head_dim;
     let optr = OutPtr(out.as_mut_ptr());
-    let flat: Vec<(usize, Unit)> =
-        units.iter().enumerate().flat_map(|(i, us)| us.iter().map(move |u| (i, *u))).collect();
+    let flat: Vec<(usize, Unit)> = units
+        .iter()
+        .enumerate()
+        .flat_map(|(i, us)| us.iter().map(move |u| (i, *u)))
+        .collect();
     let partials: Vec<Option<(usize, State)>> = flat
         .par_iter()
         .with_max_len(1)
@@ -769,16 +844,31 @@ pub(crate) fn merge(a: &mut State, b: &State, d: usize) {
 fn check_cache_pair(k: &KvMut, v: &KvMut, shape: &CacheShape) -> Result<usize> {
     let numel = shape.numel()?;
     if k.dtype() != v.dtype() {
-        return Err(Error::Invalid(format!("k_cache is {} but v_cache is {}", k.dtype().name(), v.dtype().name())));
+        return Err(Error::Invalid(format!(
+            "k_cache is {} but v_cache is {}",
+            k.dtype().name(),
+            v.dtype().name()
+        )));
     }
     if k.len() != numel || v.len() != numel {
-        return Err(Error::Invalid(format!("k_cache/v_cache hold {}/{} elements, expected {numel}", k.len(), v.len())));
+        return Err(Error::Invalid(format!(
+            "k_cache/v_cache hold {}/{} elements, expected {numel}",
+            k.len(),
+            v.len()
+        )));
     }
     Ok(numel)
 }
 
 /// Scatter `key`/`value` `[T, num_kv_heads, head_dim]` f32 into slots `slots` `[T]` (-1 = skip).
-pub fn write_kv<'a>(mut k: KvMut<'a>, mut v: KvMut<'a>, shape: CacheShape, key: &[f32], value: &[f32], slots: &[i64]) -> Result<()> {
+pub fn write_kv<'a>(
+    mut k: KvMut<'a>,
+    mut v: KvMut<'a>,
+    shape: CacheShape,
+    key: &[f32],
+    value: &[f32],
+    slots: &[i64],
+) -> Result<()> {
     check_cache_pair(&k, &v, &shape)?;
     let (hkv, bs, d) = (shape.num_kv_heads, shape.block_size, shape.head_dim);
     let tok = hkv * d;
@@ -793,7 +883,9 @@ pub fn write_kv<'a>(mut k: KvMut<'a>, mut v: KvMut<'a>, shape: CacheShape, key: 
     }
     let nslots = shape.num_blocks * bs;
     if let Some((t, &s)) = slots.iter().enumerate().find(|(_, &s)| s < -1 || s >= nslots as i64) {
-        return Err(Error::Invalid(format!("slot_mapping[{t}] = {s} is not -1 or a slot in [0, {nslots})")));
+        return Err(Error::Invalid(format!(
+            "slot_mapping[{t}] = {s} is not -1 or a slot in [0, {nslots})"
+        )));
     }
     // One head row (head_dim values) at a time; `conv` converts a whole row (half's slice
     // conversion uses F16C when the CPU has it, detected at run time).
@@ -828,7 +920,11 @@ pub fn copy_blocks<'a>(mut k: KvMut<'a>, mut v: KvMut<'a>, shape: CacheShape, pa
     }
     let nb = shape.num_blocks as i64;
     if let Some((j, &id)) = pairs.iter().enumerate().find(|(_, &id)| id < 0 || id >= nb) {
-        return Err(Error::Invalid(format!("pairs[{}, {}] = {id} is not a block id in [0, {nb})", j / 2, j % 2)));
+        return Err(Error::Invalid(format!(
+            "pairs[{}, {}] = {id} is not a block id in [0, {nb})",
+            j / 2,
+            j % 2
+        )));
     }
     let n = shape.block_numel();
     fn copy<T: Copy>(c: &mut [T], pairs: &[i64], n: usize) {

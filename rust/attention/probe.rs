@@ -31,10 +31,13 @@ pub fn memory_bandwidth(bytes: usize, threads: usize) -> Result<f64> {
     let chunk = 1 << 16; // 256 KiB per task
     pool.install(|| {
         let mut buf: Vec<f32> = Vec::new();
-        buf.try_reserve_exact(n).map_err(|_| Error::Invalid(format!("cannot allocate {bytes} bytes")))?;
+        buf.try_reserve_exact(n)
+            .map_err(|_| Error::Invalid(format!("cannot allocate {bytes} bytes")))?;
         // Touch every page in parallel (first-touch places pages near their reader).
         buf.resize(n, 0.0);
-        buf.par_chunks_mut(chunk).enumerate().for_each(|(i, c)| c.fill(i as f32 * 1e-9));
+        buf.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(i, c)| c.fill(i as f32 * 1e-9));
         let mut best = f64::MAX;
         let mut sink = 0.0f32;
         for _ in 0..PASSES {

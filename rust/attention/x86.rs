@@ -132,7 +132,11 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
                 widen(ctx.v, base, m * d, &mut vbuf[at * d..(at + m) * d]);
                 at += m;
             }
-            let sg = [Seg { k: kbuf.as_ptr() as *const u8, v: vbuf.as_ptr() as *const u8, n }];
+            let sg = [Seg {
+                k: kbuf.as_ptr() as *const u8,
+                v: vbuf.as_ptr() as *const u8,
+                n,
+            }];
             // SAFETY: kbuf/vbuf hold n*d f32 written just above and are not touched below.
             unsafe { tile_heads::<F32, WIDE>(ctx, u, st, &qbuf, &sg, t, n, h, &mut s) };
         }
@@ -211,9 +215,11 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
                 };
                 for h in u.h0..u.h1 {
                     let pf = match ahead {
-                        Some((nb, no, na)) => {
-                            Pf { p: tile(kv, ctx.shape.offset(nb, h, no), na * d), rows: na.min(n), row_bytes: d * es }
-                        }
+                        Some((nb, no, na)) => Pf {
+                            p: tile(kv, ctx.shape.offset(nb, h, no), na * d),
+                            rows: na.min(n),
+                            row_bytes: d * es,
+                        },
                         None => Pf::NONE,
                     };
                     let ptr = tile(kv, ctx.shape.offset(blk, h, off), n * d);
@@ -299,7 +305,11 @@ struct Pf {
 }
 
 impl Pf {
-    const NONE: Pf = Pf { p: std::ptr::null(), rows: 0, row_bytes: 0 };
+    const NONE: Pf = Pf {
+        p: std::ptr::null(),
+        rows: 0,
+        row_bytes: 0,
+    };
     /// Prefetch row `j` (nothing when j >= rows).
     ///
     /// # Safety
@@ -500,7 +510,10 @@ unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
     let t67 = _mm256_hadd_ps(a[6], a[7]);
     let u0 = _mm256_hadd_ps(t01, t23);
     let u1 = _mm256_hadd_ps(t45, t67);
-    _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(u0, u1), _mm256_permute2f128_ps::<0x31>(u0, u1))
+    _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(u0, u1),
+        _mm256_permute2f128_ps::<0x31>(u0, u1),
+    )
 }
 
 #[inline(always)]
@@ -551,11 +564,19 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
         }
         let mut lanes = [0.0f32; 16];
         // SAFETY: lanes holds 16 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), hsum8(&[a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]])) };
+        unsafe {
+            _mm256_storeu_ps(
+                lanes.as_mut_ptr(),
+                hsum8(&[a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]),
+            )
+        };
         if MB * TB > 8 {
             // SAFETY: as above, lanes 8..16.
             unsafe {
-                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), hsum8(&[a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]))
+                _mm256_storeu_ps(
+                    lanes.as_mut_ptr().add(8),
+                    hsum8(&[a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]),
+                )
             };
         }
         for r in 0..MB {
@@ -622,7 +643,15 @@ unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
 /// # Safety
 /// c + 8 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= MB * TILE.
 #[inline(always)]
-unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(p: &[f32], vp: *const u8, n: usize, d: usize, c: usize, ap: *mut f32, pf: Pf) {
+unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(
+    p: &[f32],
+    vp: *const u8,
+    n: usize,
+    d: usize,
+    c: usize,
+    ap: *mut f32,
+    pf: Pf,
+) {
     let mut a = [[_mm256_setzero_ps(); W]; MB];
     for (r, row) in a.iter_mut().enumerate() {
         for (w, x) in row.iter_mut().enumerate() {

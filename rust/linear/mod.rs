@@ -67,7 +67,10 @@ impl Isa {
 pub fn detected_isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni") {
+        if is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+        {
             return Isa::Avx512Vnni;
         }
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
@@ -146,7 +149,12 @@ impl QWeight {
                 s[PANEL + i] = m[row * nb + b];
             }
         }
-        Ok(QWeight { n, k, codes: pc, scales: ps })
+        Ok(QWeight {
+            n,
+            k,
+            codes: pc,
+            scales: ps,
+        })
     }
 
     /// Row-major codes `[n, k]`, `d` and `m` `[n, k/32]` (the inverse of `from_parts`).
@@ -223,10 +231,18 @@ impl QWeight {
     pub fn from_f32(w: &[f32], n: usize, k: usize) -> Result<Self> {
         check_dims(n, k)?;
         if w.len() != n * k {
-            return Err(Error::Invalid(format!("need {} weights for [{n}, {k}], got {}", n * k, w.len())));
+            return Err(Error::Invalid(format!(
+                "need {} weights for [{n}, {k}], got {}",
+                n * k,
+                w.len()
+            )));
         }
         if let Some(i) = w.iter().position(|v| !v.is_finite()) {
-            return Err(Error::Invalid(format!("weight {i} (row {}, column {}) is not finite", i / k, i % k)));
+            return Err(Error::Invalid(format!(
+                "weight {i} (row {}, column {}) is not finite",
+                i / k,
+                i % k
+            )));
         }
         let nb = k / QBLOCK;
         let mut codes = vec![0u8; n * k];
@@ -252,7 +268,9 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 
 fn check_dims(n: usize, k: usize) -> Result<()> {
     if n == 0 || k == 0 || k % QBLOCK != 0 {
-        return Err(Error::Invalid(format!("weights need n >= 1 and k a positive multiple of {QBLOCK}, got n={n}, k={k}")));
+        return Err(Error::Invalid(format!(
+            "weights need n >= 1 and k a positive multiple of {QBLOCK}, got n={n}, k={k}"
+        )));
     }
     if n.checked_mul(k).is_none_or(|v| v > 1 << 34) {
         return Err(Error::Invalid(format!("weight matrix [{n}, {k}] is too large")));
@@ -429,7 +447,10 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
         return Err(Error::Invalid(format!("x must be [{m}, {k}], got {} values", x.len())));
     }
     if out.len() != m * n {
-        return Err(Error::Invalid(format!("out must be [{m}, {n}], got {} values", out.len())));
+        return Err(Error::Invalid(format!(
+            "out must be [{m}, {n}], got {} values",
+            out.len()
+        )));
     }
     if m == 0 {
         return Ok(());
@@ -437,10 +458,18 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
     let pool = crate::attention::pool()?;
     let out_ptr = SendPtr(out.as_mut_ptr());
     pool.install(|| {
-        let acts = if isa == Isa::Scalar { quantize_acts(x, m, k) } else { quantize_par(x, m, k) };
+        let acts = if isa == Isa::Scalar {
+            quantize_acts(x, m, k)
+        } else {
+            quantize_par(x, m, k)
+        };
         let jobs = w.panels().div_ceil(JOB_PANELS);
         (0..jobs).into_par_iter().for_each(|j| {
-            let a = Args { acts: &acts, w, out: out_ptr.get() };
+            let a = Args {
+                acts: &acts,
+                w,
+                out: out_ptr.get(),
+            };
             let p0 = j * JOB_PANELS;
             let np = JOB_PANELS.min(w.panels() - p0);
             run_job(isa, &a, m, p0, np);
@@ -467,8 +496,17 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
     if m <= ROWS {
         return quantize_fast(x, m, k);
     }
-    let parts: Vec<QActs> = x.par_chunks(ROWS * k).map(|c| quantize_fast(c, c.len() / k, k)).collect();
-    let mut a = QActs { hi: Vec::with_capacity(m * k), lo: Vec::with_capacity(m * k), s_hi: Vec::new(), s_lo: Vec::new(), qs: Vec::new() };
+    let parts: Vec<QActs> = x
+        .par_chunks(ROWS * k)
+        .map(|c| quantize_fast(c, c.len() / k, k))
+        .collect();
+    let mut a = QActs {
+        hi: Vec::with_capacity(m * k),
+        lo: Vec::with_capacity(m * k),
+        s_hi: Vec::new(),
+        s_lo: Vec::new(),
+        qs: Vec::new(),
+    };
     for p in parts {
         a.hi.extend_from_slice(&p.hi);
         a.lo.extend_from_slice(&p.lo);
