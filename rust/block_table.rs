@@ -71,7 +71,7 @@ pub struct ManagerStats {
 
 /// One step's kernel inputs as plain vectors (`BatchInputs` field for field).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Batch {
+pub struct BatchInputs {
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
     pub query_start_loc: Vec<i32>,
@@ -453,7 +453,7 @@ impl KVCacheManager {
     /// Build one step's kernel inputs and mark the scheduled tokens computed.
     ///
     /// `ns[i]` new tokens for `ids[i]` (None: 0 each, just export the tables).
-    pub fn prepare_batch(&mut self, ids: &[u64], ns: Option<&[u64]>) -> Result<Batch> {
+    pub fn prepare_batch(&mut self, ids: &[u64], ns: Option<&[u64]>) -> Result<BatchInputs> {
         let pos = self.resolve(ids)?;
         self.check_distinct(&pos, "prepare_batch")?;
         let zeros;
@@ -476,7 +476,7 @@ impl KVCacheManager {
     }
 
     /// `prepare_batch` for distinct positions from `resolve` and counts in range.
-    pub fn prepare_at(&mut self, pos: &[u32], ns: &[u64]) -> Result<Batch> {
+    pub fn prepare_at(&mut self, pos: &[u32], ns: &[u64]) -> Result<BatchInputs> {
         if ns.len() != pos.len() {
             return Err(Error::Invalid(format!(
                 "{} sequence ids but {} token counts",
@@ -511,7 +511,7 @@ impl KVCacheManager {
             return Err(Error::Invalid(format!("{total} tokens in one batch overflow int32")));
         }
         let (b, t_len, width) = (pos.len(), total as usize, width as usize);
-        let mut out = Batch {
+        let mut out = BatchInputs {
             input_ids: Vec::with_capacity(t_len),
             positions: Vec::with_capacity(t_len),
             query_start_loc: Vec::with_capacity(b + 1),

@@ -186,7 +186,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     info = pk.kernel_info()
     bw = pk.memory_bandwidth(1 << (28 if args.quick else 30), threads)
     fma = pk.fma_peak(0.2, threads)
-    print(f"kernel {info['isa']}, {threads} threads, block_size {args.block_size}; memory read bandwidth {bw:.1f} GB/s, "
+    print(f"kernel {info['active_isa']}, {threads} threads, block_size {args.block_size}; memory read bandwidth {bw:.1f} GB/s, "
           f"FMA peak {fma:.0f} GFLOP/s (both measured now)")
     hdr = (f"{'config':<9}{'dtype':<9}{'KV MiB':>8}{'time ms':>10}{'GB/s':>8}{'of bw':>7}"
            f"{'GFLOP/s':>9}{'of fma':>8}{'scalar ms':>11}{'numpy ms':>10}{'x numpy':>9}")

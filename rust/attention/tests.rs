@@ -4,6 +4,7 @@ use half::{bf16, f16};
 
 use super::*;
 
+use crate::runtime::available_isas;
 use crate::testing::Rng;
 
 struct Case {

@@ -27,11 +27,12 @@
 //! Prefill: per tile and KV head, the tile is widened once and serves every row and query head
 //! of the unit. Micro-kernels: logits for MB query heads x TB keys with MB*TB independent FMA
 //! chains and 8-way horizontal sums; `acc += p v` with MB x NV accumulators in registers.
-//! Tolerance: see `mod.rs` (exp is a Cephes degree-5 polynomial, rel. error ~2e-7).
+//! Tolerance: see `mod.rs` (exp is `simd::x86::exp256`, a Cephes degree-5 polynomial, rel. error ~2e-7).
 
 use std::arch::x86_64::*;
 
 use super::{Ctx, DType, Kv, State, Unit};
+use crate::simd::x86::exp256;
 
 /// Keys per tile; a tile spans consecutive blocks of the table (one segment per block piece).
 const TILE: usize = 64;
@@ -502,6 +503,9 @@ fn prefetch(kv: Kv, base: usize, len: usize) {
 }
 
 /// Horizontal sums of 8 vectors: lane i of the result = sum of lanes of `a[i]`.
+///
+/// # Safety
+/// The CPU supports AVX (inlined into the AVX2 / AVX-512 entries, which check it).
 #[inline(always)]
 unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
     let t01 = _mm256_hadd_ps(a[0], a[1]);
@@ -516,6 +520,10 @@ unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
     )
 }
 
+/// Sum of the 8 lanes of `a`.
+///
+/// # Safety
+/// The CPU supports AVX (inlined into the AVX2 / AVX-512 entries, which check it).
 #[inline(always)]
 unsafe fn hsum(a: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
@@ -836,25 +844,4 @@ fn exp_sub(s: &mut [f32], mx: f32) -> f32 {
     }
     // SAFETY: this function's target features include the AVX the sum uses.
     unsafe { hsum(sum) + tail }
-}
-
-/// e^x for 8 lanes (Cephes expf: range reduction by ln 2, degree-5 polynomial); x clamped to
-/// [-87.3, 88.3] so results stay normal.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn exp256(x: __m256) -> __m256 {
-    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.3));
-    let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
-        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
-    }
-    let r2 = _mm256_mul_ps(r, r);
-    let y = _mm256_add_ps(_mm256_fmadd_ps(y, r2, r), _mm256_set1_ps(1.0));
-    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)));
-    _mm256_mul_ps(y, _mm256_castsi256_ps(e))
 }

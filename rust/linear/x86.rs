@@ -34,6 +34,10 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
     }
 }
 
+/// One tile: rows `r0..r0+R` times panels `p0..p0+NP`.
+///
+/// # Safety
+/// As for `job`; rows `r0..r0+R` are inside the activations and `p0 + NP <= panels`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile<const R: usize, const NP: usize>(a: &Args, r0: usize, p0: usize) {
     let (k, n) = (a.w.k, a.w.n);
