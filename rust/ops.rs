@@ -26,7 +26,7 @@ const LANES: usize = 16;
 pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut [f32]>, out: &mut [f32]) -> Result<()> {
     if h == 0
         || w.len() != h
-        || x.len() % h != 0
+        || !x.len().is_multiple_of(h)
         || out.len() != x.len()
         || residual.as_ref().is_some_and(|r| r.len() != x.len())
     {
@@ -73,7 +73,7 @@ pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut 
 
 /// `out[t, j] = silu(gate_up[t, j]) * gate_up[t, F + j]`.
 pub fn silu_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
-    if f == 0 || gate_up.len() % (2 * f) != 0 || out.len() * 2 != gate_up.len() {
+    if f == 0 || !gate_up.len().is_multiple_of(2 * f) || out.len() * 2 != gate_up.len() {
         return Err(Error::Invalid(format!(
             "silu_and_mul needs gate_up [T, {}] and out [T, {f}]; got {} and {} values",
             2 * f,

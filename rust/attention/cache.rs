@@ -80,7 +80,7 @@ pub fn write_kv<'a>(
 /// Copy whole blocks, `pairs` = flat `[n, 2]` (src, dst), applied in order.
 pub fn copy_blocks<'a>(mut k: KvMut<'a>, mut v: KvMut<'a>, shape: CacheShape, pairs: &[i64]) -> Result<()> {
     check_cache_pair(&k, &v, &shape)?;
-    if pairs.len() % 2 != 0 {
+    if !pairs.len().is_multiple_of(2) {
         return Err(Error::Invalid("pairs must be [n, 2]".into()));
     }
     let nb = shape.num_blocks as i64;

@@ -258,7 +258,7 @@ impl Params {
 /// ISA the next call with this head_dim runs with.
 pub fn active_isa(head_dim: usize) -> Result<Isa> {
     let isa = runtime::isa()?;
-    Ok(if head_dim % 8 != 0 && isa != Isa::Neon {
+    Ok(if !head_dim.is_multiple_of(8) && isa != Isa::Neon {
         Isa::Scalar
     } else {
         isa
@@ -367,7 +367,7 @@ pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, out_len: usize) -
         ));
     }
     let row = hq * d;
-    if b.q.len() % row != 0 {
+    if !b.q.len().is_multiple_of(row) {
         return inval(format!(
             "q holds {} elements, not a multiple of num_q_heads*head_dim = {row}",
             b.q.len()
@@ -457,7 +457,11 @@ pub(crate) fn paged_attention_with(
 ) -> Result<()> {
     validate(&k, &v, &shape, &b, out.len())?;
     assert!(isa.available(), "{isa:?} is not supported by this CPU");
-    let isa = if shape.head_dim % 8 != 0 { Isa::Scalar } else { isa };
+    let isa = if !shape.head_dim.is_multiple_of(8) {
+        Isa::Scalar
+    } else {
+        isa
+    };
     let ctx = Ctx {
         k,
         v,

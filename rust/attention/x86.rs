@@ -468,7 +468,7 @@ unsafe fn tile_heads<const DT: u8, const WIDE: bool>(
 /// Elements `base..base+len` of a cache, widened to f32 into `dst` (`dst.len() == len`).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn widen(kv: Kv, base: usize, len: usize, dst: &mut [f32]) {
-    assert!(dst.len() == len && len % 8 == 0);
+    assert!(dst.len() == len && len.is_multiple_of(8));
     match kv {
         Kv::F32(c) => dst.copy_from_slice(&c[base..base + len]),
         Kv::F16(c) => {
@@ -546,7 +546,7 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
     col: usize,
     pf: Pf,
 ) {
-    assert!(MB * TB <= 16 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d % 8 == 0);
+    assert!(MB * TB <= 16 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d.is_multiple_of(8));
     let s = &mut s[col..];
     let qp = q.as_ptr();
     let mut j = 0;
@@ -622,7 +622,7 @@ unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
     acc: &mut [f32],
     pf: Pf,
 ) {
-    assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d % 8 == 0);
+    assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d.is_multiple_of(8));
     let p = &p[col..];
     let ap = acc.as_mut_ptr();
     let mut c = 0;
@@ -726,7 +726,7 @@ unsafe fn pv_block_z<const MB: usize, const NV: usize, const DT: u8>(
     acc: &mut [f32],
     pf: Pf,
 ) {
-    assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d % 16 == 0);
+    assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d.is_multiple_of(16));
     let p = &p[col..];
     let ap = acc.as_mut_ptr();
     let mut c = 0;

@@ -253,7 +253,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 }
 
 fn check_dims(n: usize, k: usize) -> Result<()> {
-    if n == 0 || k == 0 || k % QBLOCK != 0 {
+    if n == 0 || k == 0 || !k.is_multiple_of(QBLOCK) {
         return Err(Error::Invalid(format!(
             "weights need n >= 1 and k a positive multiple of {QBLOCK}, got n={n}, k={k}"
         )));

@@ -170,8 +170,8 @@ fn gguf_blocks_decode() {
     blk.extend((0..32).map(|j| (j as i8 - 16) as u8));
     let q = QWeight::from_q8_0(&blk, 1, 32).unwrap();
     let (c, d, m) = q.unpack();
-    for j in 0..32 {
-        assert_eq!(d[0] * c[j] as f32 + m[0], 0.25 * (j as f32 - 16.0));
+    for (j, &cj) in c.iter().enumerate() {
+        assert_eq!(d[0] * cj as f32 + m[0], 0.25 * (j as f32 - 16.0));
     }
 }
 

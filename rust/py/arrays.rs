@@ -58,7 +58,7 @@ pub(super) fn raw<'py>(obj: &Bound<'py, PyAny>, name: &str, ndim: usize) -> PyRe
     let ptr = unsafe { (*arr.as_array_ptr()).data } as *mut u8;
     let shape = arr.shape().to_vec();
     let nbytes = shape.iter().product::<usize>() * item;
-    if nbytes > 0 && (ptr as usize) % item.max(1) != 0 {
+    if nbytes > 0 && !(ptr as usize).is_multiple_of(item.max(1)) {
         return Err(PyValueError::new_err(format!(
             "{name} data is not aligned to its {item}-byte items"
         )));
