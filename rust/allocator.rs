@@ -126,10 +126,7 @@ impl KeyStore {
     }
 
     fn insert(&mut self, b: u32, hash: u128, parent: u128, salt: &[u8], toks: &[u32]) {
-        debug_assert!(
-            toks.len() + 8 == self.words && !self.has(b),
-            "I4 bad key insert"
-        );
+        debug_assert!(toks.len() + 8 == self.words && !self.has(b), "I4 bad key insert");
         let s = match self.free.pop() {
             Some(s) => s,
             None => {
@@ -160,10 +157,7 @@ impl KeyStore {
 
     fn matches(&self, b: u32, parent: u128, salt: &[u8], toks: &[u32]) -> bool {
         let Some(w) = self.slot(b) else { return false };
-        let stored_salt = self
-            .salts
-            .get(&self.slot_of[b as usize])
-            .map_or(&[][..], |s| &s[..]);
+        let stored_salt = self.salts.get(&self.slot_of[b as usize]).map_or(&[][..], |s| &s[..]);
         get_u128(&w[4..8]) == parent && &w[8..] == toks && stored_salt == salt
     }
 
@@ -239,13 +233,7 @@ pub struct BlockAllocator {
 }
 
 impl BlockAllocator {
-    pub fn new(
-        num_blocks: usize,
-        block_size: usize,
-        caching: bool,
-        policy: Policy,
-        hash_bits: u32,
-    ) -> Result<Self> {
+    pub fn new(num_blocks: usize, block_size: usize, caching: bool, policy: Policy, hash_bits: u32) -> Result<Self> {
         if !(1..=MAX_NUM_BLOCKS).contains(&(num_blocks as u64)) {
             return Err(Error::Invalid(format!(
                 "num_blocks must be in [1, {MAX_NUM_BLOCKS}], got {num_blocks}"
@@ -404,8 +392,7 @@ impl BlockAllocator {
     }
 
     fn check_blocks(&self, ids: &[u32]) -> Result<()> {
-        ids.iter()
-            .try_for_each(|&b| self.check_block(u64::from(b)).map(drop))
+        ids.iter().try_for_each(|&b| self.check_block(u64::from(b)).map(drop))
     }
 
     // ------------------------------------------------------------------ public API
@@ -429,10 +416,7 @@ impl BlockAllocator {
 
     /// Take `k` blocks off the free list into `out`; the caller checked availability.
     pub(crate) fn take(&mut self, k: usize, out: &mut Vec<u32>) {
-        debug_assert!(
-            k <= self.num_on_list,
-            "I1 take more than the free list holds"
-        );
+        debug_assert!(k <= self.num_on_list, "I1 take more than the free list holds");
         for _ in 0..k {
             let b = self.pop();
             if self.keys.has(b) {
@@ -440,10 +424,7 @@ impl BlockAllocator {
                 self.num_cached -= 1;
                 self.evictions += 1;
             }
-            debug_assert!(
-                self.refs[b as usize] == 0,
-                "I3 a live block was on the free list"
-            );
+            debug_assert!(self.refs[b as usize] == 0, "I3 a live block was on the free list");
             self.refs[b as usize] = 1;
             out.push(b);
         }
@@ -512,10 +493,7 @@ impl BlockAllocator {
 
     pub(crate) fn release(&mut self, ids: impl Iterator<Item = u32>) {
         for b in ids {
-            debug_assert!(
-                self.refs[b as usize] > 0,
-                "I2 release of a block with ref count 0"
-            );
+            debug_assert!(self.refs[b as usize] > 0, "I2 release of a block with ref count 0");
             self.refs[b as usize] -= 1;
             if self.refs[b as usize] == 0 {
                 self.push_tail(b);
@@ -607,10 +585,7 @@ impl BlockAllocator {
             self.index.insert(h, b);
             self.keys.insert(b, h, parent, salt, toks);
         }
-        debug_assert!(
-            self.index.len() <= self.num_blocks,
-            "I4 more hashes than blocks"
-        );
+        debug_assert!(self.index.len() <= self.num_blocks, "I4 more hashes than blocks");
         h
     }
 
@@ -621,12 +596,7 @@ impl BlockAllocator {
     }
 
     /// Lookup plus the query's hash; a hash hit with different content is a miss.
-    pub(crate) fn lookup_hash(
-        &self,
-        parent: u128,
-        salt: &[u8],
-        toks: &[u32],
-    ) -> (Option<u32>, u128) {
+    pub(crate) fn lookup_hash(&self, parent: u128, salt: &[u8], toks: &[u32]) -> (Option<u32>, u128) {
         let h = self.hash_of(parent, salt, toks);
         let hit = if self.caching {
             self.index.get(&h).copied()
@@ -665,10 +635,7 @@ impl BlockAllocator {
         if self.num_free_blocks() + cached + live != self.num_blocks {
             return Err("I1".into());
         }
-        let index_ok = self
-            .index
-            .iter()
-            .all(|(&h, &b)| self.keys.hash(b) == Some(h));
+        let index_ok = self.index.iter().all(|(&h, &b)| self.keys.hash(b) == Some(h));
         if !index_ok {
             return Err("I4 index -> block".into());
         }
@@ -756,10 +723,7 @@ mod tests {
             prefix_hash(5, b"salt", &[7; 70], u128::MAX),
             0x9af0fff1346a2dd909e898beb5b3b9df
         );
-        assert_eq!(
-            prefix_hash(0, b"", &[], u128::MAX),
-            0xc332e653c3f2b5db00d3b87eb2c947de
-        );
+        assert_eq!(prefix_hash(0, b"", &[], u128::MAX), 0xc332e653c3f2b5db00d3b87eb2c947de);
         assert_eq!(pool(2, 3, Policy::Lru, 7).hash_of(0, b"", &[1, 2, 3]), 24);
     }
 
@@ -788,14 +752,8 @@ mod tests {
     fn cache_block_refuses_bad_input_and_keeps_first_owner() {
         let mut a = pool(4, 2, Policy::Lru, 128);
         let ids = a.allocate(2).unwrap();
-        assert!(matches!(
-            a.cache_block(3, 0, b"", &[1, 2]),
-            Err(Error::Invalid(_))
-        )); // not live
-        assert!(matches!(
-            a.cache_block(0, 0, b"", &[1]),
-            Err(Error::Invalid(_))
-        )); // not full
+        assert!(matches!(a.cache_block(3, 0, b"", &[1, 2]), Err(Error::Invalid(_)))); // not live
+        assert!(matches!(a.cache_block(0, 0, b"", &[1]), Err(Error::Invalid(_)))); // not full
         let h0 = a.cache_block(ids[0].into(), 0, b"", &[1, 2]).unwrap();
         let h1 = a.cache_block(ids[1].into(), 0, b"", &[1, 2]).unwrap();
         assert_eq!(h0, h1);
@@ -816,19 +774,12 @@ mod tests {
                 let toks = [x / 8, x % 8 + 1]; // never [0, 0]
                 if a.hash_of(0, b"", &toks) == h {
                     collisions += 1;
-                    assert_eq!(
-                        a.lookup(0, b"", &toks).unwrap(),
-                        None,
-                        "bits {bits}: {toks:?}"
-                    );
+                    assert_eq!(a.lookup(0, b"", &toks).unwrap(), None, "bits {bits}: {toks:?}");
                 }
             }
             assert!(collisions > 0, "bits {bits}: no collision to test");
             assert_eq!(a.lookup(0, b"", &[0, 0]).unwrap(), Some(b));
-            assert!(matches!(
-                a.lookup(1 << bits, b"", &[0, 0]),
-                Err(Error::Invalid(_))
-            ));
+            assert!(matches!(a.lookup(1 << bits, b"", &[0, 0]), Err(Error::Invalid(_))));
         }
     }
 

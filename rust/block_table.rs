@@ -71,7 +71,7 @@ pub struct ManagerStats {
 
 /// One step's kernel inputs as plain vectors (`BatchInputs` field for field).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Batch {
+pub struct BatchInputs {
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
     pub query_start_loc: Vec<i32>,
@@ -163,9 +163,7 @@ impl KVCacheManager {
 
     /// Positions of held sequences, failing at the first unknown id.
     pub fn resolve(&self, ids: &[u64]) -> Result<Vec<u32>> {
-        ids.iter()
-            .map(|&id| self.find(id).map(|p| p as u32))
-            .collect()
+        ids.iter().map(|&id| self.find(id).map(|p| p as u32)).collect()
     }
 
     /// ValueError if a position repeats (`op` names the call).
@@ -189,9 +187,7 @@ impl KVCacheManager {
             self.seen[p as usize / 64] = 0;
         }
         if dup {
-            return Err(Error::Invalid(format!(
-                "{op} got a sequence id more than once"
-            )));
+            return Err(Error::Invalid(format!("{op} got a sequence id more than once")));
         }
         Ok(())
     }
@@ -217,18 +213,13 @@ impl KVCacheManager {
         let bs = self.block_size();
         let mut parent = 0;
         for (i, chunk) in toks[..toks.len() - 1].chunks_exact(bs).enumerate() {
-            let (hit, h) = self
-                .alloc
-                .lookup_hash(parent, if i == 0 { salt } else { &[] }, chunk);
+            let (hit, h) = self.alloc.lookup_hash(parent, if i == 0 { salt } else { &[] }, chunk);
             let Some(b) = hit else { break };
             blocks.push(b);
             hashes.push(h);
             parent = h;
         }
-        debug_assert!(
-            blocks.len() * bs < toks.len(),
-            "I6 prefix hit covers the whole prompt"
-        );
+        debug_assert!(blocks.len() * bs < toks.len(), "I6 prefix hit covers the whole prompt");
         (blocks, hashes)
     }
 
@@ -323,14 +314,11 @@ impl KVCacheManager {
             return Err(Error::DuplicateSequence(id));
         }
         if toks.is_empty() {
-            return Err(Error::Invalid(
-                "a sequence needs at least one prompt token".into(),
-            ));
+            return Err(Error::Invalid("a sequence needs at least one prompt token".into()));
         }
         self.check_len(toks.len() as u64)?;
         let (hits, hashes) = self.prefix_hits(&toks, salt);
-        self.alloc
-            .check_available(self.prompt_demand(toks.len(), &hits))?;
+        self.alloc.check_available(self.prompt_demand(toks.len(), &hits))?;
         let bs = self.block_size();
         self.alloc.incref_unchecked(&hits);
         let mut blocks = hits;
@@ -364,8 +352,7 @@ impl KVCacheManager {
     pub fn append_at(&mut self, p: usize, toks: &[u32]) -> Result<Vec<(u32, u32)>> {
         let seq = &self.seqs[p];
         self.check_len(seq.tokens.len() as u64 + toks.len() as u64)?;
-        self.alloc
-            .check_available(self.append_demand(seq, toks.len() as u64))?;
+        self.alloc.check_available(self.append_demand(seq, toks.len() as u64))?;
         let mut pairs = Vec::new();
         self.grow(p, toks, &mut pairs);
         Ok(pairs)
@@ -397,10 +384,7 @@ impl KVCacheManager {
         for &p in pos {
             self.check_len(self.seqs[p as usize].tokens.len() as u64 + 1)?;
         }
-        let need = pos
-            .iter()
-            .map(|&p| self.append_demand(&self.seqs[p as usize], 1))
-            .sum();
+        let need = pos.iter().map(|&p| self.append_demand(&self.seqs[p as usize], 1)).sum();
         self.alloc.check_available(need)?;
         let mut pairs = Vec::new();
         for (&p, &t) in pos.iter().zip(toks) {
@@ -469,7 +453,7 @@ impl KVCacheManager {
     /// Build one step's kernel inputs and mark the scheduled tokens computed.
     ///
     /// `ns[i]` new tokens for `ids[i]` (None: 0 each, just export the tables).
-    pub fn prepare_batch(&mut self, ids: &[u64], ns: Option<&[u64]>) -> Result<Batch> {
+    pub fn prepare_batch(&mut self, ids: &[u64], ns: Option<&[u64]>) -> Result<BatchInputs> {
         let pos = self.resolve(ids)?;
         self.check_distinct(&pos, "prepare_batch")?;
         let zeros;
@@ -492,7 +476,7 @@ impl KVCacheManager {
     }
 
     /// `prepare_batch` for distinct positions from `resolve` and counts in range.
-    pub fn prepare_at(&mut self, pos: &[u32], ns: &[u64]) -> Result<Batch> {
+    pub fn prepare_at(&mut self, pos: &[u32], ns: &[u64]) -> Result<BatchInputs> {
         if ns.len() != pos.len() {
             return Err(Error::Invalid(format!(
                 "{} sequence ids but {} token counts",
@@ -524,12 +508,10 @@ impl KVCacheManager {
             nnz += bs.blocks(end);
         }
         if total > i32::MAX as u64 || nnz > i32::MAX as u64 {
-            return Err(Error::Invalid(format!(
-                "{total} tokens in one batch overflow int32"
-            )));
+            return Err(Error::Invalid(format!("{total} tokens in one batch overflow int32")));
         }
         let (b, t_len, width) = (pos.len(), total as usize, width as usize);
-        let mut out = Batch {
+        let mut out = BatchInputs {
             input_ids: Vec::with_capacity(t_len),
             positions: Vec::with_capacity(t_len),
             query_start_loc: Vec::with_capacity(b + 1),
@@ -558,8 +540,7 @@ impl KVCacheManager {
             let nb = bs.blocks(end) as usize;
             let row = &s.blocks[..nb];
             out.block_tables.extend(row.iter().map(|&blk| blk as i32));
-            out.block_tables
-                .resize(out.block_tables.len() + width - nb, -1);
+            out.block_tables.resize(out.block_tables.len() + width - nb, -1);
             out.indices.extend(row.iter().map(|&blk| blk as i32));
             out.indptr.push(out.indices.len() as i32);
             out.last_page_len.push(if end > 0 {
@@ -577,8 +558,7 @@ impl KVCacheManager {
 
     fn seq_ok(&self, p: usize) -> bool {
         let s = &self.seqs[p];
-        s.blocks.len() as u64 == blocks_for(s.tokens.len() as u64, self.block_size())
-            && s.computed <= s.tokens.len()
+        s.blocks.len() as u64 == blocks_for(s.tokens.len() as u64, self.block_size()) && s.computed <= s.tokens.len()
     }
 
     /// Err names the first broken invariant (I1-I5).
@@ -636,11 +616,7 @@ mod tests {
         KVCacheManager::new(n, bs, true, Policy::Lru, bits, None).unwrap()
     }
 
-    type Snapshot = (
-        Vec<u32>,
-        Vec<(u64, Vec<u32>, Vec<u32>, usize)>,
-        ManagerStats,
-    );
+    type Snapshot = (Vec<u32>, Vec<(u64, Vec<u32>, Vec<u32>, usize)>, ManagerStats);
 
     /// Everything observable, to show a refused call changed nothing.
     fn snapshot(m: &KVCacheManager) -> Snapshot {
@@ -648,10 +624,7 @@ mod tests {
             .seq_ids()
             .into_iter()
             .map(|s| {
-                let (b, t) = (
-                    m.block_table(s).unwrap().to_vec(),
-                    m.token_ids(s).unwrap().to_vec(),
-                );
+                let (b, t) = (m.block_table(s).unwrap().to_vec(), m.token_ids(s).unwrap().to_vec());
                 (s, b, t, m.num_computed_tokens(s).unwrap())
             })
             .collect();
@@ -678,11 +651,7 @@ mod tests {
         assert_eq!(m.allocator().block_hash(1).unwrap(), None);
         let empty = m.prepare_batch(&[], None).unwrap();
         assert_eq!(
-            (
-                empty.width,
-                empty.query_start_loc.clone(),
-                empty.indptr.clone()
-            ),
+            (empty.width, empty.query_start_loc.clone(), empty.indptr.clone()),
             (0, vec![0], vec![0])
         );
         let again = m.prepare_batch(&[3], None).unwrap();
@@ -704,10 +673,7 @@ mod tests {
         p2.push(99);
         assert_eq!(m.blocks_needed(&p2, b""), 1);
         assert_eq!(m.allocate(2, p2, b"").unwrap(), 8);
-        assert_eq!(
-            m.block_table(2).unwrap()[..2],
-            m.block_table(1).unwrap()[..2]
-        );
+        assert_eq!(m.block_table(2).unwrap()[..2], m.block_table(1).unwrap()[..2]);
         assert_eq!(m.allocator().ref_count(0).unwrap(), 2);
         assert_eq!(m.num_computed_tokens(2).unwrap(), 8);
         // Exactly the 8 cached tokens: only one block may hit (I6).
@@ -715,10 +681,7 @@ mod tests {
         // Another salt misses.
         assert_eq!(m.allocate(4, prompt.clone(), b"s").unwrap(), 0);
         let s = m.stats();
-        assert_eq!(
-            (s.prefix_query_tokens, s.prefix_hit_tokens),
-            (9 + 9 + 8 + 9, 12)
-        );
+        assert_eq!((s.prefix_query_tokens, s.prefix_hit_tokens), (9 + 9 + 8 + 9, 12));
         m.check_invariants().unwrap();
     }
 
@@ -765,39 +728,23 @@ mod tests {
             m.allocate(4, vec![9; 5], b""),
             Err(Error::OutOfBlocks { need: 3, free: 2 })
         ));
-        assert!(matches!(
-            m.append_batch(&[1, 1], &[0, 0]),
-            Err(Error::Invalid(_))
-        ));
+        assert!(matches!(m.append_batch(&[1, 1], &[0, 0]), Err(Error::Invalid(_))));
         assert!(matches!(
             m.append_batch(&[1, 7], &[0, 0]),
             Err(Error::UnknownSequence(_))
         ));
         assert!(matches!(
             m.append(1, &[0; 5]),
-            Err(Error::SequenceTooLong {
-                len: 10,
-                limit: 9,
-                ..
-            })
+            Err(Error::SequenceTooLong { len: 10, limit: 9, .. })
         ));
         assert!(matches!(
             m.append(2, &[0; 5]),
             Err(Error::OutOfBlocks { need: 3, free: 2 })
         ));
-        assert!(matches!(
-            m.allocate(2, vec![1], b""),
-            Err(Error::DuplicateSequence(2))
-        ));
+        assert!(matches!(m.allocate(2, vec![1], b""), Err(Error::DuplicateSequence(2))));
         assert!(matches!(m.allocate(5, vec![], b""), Err(Error::Invalid(_))));
-        assert!(matches!(
-            m.prepare_batch(&[1], Some(&[6])),
-            Err(Error::Invalid(_))
-        ));
-        assert!(matches!(
-            m.prepare_batch(&[1, 1], None),
-            Err(Error::Invalid(_))
-        ));
+        assert!(matches!(m.prepare_batch(&[1], Some(&[6])), Err(Error::Invalid(_))));
+        assert!(matches!(m.prepare_batch(&[1, 1], None), Err(Error::Invalid(_))));
         assert_eq!(snapshot(&m), before);
         // Exactly enough: seqs 2 and 3 each open a block, seq 1 fills its last one.
         assert_eq!(m.append_batch(&[1, 2, 3], &[7, 7, 7]).unwrap(), vec![]);
@@ -824,15 +771,8 @@ mod tests {
                 let hit = m.allocate(id, toks.clone(), b"").unwrap();
                 let table = m.block_table(id).unwrap().to_vec();
                 for (j, &b) in table[..hit / 2].iter().enumerate() {
-                    let key = m
-                        .alloc
-                        .registered_tokens(b)
-                        .expect("a hit block is registered");
-                    assert_eq!(
-                        key,
-                        &toks[2 * j..2 * j + 2],
-                        "bits {bits} seq {id} block {j}"
-                    );
+                    let key = m.alloc.registered_tokens(b).expect("a hit block is registered");
+                    assert_eq!(key, &toks[2 * j..2 * j + 2], "bits {bits} seq {id} block {j}");
                 }
                 m.prepare_batch(&[id], Some(&[(len - hit) as u64])).unwrap();
                 if id % 3 == 0 {

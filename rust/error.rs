@@ -13,9 +13,7 @@ pub enum Error {
     #[error("sequence id {0} is already allocated")]
     DuplicateSequence(u64),
     /// The sequence would exceed `max_seq_len` (itself capped by the whole pool).
-    #[error(
-        "sequence of {len} tokens exceeds the limit of {limit} tokens ({num_blocks} blocks x {block_size})"
-    )]
+    #[error("sequence of {len} tokens exceeds the limit of {limit} tokens ({num_blocks} blocks x {block_size})")]
     SequenceTooLong {
         len: u64,
         limit: u64,
@@ -24,11 +22,7 @@ pub enum Error {
     },
     /// More references dropped than a block holds.
     #[error("block {block} freed {times} time(s) but its ref count is {ref_count}")]
-    DoubleFree {
-        block: u32,
-        times: u32,
-        ref_count: u32,
-    },
+    DoubleFree { block: u32, times: u32, ref_count: u32 },
     /// Bad argument value (ValueError).
     #[error("{0}")]
     Invalid(String),

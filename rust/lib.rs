@@ -9,10 +9,13 @@ pub mod block_table;
 pub mod error;
 pub mod linear;
 pub mod ops;
-#[cfg(test)]
-mod testing;
+pub mod probe;
 #[cfg(feature = "python")]
 mod py;
+pub mod runtime;
+pub mod simd;
+#[cfg(test)]
+mod testing;
 
 #[cfg(feature = "python")]
 #[pyo3::pymodule]
@@ -28,8 +31,8 @@ mod _core {
     // Kernel functions (attention, cache writes, threads, probes).
     #[pymodule_export]
     use super::py::{
-        build_profile, copy_blocks, fma_peak, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache,
-        paged_attention, set_kernel_backend, set_num_threads, write_kv,
+        build_profile, copy_blocks, fma_peak, get_isa, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache,
+        paged_attention, set_isa, set_kernel_backend, set_num_threads, write_kv,
     };
 
     // Block-quantized linear layers and the row-wise ops around them.

@@ -3,17 +3,19 @@
 //!
 //! | variant  | used when                                                                   |
 //! |----------|-----------------------------------------------------------------------------|
-//! | scalar   | forced (`set_backend("scalar")`), or no AVX2 + FMA                            |
-//! | avx2+fma | the same code compiled with AVX2 + FMA enabled (auto-vectorized), same bits  |
+//! | scalar   | ISA `scalar` or `neon` (`runtime::isa()`), or no AVX2                       |
+//! | avx2+fma | ISA `avx2` or `avx512`: the same code compiled with AVX2 + FMA enabled (auto-vectorized), same bits |
 //!
 //! Shapes: `x`, `residual`, `out` are row-major `[T, H]`; `gate_up` is `[T, 2F]` (gate columns,
 //! then up columns) and its output `[T, F]`. Sums of squares use 16 interleaved partial sums
-//! (a fixed order, so every build gives the same bits). `exp` is a branch-free polynomial
-//! (relative error < 2e-7 over the range SiLU needs), written in plain f32 arithmetic so it
+//! (a fixed order, so every build gives the same bits). `exp` is `simd::exp`, a branch-free
+//! polynomial (relative error < 2e-7 over the range SiLU needs) in plain f32 arithmetic so it
 //! vectorizes; `silu(g) = g / (1 + exp(-g))`.
 //! Tolerance (tests vs float64 numpy): 1e-6 relative.
 
 use crate::error::{Error, Result};
+use crate::runtime;
+use crate::simd::exp;
 
 /// Rows per parallel job.
 const ROWS: usize = 32;
@@ -22,7 +24,12 @@ const LANES: usize = 16;
 /// `out = residual' * rsqrt(mean(residual'^2) + eps) * w`, where `residual' = residual + x`
 /// (stored back into `residual`) when a residual is given, else `x`.
 pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut [f32]>, out: &mut [f32]) -> Result<()> {
-    if h == 0 || w.len() != h || x.len() % h != 0 || out.len() != x.len() || residual.as_ref().is_some_and(|r| r.len() != x.len()) {
+    if h == 0
+        || w.len() != h
+        || !x.len().is_multiple_of(h)
+        || out.len() != x.len()
+        || residual.as_ref().is_some_and(|r| r.len() != x.len())
+    {
         return Err(Error::Invalid(format!(
             "rms_norm needs x, out (and residual) of one shape [T, {h}] and weight [{h}]; got {}, {}, {:?} and {} values",
             x.len(),
@@ -36,7 +43,7 @@ pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut 
     }
     let rows = x.len() / h;
     #[cfg(target_arch = "x86_64")]
-    let fast = use_avx2();
+    let fast = use_avx2()?;
     let run = |x: &[f32], res: Option<&mut [f32]>, out: &mut [f32]| {
         #[cfg(target_arch = "x86_64")]
         if fast {
@@ -50,20 +57,23 @@ pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut 
         return Ok(());
     }
     use rayon::prelude::*;
-    crate::attention::pool()?.install(|| match residual {
+    runtime::pool()?.install(|| match residual {
         Some(res) => x
             .par_chunks(ROWS * h)
             .zip(res.par_chunks_mut(ROWS * h))
             .zip(out.par_chunks_mut(ROWS * h))
             .for_each(|((x, r), o)| run(x, Some(r), o)),
-        None => x.par_chunks(ROWS * h).zip(out.par_chunks_mut(ROWS * h)).for_each(|(x, o)| run(x, None, o)),
+        None => x
+            .par_chunks(ROWS * h)
+            .zip(out.par_chunks_mut(ROWS * h))
+            .for_each(|(x, o)| run(x, None, o)),
     });
     Ok(())
 }
 
 /// `out[t, j] = silu(gate_up[t, j]) * gate_up[t, F + j]`.
 pub fn silu_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
-    if f == 0 || gate_up.len() % (2 * f) != 0 || out.len() * 2 != gate_up.len() {
+    if f == 0 || !gate_up.len().is_multiple_of(2 * f) || out.len() * 2 != gate_up.len() {
         return Err(Error::Invalid(format!(
             "silu_and_mul needs gate_up [T, {}] and out [T, {f}]; got {} and {} values",
             2 * f,
@@ -73,7 +83,7 @@ pub fn silu_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
     }
     let rows = out.len() / f;
     #[cfg(target_arch = "x86_64")]
-    let fast = use_avx2();
+    let fast = use_avx2()?;
     let run = |g: &[f32], o: &mut [f32]| {
         #[cfg(target_arch = "x86_64")]
         if fast {
@@ -87,15 +97,19 @@ pub fn silu_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
         return Ok(());
     }
     use rayon::prelude::*;
-    crate::attention::pool()?.install(|| {
-        gate_up.par_chunks(ROWS * 2 * f).zip(out.par_chunks_mut(ROWS * f)).for_each(|(g, o)| run(g, o))
+    runtime::pool()?.install(|| {
+        gate_up
+            .par_chunks(ROWS * 2 * f)
+            .zip(out.par_chunks_mut(ROWS * f))
+            .for_each(|(g, o)| run(g, o))
     });
     Ok(())
 }
 
+/// The AVX2 + FMA build runs for the ISAs that include AVX2 (`avx2`, `avx512`).
 #[cfg(target_arch = "x86_64")]
-fn use_avx2() -> bool {
-    crate::attention::backend() != "scalar" && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+fn use_avx2() -> Result<bool> {
+    Ok(matches!(runtime::isa()?, runtime::Isa::Avx2 | runtime::Isa::Avx512))
 }
 
 #[inline(always)]
@@ -129,6 +143,10 @@ fn rms_rows(x: &[f32], h: usize, w: &[f32], eps: f32, mut res: Option<&mut [f32]
     }
 }
 
+/// `rms_rows` compiled with AVX2 + FMA enabled.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rms_rows_avx2(x: &[f32], h: usize, w: &[f32], eps: f32, res: Option<&mut [f32]>, out: &mut [f32]) {
@@ -145,63 +163,24 @@ fn silu_rows(gate_up: &[f32], f: usize, out: &mut [f32]) {
     }
 }
 
+/// `silu_rows` compiled with AVX2 + FMA enabled.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu_rows_avx2(gate_up: &[f32], f: usize, out: &mut [f32]) {
     silu_rows(gate_up, f, out)
 }
 
-/// `e^x` in plain f32 arithmetic (vectorizable): `x = n·ln2 + r`, `e^r` by a degree-7 Taylor
-/// polynomial on |r| <= ln2/2, `2^n` built in the exponent bits. Saturates to 0 below -87.3 and
-/// to +inf above 88.7; NaN propagates.
-#[inline(always)]
-pub fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: rounds to an integer
-    // max/min (not clamp): a NaN x gives a finite xc here and is restored at the end.
-    let xc = x.max(-87.3).min(88.7);
-    let t = xc * LOG2E + MAGIC;
-    let n = t - MAGIC;
-    // n as an integer from t's low mantissa bits (no float->int conversion: it vectorizes).
-    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
-    let r = (xc - n * LN2_HI) - n * LN2_LO;
-    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let scale = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
-    let y = p * scale;
-    if x > 88.7 {
-        f32::INFINITY
-    } else if x < -87.3 {
-        0.0
-    } else if x.is_nan() {
-        x
-    } else {
-        y
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn exp_is_accurate() {
-        let mut worst = 0f64;
-        let mut x = -87.0f32;
-        while x < 88.0 {
-            let want = (x as f64).exp();
-            worst = worst.max(((exp(x) as f64 - want) / want).abs());
-            x += 0.0137;
-        }
-        assert!(worst < 2e-7, "{worst}");
-        assert_eq!(exp(-1000.0), 0.0);
-        assert_eq!(exp(1000.0), f32::INFINITY);
-        assert!(exp(f32::NAN).is_nan());
-    }
-
     fn data(n: usize, seed: u32) -> Vec<f32> {
-        (0..n).map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2000) as f32 / 250.0 - 4.0).collect()
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2000) as f32 / 250.0 - 4.0)
+            .collect()
     }
 
     #[test]

@@ -19,6 +19,9 @@ impl Rng {
     }
     /// Sum of four uniforms in [0, 1), minus 2: bell-shaped, bounded, good enough.
     pub fn normal(&mut self) -> f32 {
-        (0..4).map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32).sum::<f32>() - 2.0
+        (0..4)
+            .map(|_| (self.next() >> 40) as f32 / (1u64 << 24) as f32)
+            .sum::<f32>()
+            - 2.0
     }
 }

@@ -16,12 +16,14 @@ __all__ = [
     "copy_blocks",
     "core_version",
     "fma_peak",
+    "get_isa",
     "get_num_threads",
     "kernel_info",
     "memory_bandwidth",
     "new_kv_cache",
     "paged_attention",
     "rms_norm",
+    "set_isa",
     "set_kernel_backend",
     "set_num_threads",
     "silu_and_mul",
@@ -162,6 +164,8 @@ def paged_attention(
     soft_cap: Optional[float] = None,
     out: Optional[_F32] = None,
 ) -> _F32: ...
+def set_isa(name: str) -> None: ...
+def get_isa() -> str: ...
 def set_kernel_backend(name: str) -> None: ...
 def set_num_threads(n: int) -> None: ...
 def get_num_threads() -> int: ...

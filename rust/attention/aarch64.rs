@@ -7,7 +7,7 @@
 //! Each key/value row of a tile is widened to f32 once (f16/bf16 through `half`'s slice
 //! conversion) and serves every query head of its group: K/V are read once per GQA group.
 //! Dot products and `acc += w·v` run on 4-lane f32 vectors (`vfmaq_f32`, two accumulators),
-//! any head_dim (a scalar tail covers head_dim % 4). `exp` is `ops::exp` (relative error < 2e-7).
+//! any head_dim (a scalar tail covers head_dim % 4). `exp` is `simd::exp` (relative error < 2e-7).
 //! Layout as in `mod.rs`. Tolerance vs the float64 numpy reference: see `mod.rs`.
 //! Tested against the scalar spec by the cargo tests (run under qemu-aarch64 on x86-64 hosts:
 //! `.ci/aarch64`); no benchmark figures yet (no aarch64 machine here).
@@ -17,7 +17,7 @@ use std::arch::aarch64::*;
 use half::slice::HalfFloatSliceExt;
 
 use super::{Ctx, Kv, State, Unit};
-use crate::ops::exp;
+use crate::simd::exp;
 
 /// Keys per tile.
 const TILE: usize = 32;
@@ -94,6 +94,9 @@ fn widen(kv: Kv, off: usize, dst: &mut [f32]) {
 }
 
 /// `a · b` (same length).
+///
+/// # Safety
+/// The CPU has NEON; `a.len() == b.len()` (the vector loads read both up to `a.len()`).
 #[target_feature(enable = "neon")]
 unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len();
@@ -120,6 +123,10 @@ unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `acc = acc * alpha + Σ_t w[t] · v[t]` over the rows of `v` (`w.len()` rows of `d` floats).
+///
+/// # Safety
+/// The CPU has NEON; `acc.len() == d` and `v.len() >= w.len() * d` (the vector loads and
+/// stores are unchecked).
 #[target_feature(enable = "neon")]
 unsafe fn scale_add(acc: &mut [f32], alpha: f32, w: &[f32], v: &[f32], d: usize) {
     let mut c = 0;

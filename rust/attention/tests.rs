@@ -4,6 +4,7 @@ use half::{bf16, f16};
 
 use super::*;
 
+use crate::runtime::available_isas;
 use crate::testing::Rng;
 
 struct Case {
@@ -34,7 +35,12 @@ fn random_case(r: &mut Rng, d: usize, max_len: usize) -> Case {
         .collect();
     let max_blocks = seq_lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap() + r.below(2);
     let num_blocks = max_blocks * nseq / 2 + 2;
-    let shape = CacheShape { num_blocks, num_kv_heads: hkv, block_size: bs, head_dim: d };
+    let shape = CacheShape {
+        num_blocks,
+        num_kv_heads: hkv,
+        block_size: bs,
+        head_dim: d,
+    };
     let n = shape.numel().unwrap();
     let k32 = (0..n).map(|_| r.normal()).collect();
     let v32 = (0..n).map(|_| r.normal()).collect();
@@ -51,7 +57,17 @@ fn random_case(r: &mut Rng, d: usize, max_len: usize) -> Case {
     }
     let t = *qsl.last().unwrap() as usize;
     let q = (0..t * hq * d).map(|_| r.normal()).collect();
-    Case { shape, hq, k32, v32, q, tables, max_blocks, seq_lens, qsl }
+    Case {
+        shape,
+        hq,
+        k32,
+        v32,
+        q,
+        tables,
+        max_blocks,
+        seq_lens,
+        qsl,
+    }
 }
 
 fn run_case(c: &Case, dt: DType, isa: Isa, threads: usize, params: Params) -> Vec<f32> {
@@ -79,7 +95,16 @@ fn run_case(c: &Case, dt: DType, isa: Isa, threads: usize, params: Params) -> Ve
 
 fn max_err(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| if x.is_finite() && y.is_finite() { (x - y).abs() } else { f32::INFINITY }).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            if x.is_finite() && y.is_finite() {
+                (x - y).abs()
+            } else {
+                f32::INFINITY
+            }
+        })
+        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -97,13 +122,21 @@ fn simd_matches_scalar_on_random_shapes() {
         let c = random_case(&mut r, d, 300);
         let window = if r.below(3) == 0 { Some(1 + r.below(40)) } else { None };
         let cap = if r.below(4) == 0 { Some(5.0) } else { None };
-        let p = Params { scale: 1.0 / (d as f32).sqrt(), sliding_window: window, soft_cap: cap };
+        let p = Params {
+            scale: 1.0 / (d as f32).sqrt(),
+            sliding_window: window,
+            soft_cap: cap,
+        };
         for dt in [DType::F32, DType::F16, DType::Bf16] {
             let want = run_case(&c, dt, Isa::Scalar, 1, p);
             for &isa in &simd {
                 let got = run_case(&c, dt, isa, 1 + r.below(3), p);
                 let e = max_err(&want, &got);
-                assert!(e < 2e-5, "case {case} {isa:?} {dt:?} d={d} shape={:?} window={window:?}: max err {e}", c.shape);
+                assert!(
+                    e < 2e-5,
+                    "case {case} {isa:?} {dt:?} d={d} shape={:?} window={window:?}: max err {e}",
+                    c.shape
+                );
             }
         }
     }
@@ -115,7 +148,11 @@ fn split_kv_matches_unsplit() {
     for case in 0..12 {
         let c = random_case(&mut r, 64, 3000);
         let window = if case % 3 == 0 { Some(700) } else { None };
-        let p = Params { scale: 0.125, sliding_window: window, soft_cap: None };
+        let p = Params {
+            scale: 0.125,
+            sliding_window: window,
+            soft_cap: None,
+        };
         for isa in available_isas() {
             let whole = run_case(&c, DType::F32, isa, 1, p);
             let split = run_case(&c, DType::F32, isa, 64, p);
@@ -127,12 +164,31 @@ fn split_kv_matches_unsplit() {
 
 #[test]
 fn plan_splits_long_single_sequence() {
-    let shape = CacheShape { num_blocks: 300, num_kv_heads: 1, block_size: 16, head_dim: 8 };
+    let shape = CacheShape {
+        num_blocks: 300,
+        num_kv_heads: 1,
+        block_size: 16,
+        head_dim: 8,
+    };
     let tables: Vec<i32> = (0..256).collect();
     let q = vec![0.0; 8];
-    let b = Batch { q: &q, num_q_heads: 1, block_tables: &tables, max_blocks: 256, seq_lens: &[4000], query_start_loc: &[0, 1] };
+    let b = Batch {
+        q: &q,
+        num_q_heads: 1,
+        block_tables: &tables,
+        max_blocks: 256,
+        seq_lens: &[4000],
+        query_start_loc: &[0, 1],
+    };
     let z = vec![0.0f32; shape.numel().unwrap()];
-    let ctx = Ctx { k: Kv::F32(&z), v: Kv::F32(&z), shape, batch: b, params: Params::new(8, None, None, None).unwrap(), group: 1 };
+    let ctx = Ctx {
+        k: Kv::F32(&z),
+        v: Kv::F32(&z),
+        shape,
+        batch: b,
+        params: Params::new(8, None, None, None).unwrap(),
+        group: 1,
+    };
     let units = plan(&ctx, 2);
     assert_eq!(units.len(), 1);
     assert_eq!(units[0].len(), 8);
@@ -146,7 +202,12 @@ fn plan_splits_long_single_sequence() {
 
 #[test]
 fn write_then_copy_round_trip() {
-    let shape = CacheShape { num_blocks: 4, num_kv_heads: 2, block_size: 3, head_dim: 8 };
+    let shape = CacheShape {
+        num_blocks: 4,
+        num_kv_heads: 2,
+        block_size: 3,
+        head_dim: 8,
+    };
     let n = shape.numel().unwrap();
     let (mut k, mut v) = (vec![f16::ZERO; n], vec![f16::ZERO; n]);
     let key: Vec<f32> = (0..2 * 16).map(|x| x as f32).collect();
@@ -164,13 +225,25 @@ fn write_then_copy_round_trip() {
 
 #[test]
 fn validate_rejects_bad_tables() {
-    let shape = CacheShape { num_blocks: 2, num_kv_heads: 1, block_size: 4, head_dim: 8 };
+    let shape = CacheShape {
+        num_blocks: 2,
+        num_kv_heads: 1,
+        block_size: 4,
+        head_dim: 8,
+    };
     let z = vec![0.0f32; shape.numel().unwrap()];
     let q = vec![0.0f32; 8];
     let mut out = vec![0.0f32; 8];
     let p = Params::new(8, None, None, None).unwrap();
     let go = |tables: &[i32], seq: i32, out: &mut [f32]| {
-        let b = Batch { q: &q, num_q_heads: 1, block_tables: tables, max_blocks: 2, seq_lens: &[seq], query_start_loc: &[0, 1] };
+        let b = Batch {
+            q: &q,
+            num_q_heads: 1,
+            block_tables: tables,
+            max_blocks: 2,
+            seq_lens: &[seq],
+            query_start_loc: &[0, 1],
+        };
         paged_attention(Kv::F32(&z), Kv::F32(&z), shape, b, p, out)
     };
     assert!(go(&[0, 1], 8, &mut out).is_ok());
@@ -180,4 +253,3 @@ fn validate_rejects_bad_tables() {
     assert!(go(&[0, -1], 0, &mut out).is_err()); // q_len 1 > seq_len 0
     assert!(go(&[0, -1], 4, &mut out).is_ok()); // padding past the used blocks is fine
 }
-

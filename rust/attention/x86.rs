@@ -27,11 +27,12 @@
 //! Prefill: per tile and KV head, the tile is widened once and serves every row and query head
 //! of the unit. Micro-kernels: logits for MB query heads x TB keys with MB*TB independent FMA
 //! chains and 8-way horizontal sums; `acc += p v` with MB x NV accumulators in registers.
-//! Tolerance: see `mod.rs` (exp is a Cephes degree-5 polynomial, rel. error ~2e-7).
+//! Tolerance: see `mod.rs` (exp is `simd::x86::exp256`, a Cephes degree-5 polynomial, rel. error ~2e-7).
 
 use std::arch::x86_64::*;
 
 use super::{Ctx, DType, Kv, State, Unit};
+use crate::simd::x86::exp256;
 
 /// Keys per tile; a tile spans consecutive blocks of the table (one segment per block piece).
 const TILE: usize = 64;
@@ -132,7 +133,11 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
                 widen(ctx.v, base, m * d, &mut vbuf[at * d..(at + m) * d]);
                 at += m;
             }
-            let sg = [Seg { k: kbuf.as_ptr() as *const u8, v: vbuf.as_ptr() as *const u8, n }];
+            let sg = [Seg {
+                k: kbuf.as_ptr() as *const u8,
+                v: vbuf.as_ptr() as *const u8,
+                n,
+            }];
             // SAFETY: kbuf/vbuf hold n*d f32 written just above and are not touched below.
             unsafe { tile_heads::<F32, WIDE>(ctx, u, st, &qbuf, &sg, t, n, h, &mut s) };
         }
@@ -211,9 +216,11 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
                 };
                 for h in u.h0..u.h1 {
                     let pf = match ahead {
-                        Some((nb, no, na)) => {
-                            Pf { p: tile(kv, ctx.shape.offset(nb, h, no), na * d), rows: na.min(n), row_bytes: d * es }
-                        }
+                        Some((nb, no, na)) => Pf {
+                            p: tile(kv, ctx.shape.offset(nb, h, no), na * d),
+                            rows: na.min(n),
+                            row_bytes: d * es,
+                        },
                         None => Pf::NONE,
                     };
                     let ptr = tile(kv, ctx.shape.offset(blk, h, off), n * d);
@@ -299,7 +306,11 @@ struct Pf {
 }
 
 impl Pf {
-    const NONE: Pf = Pf { p: std::ptr::null(), rows: 0, row_bytes: 0 };
+    const NONE: Pf = Pf {
+        p: std::ptr::null(),
+        rows: 0,
+        row_bytes: 0,
+    };
     /// Prefetch row `j` (nothing when j >= rows).
     ///
     /// # Safety
@@ -457,7 +468,7 @@ unsafe fn tile_heads<const DT: u8, const WIDE: bool>(
 /// Elements `base..base+len` of a cache, widened to f32 into `dst` (`dst.len() == len`).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn widen(kv: Kv, base: usize, len: usize, dst: &mut [f32]) {
-    assert!(dst.len() == len && len % 8 == 0);
+    assert!(dst.len() == len && len.is_multiple_of(8));
     match kv {
         Kv::F32(c) => dst.copy_from_slice(&c[base..base + len]),
         Kv::F16(c) => {
@@ -492,6 +503,9 @@ fn prefetch(kv: Kv, base: usize, len: usize) {
 }
 
 /// Horizontal sums of 8 vectors: lane i of the result = sum of lanes of `a[i]`.
+///
+/// # Safety
+/// The CPU supports AVX (inlined into the AVX2 / AVX-512 entries, which check it).
 #[inline(always)]
 unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
     let t01 = _mm256_hadd_ps(a[0], a[1]);
@@ -500,9 +514,16 @@ unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
     let t67 = _mm256_hadd_ps(a[6], a[7]);
     let u0 = _mm256_hadd_ps(t01, t23);
     let u1 = _mm256_hadd_ps(t45, t67);
-    _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(u0, u1), _mm256_permute2f128_ps::<0x31>(u0, u1))
+    _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(u0, u1),
+        _mm256_permute2f128_ps::<0x31>(u0, u1),
+    )
 }
 
+/// Sum of the 8 lanes of `a`.
+///
+/// # Safety
+/// The CPU supports AVX (inlined into the AVX2 / AVX-512 entries, which check it).
 #[inline(always)]
 unsafe fn hsum(a: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
@@ -525,7 +546,7 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
     col: usize,
     pf: Pf,
 ) {
-    assert!(MB * TB <= 16 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d % 8 == 0);
+    assert!(MB * TB <= 16 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d.is_multiple_of(8));
     let s = &mut s[col..];
     let qp = q.as_ptr();
     let mut j = 0;
@@ -551,11 +572,19 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
         }
         let mut lanes = [0.0f32; 16];
         // SAFETY: lanes holds 16 f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), hsum8(&[a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]])) };
+        unsafe {
+            _mm256_storeu_ps(
+                lanes.as_mut_ptr(),
+                hsum8(&[a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]),
+            )
+        };
         if MB * TB > 8 {
             // SAFETY: as above, lanes 8..16.
             unsafe {
-                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), hsum8(&[a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]))
+                _mm256_storeu_ps(
+                    lanes.as_mut_ptr().add(8),
+                    hsum8(&[a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]),
+                )
             };
         }
         for r in 0..MB {
@@ -593,7 +622,7 @@ unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
     acc: &mut [f32],
     pf: Pf,
 ) {
-    assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d % 8 == 0);
+    assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d.is_multiple_of(8));
     let p = &p[col..];
     let ap = acc.as_mut_ptr();
     let mut c = 0;
@@ -622,7 +651,15 @@ unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
 /// # Safety
 /// c + 8 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= MB * TILE.
 #[inline(always)]
-unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(p: &[f32], vp: *const u8, n: usize, d: usize, c: usize, ap: *mut f32, pf: Pf) {
+unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(
+    p: &[f32],
+    vp: *const u8,
+    n: usize,
+    d: usize,
+    c: usize,
+    ap: *mut f32,
+    pf: Pf,
+) {
     let mut a = [[_mm256_setzero_ps(); W]; MB];
     for (r, row) in a.iter_mut().enumerate() {
         for (w, x) in row.iter_mut().enumerate() {
@@ -689,7 +726,7 @@ unsafe fn pv_block_z<const MB: usize, const NV: usize, const DT: u8>(
     acc: &mut [f32],
     pf: Pf,
 ) {
-    assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d % 16 == 0);
+    assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d.is_multiple_of(16));
     let p = &p[col..];
     let ap = acc.as_mut_ptr();
     let mut c = 0;
@@ -807,25 +844,4 @@ fn exp_sub(s: &mut [f32], mx: f32) -> f32 {
     }
     // SAFETY: this function's target features include the AVX the sum uses.
     unsafe { hsum(sum) + tail }
-}
-
-/// e^x for 8 lanes (Cephes expf: range reduction by ln 2, degree-5 polynomial); x clamped to
-/// [-87.3, 88.3] so results stay normal.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn exp256(x: __m256) -> __m256 {
-    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.3));
-    let fx = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
-        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
-    }
-    let r2 = _mm256_mul_ps(r, r);
-    let y = _mm256_add_ps(_mm256_fmadd_ps(y, r2, r), _mm256_set1_ps(1.0));
-    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)));
-    _mm256_mul_ps(y, _mm256_castsi256_ps(e))
 }

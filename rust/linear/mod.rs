@@ -1,10 +1,10 @@
 //! Block-quantized linear layers: `y[M, N] = x[M, K] · Wᵀ` with W held as 8-bit codes (no pyo3).
 //!
-//! | variant    | file   | used when                                                              |
+//! | variant    | file   | used when (`variant` maps the ISA from `runtime` onto a build)          |
 //! |------------|--------|------------------------------------------------------------------------|
-//! | scalar     | mod.rs | forced (`set_backend("scalar")`, `PAGEDKV_KERNEL=scalar`), or no AVX2   |
-//! | avx2+fma   | mod.rs | the portable tile built for AVX2 + FMA: no VNNI, or forced ("avx2")     |
-//! | avx512vnni | x86.rs | x86-64 with AVX-512 F + BW + VNNI (runtime detected)                    |
+//! | scalar     | mod.rs | ISA `scalar` (`set_isa("scalar")`, `PAGEDKV_ISA=scalar`) or `neon`, or no AVX2 |
+//! | avx2+fma   | mod.rs | the portable tile built for AVX2 + FMA: ISA `avx2`, or `avx512` without VNNI |
+//! | avx512vnni | x86.rs | ISA `avx512` on a CPU with AVX-512 F + BW + VNNI (`runtime::avx512_vnni`) |
 //!
 //! Weights: each row n of W is cut into K/32 blocks; block b holds 32 unsigned codes `c` and two
 //! f32 numbers `d`, `m` with `w = d·c + m`. GGUF Q4_1 blocks (`c` in 0..=15) and Q8_0 blocks
@@ -39,52 +39,41 @@ mod x86;
 use half::f16;
 
 use crate::error::{Error, Result};
+use crate::runtime::{self, Isa};
 
 /// K values per quantization block.
 pub const QBLOCK: usize = 32;
 /// Output rows per packed panel.
 pub const PANEL: usize = 16;
 
-/// SIMD variant of the linear kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Isa {
-    Scalar,
-    Avx2,
-    Avx512Vnni,
-}
-
-impl Isa {
-    pub fn name(self) -> &'static str {
-        match self {
-            Isa::Scalar => "scalar",
-            Isa::Avx2 => "avx2+fma",
-            Isa::Avx512Vnni => "avx512vnni",
-        }
+/// The build that runs for `isa` (the kernel ISA setting applies here too): `Avx512` is the VNNI
+/// tile when the CPU has AVX-512 VNNI, else the AVX2 + FMA build; `Avx2` that build when the CPU
+/// has it; `Scalar` and `Neon` the scalar tile.
+pub fn variant(isa: Isa) -> Isa {
+    match isa {
+        Isa::Avx512 if runtime::avx512_vnni() => Isa::Avx512,
+        Isa::Avx2 | Isa::Avx512 if Isa::Avx2.available() => Isa::Avx2,
+        _ => Isa::Scalar,
     }
 }
 
-/// Best variant this CPU runs.
+/// What `kernel_info()` reports for the build `variant(isa)` runs.
+pub fn variant_name(isa: Isa) -> &'static str {
+    match variant(isa) {
+        Isa::Avx512 => "avx512vnni",
+        Isa::Avx2 => "avx2+fma",
+        _ => "scalar",
+    }
+}
+
+/// The build the next call runs with.
+pub fn active_isa() -> Result<Isa> {
+    Ok(variant(runtime::isa()?))
+}
+
+/// The best build this CPU runs.
 pub fn detected_isa() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni") {
-            return Isa::Avx512Vnni;
-        }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            return Isa::Avx2;
-        }
-    }
-    Isa::Scalar
-}
-
-/// Variant the next call runs with: the kernel backend switch applies here too ("scalar" forces
-/// the scalar tile, "avx2" the AVX2+FMA build, "auto"/"avx512" the best this CPU has).
-pub fn active_isa() -> Isa {
-    match (crate::attention::backend(), detected_isa()) {
-        ("scalar", _) => Isa::Scalar,
-        ("avx2", Isa::Avx512Vnni) => Isa::Avx2,
-        (_, isa) => isa,
-    }
+    variant(runtime::detected_isa())
 }
 
 /// A weight matrix `[n, k]` in the packed block-quantized layout.
@@ -146,7 +135,12 @@ impl QWeight {
                 s[PANEL + i] = m[row * nb + b];
             }
         }
-        Ok(QWeight { n, k, codes: pc, scales: ps })
+        Ok(QWeight {
+            n,
+            k,
+            codes: pc,
+            scales: ps,
+        })
     }
 
     /// Row-major codes `[n, k]`, `d` and `m` `[n, k/32]` (the inverse of `from_parts`).
@@ -223,10 +217,18 @@ impl QWeight {
     pub fn from_f32(w: &[f32], n: usize, k: usize) -> Result<Self> {
         check_dims(n, k)?;
         if w.len() != n * k {
-            return Err(Error::Invalid(format!("need {} weights for [{n}, {k}], got {}", n * k, w.len())));
+            return Err(Error::Invalid(format!(
+                "need {} weights for [{n}, {k}], got {}",
+                n * k,
+                w.len()
+            )));
         }
         if let Some(i) = w.iter().position(|v| !v.is_finite()) {
-            return Err(Error::Invalid(format!("weight {i} (row {}, column {}) is not finite", i / k, i % k)));
+            return Err(Error::Invalid(format!(
+                "weight {i} (row {}, column {}) is not finite",
+                i / k,
+                i % k
+            )));
         }
         let nb = k / QBLOCK;
         let mut codes = vec![0u8; n * k];
@@ -251,8 +253,10 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 }
 
 fn check_dims(n: usize, k: usize) -> Result<()> {
-    if n == 0 || k == 0 || k % QBLOCK != 0 {
-        return Err(Error::Invalid(format!("weights need n >= 1 and k a positive multiple of {QBLOCK}, got n={n}, k={k}")));
+    if n == 0 || k == 0 || !k.is_multiple_of(QBLOCK) {
+        return Err(Error::Invalid(format!(
+            "weights need n >= 1 and k a positive multiple of {QBLOCK}, got n={n}, k={k}"
+        )));
     }
     if n.checked_mul(k).is_none_or(|v| v > 1 << 34) {
         return Err(Error::Invalid(format!("weight matrix [{n}, {k}] is too large")));
@@ -418,7 +422,7 @@ impl SendPtr {
 
 /// `out[m, n] = x[m, k] · Wᵀ` on the kernel thread pool.
 pub fn linear(x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
-    linear_with(active_isa(), x, m, w, out)
+    linear_with(active_isa()?, x, m, w, out)
 }
 
 /// `linear` with an explicit variant (tests compare them).
@@ -429,18 +433,29 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
         return Err(Error::Invalid(format!("x must be [{m}, {k}], got {} values", x.len())));
     }
     if out.len() != m * n {
-        return Err(Error::Invalid(format!("out must be [{m}, {n}], got {} values", out.len())));
+        return Err(Error::Invalid(format!(
+            "out must be [{m}, {n}], got {} values",
+            out.len()
+        )));
     }
     if m == 0 {
         return Ok(());
     }
-    let pool = crate::attention::pool()?;
+    let pool = runtime::pool()?;
     let out_ptr = SendPtr(out.as_mut_ptr());
     pool.install(|| {
-        let acts = if isa == Isa::Scalar { quantize_acts(x, m, k) } else { quantize_par(x, m, k) };
+        let acts = if variant(isa) == Isa::Scalar {
+            quantize_acts(x, m, k)
+        } else {
+            quantize_par(x, m, k)
+        };
         let jobs = w.panels().div_ceil(JOB_PANELS);
         (0..jobs).into_par_iter().for_each(|j| {
-            let a = Args { acts: &acts, w, out: out_ptr.get() };
+            let a = Args {
+                acts: &acts,
+                w,
+                out: out_ptr.get(),
+            };
             let p0 = j * JOB_PANELS;
             let np = JOB_PANELS.min(w.panels() - p0);
             run_job(isa, &a, m, p0, np);
@@ -452,9 +467,9 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
 /// `quantize_acts`, with AVX-512 where the CPU has it (identical results).
 fn quantize_fast(x: &[f32], m: usize, k: usize) -> QActs {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+    if Isa::Avx512.available() {
         let mut a = QActs::zeroed(m, k);
-        // SAFETY: AVX-512 F/BW checked above; x[..m*k] and the buffers are sized for m rows.
+        // SAFETY: AVX-512 F/BW detected (`Isa::Avx512` includes them); x[..m*k] and the buffers are sized for m rows.
         unsafe { x86::quantize(&x[..m * k], &mut a) };
         return a;
     }
@@ -467,8 +482,17 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
     if m <= ROWS {
         return quantize_fast(x, m, k);
     }
-    let parts: Vec<QActs> = x.par_chunks(ROWS * k).map(|c| quantize_fast(c, c.len() / k, k)).collect();
-    let mut a = QActs { hi: Vec::with_capacity(m * k), lo: Vec::with_capacity(m * k), s_hi: Vec::new(), s_lo: Vec::new(), qs: Vec::new() };
+    let parts: Vec<QActs> = x
+        .par_chunks(ROWS * k)
+        .map(|c| quantize_fast(c, c.len() / k, k))
+        .collect();
+    let mut a = QActs {
+        hi: Vec::with_capacity(m * k),
+        lo: Vec::with_capacity(m * k),
+        s_hi: Vec::new(),
+        s_lo: Vec::new(),
+        qs: Vec::new(),
+    };
     for p in parts {
         a.hi.extend_from_slice(&p.hi);
         a.lo.extend_from_slice(&p.lo);
@@ -480,18 +504,18 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
 }
 
 fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
-    match isa {
+    match variant(isa) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni if detected_isa() == Isa::Avx512Vnni => {
-            // SAFETY: AVX-512 F/BW/VNNI are present (checked just above); the tile bounds are
-            // within the activations, weights and output sized by `linear_with`.
+        Isa::Avx512 => {
+            // SAFETY: `variant` gives Avx512 only when AVX-512 F/BW/VNNI are detected; the tile
+            // bounds are within the activations, weights and output sized by `linear_with`.
             unsafe { x86::job(a, m, p0, np) }
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512Vnni if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") => {
+        Isa::Avx2 => {
             for r0 in (0..m).step_by(MR) {
                 for p in p0..p0 + np {
-                    // SAFETY: AVX2 and FMA are present (checked just above).
+                    // SAFETY: `variant` gives Avx2 only when AVX2 and FMA are detected.
                     unsafe { tile_avx2(a, r0, MR.min(m - r0), p) };
                 }
             }

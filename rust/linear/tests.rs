@@ -21,7 +21,9 @@ fn reference(x: &[f32], m: usize, w: &QWeight) -> Vec<f64> {
             let mut acc = 0f64;
             for b in 0..nb {
                 let dot = |q: &[i8]| -> f64 {
-                    (b * QBLOCK..(b + 1) * QBLOCK).map(|j| codes[c * k + j] as i64 * q[r * k + j] as i64).sum::<i64>() as f64
+                    (b * QBLOCK..(b + 1) * QBLOCK)
+                        .map(|j| codes[c * k + j] as i64 * q[r * k + j] as i64)
+                        .sum::<i64>() as f64
                 };
                 let (rb, cb) = (r * nb + b, c * nb + b);
                 acc += d[cb] as f64 * (a.s_hi[rb] as f64 * dot(&a.hi) + a.s_lo[rb] as f64 * dot(&a.lo))
@@ -46,13 +48,20 @@ fn simd_equals_scalar_bit_for_bit_and_matches_reference() {
         linear_with(Isa::Scalar, &x, m, &w, &mut ys).unwrap();
         let yr = reference(&x, m, &w);
         for (i, (&a, &b)) in ys.iter().zip(&yr).enumerate() {
-            assert!((a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()), "case {case} [{m},{n},{k}] elem {i}: {a} vs {b}");
+            assert!(
+                (a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "case {case} [{m},{n},{k}] elem {i}: {a} vs {b}"
+            );
         }
         // Every variant this CPU runs (a variant it lacks falls back, which is still checked).
-        for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+        for isa in [Isa::Avx2, Isa::Avx512] {
             let mut yv = vec![f32::NAN; m * n];
             linear_with(isa, &x, m, &w, &mut yv).unwrap();
-            assert_eq!(ys.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), yv.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{isa:?} case {case} [{m},{n},{k}]");
+            assert_eq!(
+                ys.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                yv.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{isa:?} case {case} [{m},{n},{k}]"
+            );
         }
     }
 }
@@ -73,10 +82,17 @@ fn two_digits_track_float_activations_closely() {
     for row in 0..m {
         for c in 0..n {
             let exact: f64 = (0..k)
-                .map(|j| x[row * k + j] as f64 * (d[c * (k / QBLOCK) + j / QBLOCK] as f64 * codes[c * k + j] as f64 + mm[c * (k / QBLOCK) + j / QBLOCK] as f64))
+                .map(|j| {
+                    x[row * k + j] as f64
+                        * (d[c * (k / QBLOCK) + j / QBLOCK] as f64 * codes[c * k + j] as f64
+                            + mm[c * (k / QBLOCK) + j / QBLOCK] as f64)
+                })
                 .sum();
             let got = y[row * n + c] as f64;
-            assert!((got - exact).abs() <= 1e-4 * (1.0 + exact.abs()), "[{row},{c}] {got} vs {exact}");
+            assert!(
+                (got - exact).abs() <= 1e-4 * (1.0 + exact.abs()),
+                "[{row},{c}] {got} vs {exact}"
+            );
         }
     }
 }
@@ -154,8 +170,8 @@ fn gguf_blocks_decode() {
     blk.extend((0..32).map(|j| (j as i8 - 16) as u8));
     let q = QWeight::from_q8_0(&blk, 1, 32).unwrap();
     let (c, d, m) = q.unpack();
-    for j in 0..32 {
-        assert_eq!(d[0] * c[j] as f32 + m[0], 0.25 * (j as f32 - 16.0));
+    for (j, &cj) in c.iter().enumerate() {
+        assert_eq!(d[0] * cj as f32 + m[0], 0.25 * (j as f32 - 16.0));
     }
 }
 
@@ -177,6 +193,8 @@ fn nan_in_a_row_poisons_only_that_row() {
     x[40] = f32::NAN;
     let mut out = vec![0f32; 4];
     linear(&x, 2, &w, &mut out).unwrap();
-    assert!(out[..2].iter().all(|v| v.is_finite()) && out[2..].iter().all(|v| v.is_nan()), "{out:?}");
+    assert!(
+        out[..2].iter().all(|v| v.is_finite()) && out[2..].iter().all(|v| v.is_nan()),
+        "{out:?}"
+    );
 }
-

@@ -34,6 +34,10 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
     }
 }
 
+/// One tile: rows `r0..r0+R` times panels `p0..p0+NP`.
+///
+/// # Safety
+/// As for `job`; rows `r0..r0+R` are inside the activations and `p0 + NP <= panels`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile<const R: usize, const NP: usize>(a: &Args, r0: usize, p0: usize) {
     let (k, n) = (a.w.k, a.w.n);
@@ -105,8 +109,15 @@ pub(super) unsafe fn quantize(x: &[f32], a: &mut super::QActs) {
         let (sh, sum_h, h) = digit(v);
         let hf = [_mm512_cvtepi32_ps(h[0]), _mm512_cvtepi32_ps(h[1])];
         let s = _mm512_set1_ps(sh);
-        let rest = [_mm512_sub_ps(v[0], _mm512_mul_ps(s, hf[0])), _mm512_sub_ps(v[1], _mm512_mul_ps(s, hf[1]))];
-        let (sl, sum_l, l) = if sh.is_nan() { (f32::NAN, 0, [_mm512_setzero_si512(); 2]) } else { digit(rest) };
+        let rest = [
+            _mm512_sub_ps(v[0], _mm512_mul_ps(s, hf[0])),
+            _mm512_sub_ps(v[1], _mm512_mul_ps(s, hf[1])),
+        ];
+        let (sl, sum_l, l) = if sh.is_nan() {
+            (f32::NAN, 0, [_mm512_setzero_si512(); 2])
+        } else {
+            digit(rest)
+        };
         // SAFETY: block i has 32 codes in each digit buffer.
         unsafe {
             for (dst, q) in [(a.hi.as_mut_ptr(), h), (a.lo.as_mut_ptr(), l)] {
@@ -136,8 +147,14 @@ fn digit(v: [__m512; 2]) -> (f32, i32, [__m512i; 2]) {
     let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
     // Nearest-even conversion (the default rounding mode), as `round_half_even` in mod.rs.
     let q = [
-        _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(v[0], inv)), lo), hi)),
-        _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(v[1], inv)), lo), hi)),
+        _mm512_cvtps_epi32(_mm512_min_ps(
+            _mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(v[0], inv)), lo),
+            hi,
+        )),
+        _mm512_cvtps_epi32(_mm512_min_ps(
+            _mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(v[1], inv)), lo),
+            hi,
+        )),
     ];
     let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
     (amax / 127.0, sum, q)

@@ -34,7 +34,7 @@ def test_backend_switch_and_info():
     assert pk.kernel_info()["isa"] == "scalar" and pk.kernel_info()["backend"] == "scalar"
     pk.set_kernel_backend("auto")
     info = pk.kernel_info()
-    assert info["isa"] == info["detected_isa"] and info["backend"] == "auto"
+    assert info["active_isa"] == info["detected_isa"] and info["backend"] == "auto"
     with pytest.raises(ValueError, match="'auto', 'scalar', 'avx2' or 'avx512'"):
         pk.set_kernel_backend("avx9000")
     assert BACKENDS[0] == "scalar" and set(BACKENDS) <= {"scalar", "avx2", "avx512"}
@@ -43,9 +43,9 @@ def test_backend_switch_and_info():
         assert pk.kernel_info()["backend"] == name
     pk.set_kernel_backend("auto")
     # auto picks the last (widest) backend this CPU has.
-    forced = pk.kernel_info()["isa"]
+    forced = pk.kernel_info()["active_isa"]
     pk.set_kernel_backend(BACKENDS[-1])
-    assert pk.kernel_info()["isa"] == forced
+    assert pk.kernel_info()["active_isa"] == forced
     pk.set_kernel_backend("auto")
     for name in {"avx2", "avx512"} - set(BACKENDS):
         with pytest.raises(ValueError, match="not supported by this CPU"):

@@ -1,0 +1,203 @@
+//! Work split of one batch and the merge of split work (see the "Work split" notes in `mod.rs`).
+//!
+//! `plan` cuts a batch into items (one per sequence for decode-like rows, one per (sequence, KV
+//! head, chunk of rows) for prefill) and, when items are fewer than `4 * threads`, splits each
+//! item's key range on block boundaries; `run` computes every unit on the rayon pool and writes
+//! whole items straight into `out`; split items are merged by log-sum-exp (`merge`) first.
+
+use super::{attend, Ctx, State};
+use crate::runtime::Isa;
+
+/// Query vectors per item when prefill rows are chunked: rows * group <= this.
+const ITEM_QUERIES: usize = 64;
+/// Split the key range only while a piece keeps at least this many keys.
+const MIN_SPLIT_KEYS: usize = 256;
+
+/// One unit of work: query rows `row0..row1` (all of one sequence) times the query heads of KV
+/// heads `h0..h1`, over key positions `key_lo..key_hi` of that sequence. Query vector `m` of a
+/// unit is row `row0 + m / (nh * group)`, query head `h0 * group + m % (nh * group)`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Unit {
+    pub seq: usize,
+    pub h0: usize,
+    pub h1: usize,
+    pub row0: usize,
+    pub row1: usize,
+    /// Position of row `row0`; row r sits at `pos0 + (r - row0)`.
+    pub pos0: usize,
+    pub key_lo: usize,
+    pub key_hi: usize,
+}
+
+impl Unit {
+    /// Query vectors per row.
+    #[inline]
+    pub fn per_row(&self, group: usize) -> usize {
+        (self.h1 - self.h0) * group
+    }
+    #[inline]
+    pub fn queries(&self, group: usize) -> usize {
+        (self.row1 - self.row0) * self.per_row(group)
+    }
+}
+
+/// Items (then their key-range splits when items are fewer than 4 per thread).
+/// Returns units grouped per item: `units[i]` are the pieces of item i.
+pub(super) fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
+    let b = &ctx.batch;
+    let rows_per = (ITEM_QUERIES / ctx.group).max(1);
+    let mut items = Vec::new();
+    for seq in 0..b.seq_lens.len() {
+        let (r0, r1) = (b.query_start_loc[seq] as usize, b.query_start_loc[seq + 1] as usize);
+        let seq_len = b.seq_lens[seq] as usize;
+        let first_pos = seq_len - (r1 - r0);
+        // Few rows (decode): one unit reads whole blocks (all KV heads: one contiguous stretch
+        // of K and one of V per block). Many rows (prefill): one unit per KV head and row chunk.
+        let hkv = ctx.shape.num_kv_heads;
+        let (step, rows_per) = if (r1 - r0) * hkv * ctx.group <= ITEM_QUERIES * 4 {
+            (hkv, r1 - r0)
+        } else {
+            (1, rows_per)
+        };
+        for h0 in (0..hkv).step_by(step) {
+            let mut r = r0;
+            while r < r1 {
+                let re = (r + rows_per).min(r1);
+                let pos0 = first_pos + (r - r0);
+                let (key_lo, _) = ctx.key_range(pos0, 0, seq_len);
+                let key_hi = pos0 + (re - r);
+                items.push(Unit {
+                    seq,
+                    h0,
+                    h1: h0 + step,
+                    row0: r,
+                    row1: re,
+                    pos0,
+                    key_lo,
+                    key_hi,
+                });
+                r = re;
+            }
+        }
+    }
+    let target = 4 * threads;
+    if items.is_empty() || items.len() >= target {
+        return items.into_iter().map(|u| vec![u]).collect();
+    }
+    let want = target.div_ceil(items.len());
+    let bs = ctx.shape.block_size;
+    items
+        .into_iter()
+        .map(|u| {
+            let n = u.key_hi - u.key_lo;
+            let pieces = want.min(n / MIN_SPLIT_KEYS).max(1);
+            if pieces == 1 {
+                return vec![u];
+            }
+            // Cut points rounded to block boundaries so no tile straddles two pieces' blocks.
+            let mut cuts = vec![u.key_lo];
+            for j in 1..pieces {
+                let c = (u.key_lo + n * j / pieces) / bs * bs;
+                if c > *cuts.last().unwrap_or(&0) && c < u.key_hi {
+                    cuts.push(c);
+                }
+            }
+            cuts.push(u.key_hi);
+            cuts.windows(2)
+                .map(|w| Unit {
+                    key_lo: w[0],
+                    key_hi: w[1],
+                    ..u
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Raw `out` pointer shared by the workers; each unit writes a disjoint set of (row, head) vectors.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: the pointer is only used to write the disjoint regions described in `write_out`.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above; no two threads write the same element.
+unsafe impl Sync for OutPtr {}
+
+/// Write normalised rows of one item into out.
+///
+/// # Safety
+/// `out` points to `num_tokens * num_q_heads * head_dim` f32 and no other thread writes the
+/// (row0..row1, heads of h0..h1) vectors of this item concurrently.
+unsafe fn write_out(ctx: &Ctx, u: &Unit, acc: &[f32], sum: &[f32], out: OutPtr) {
+    let (g, d) = (ctx.group, ctx.shape.head_dim);
+    let pr = u.per_row(g);
+    for (i, row) in (u.row0..u.row1).enumerate() {
+        let base = (row * ctx.batch.num_q_heads + u.h0 * g) * d;
+        // SAFETY: base + pr*d <= num_tokens*hq*d since row < num_tokens and h1*g <= hq
+        // (validated); exclusivity per the function contract.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.0.add(base), pr * d) };
+        for h in 0..pr {
+            let m = i * pr + h;
+            let inv = if sum[m] > 0.0 { 1.0 / sum[m] } else { 0.0 };
+            for (o, a) in dst[h * d..(h + 1) * d].iter_mut().zip(&acc[m * d..(m + 1) * d]) {
+                *o = a * inv;
+            }
+        }
+    }
+}
+
+pub(super) fn run(isa: Isa, ctx: &Ctx, units: &[Vec<Unit>], out: &mut [f32]) {
+    use rayon::prelude::*;
+    let d = ctx.shape.head_dim;
+    let optr = OutPtr(out.as_mut_ptr());
+    let flat: Vec<(usize, Unit)> = units
+        .iter()
+        .enumerate()
+        .flat_map(|(i, us)| us.iter().map(move |u| (i, *u)))
+        .collect();
+    let partials: Vec<Option<(usize, State)>> = flat
+        .par_iter()
+        .with_max_len(1)
+        .map(|&(i, u)| {
+            let mut st = State::new(u.queries(ctx.group), d);
+            attend(isa, ctx, &u, &mut st);
+            if units[i].len() == 1 {
+                // SAFETY: `out` has the validated length and items cover disjoint (row, head) sets.
+                unsafe { write_out(ctx, &u, &st.acc, &st.sum, optr) };
+                None
+            } else {
+                Some((i, st))
+            }
+        })
+        .collect();
+    // Log-sum-exp merge of split items (few by construction).
+    let mut merged: Vec<Option<State>> = (0..units.len()).map(|_| None).collect();
+    for (i, st) in partials.into_iter().flatten() {
+        match &mut merged[i] {
+            None => merged[i] = Some(st),
+            Some(m) => merge(m, &st, d),
+        }
+    }
+    for (i, st) in merged.into_iter().enumerate() {
+        if let Some(st) = st {
+            // SAFETY: sequential here; same region argument as above.
+            unsafe { write_out(ctx, &units[i][0], &st.acc, &st.sum, optr) };
+        }
+    }
+}
+
+/// `a <- a (+) b` in log-sum-exp form.
+fn merge(a: &mut State, b: &State, d: usize) {
+    for m in 0..a.max.len() {
+        let mx = a.max[m].max(b.max[m]);
+        if mx == f32::NEG_INFINITY {
+            continue;
+        }
+        let wa = (a.max[m] - mx).exp();
+        let wb = (b.max[m] - mx).exp();
+        a.sum[m] = a.sum[m] * wa + b.sum[m] * wb;
+        for (x, y) in a.acc[m * d..(m + 1) * d].iter_mut().zip(&b.acc[m * d..(m + 1) * d]) {
+            *x = *x * wa + *y * wb;
+        }
+        a.max[m] = mx;
+    }
+}

@@ -1,0 +1,237 @@
+//! Attention kernels and the KV cache: `new_kv_cache`, `write_kv`, `copy_blocks`, `paged_attention`.
+
+use numpy::{PyArray, PyArrayDyn, PyArrayMethods, PyUntypedArray};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use super::args::dim;
+use super::arrays::{cache_pair, cache_pair_mut, kv, kv_mut, readonly, slice_of, typed};
+use crate::attention::{self as att, Batch, Params};
+
+/// Zeroed `(k_cache, v_cache)`, each `[num_blocks, num_kv_heads, block_size, head_dim]`,
+/// every page touched up front.
+#[pyfunction]
+#[pyo3(signature = (num_blocks, block_size, num_kv_heads, head_dim, dtype = None),
+       text_signature = "(num_blocks, block_size, num_kv_heads, head_dim, dtype='float16')")]
+pub fn new_kv_cache<'py>(
+    py: Python<'py>,
+    num_blocks: i64,
+    block_size: i64,
+    num_kv_heads: i64,
+    head_dim: i64,
+    dtype: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let shape = (
+        dim("num_blocks", num_blocks, 0)?,
+        dim("num_kv_heads", num_kv_heads, 1)?,
+        dim("block_size", block_size, 1)?,
+        dim("head_dim", head_dim, 1)?,
+    );
+    let np = py.import("numpy")?;
+    let dt = match dtype {
+        None => np.getattr("dtype")?.call1(("float16",))?,
+        Some(d) if d.extract::<String>().is_ok_and(|s| s == "bfloat16") => np
+            .getattr("dtype")?
+            .call1((py.import("ml_dtypes")?.getattr("bfloat16")?,))?,
+        Some(d) => np
+            .getattr("dtype")?
+            .call1((d,))
+            .map_err(|_| PyTypeError::new_err(format!("dtype must be 'float32', 'float16' or 'bfloat16', got {d}")))?,
+    };
+    let name: String = dt.getattr("name")?.extract()?;
+    if !matches!(name.as_str(), "float32" | "float16" | "bfloat16") {
+        return Err(PyValueError::new_err(format!(
+            "cache dtype must be float32, float16 or bfloat16, got {name}"
+        )));
+    }
+    // `empty` + an explicit zero fill rather than `zeros`: calloc'd pages would fault in on
+    // their first write_kv, mid-serving (on this project's VMs first touch runs ~110 MB/s).
+    let empty = np.getattr("empty")?;
+    let k = empty.call1((shape, &dt))?;
+    let v = empty.call1((shape, &dt))?;
+    k.call_method1("fill", (0,))?;
+    v.call_method1("fill", (0,))?;
+    PyTuple::new(py, [k, v])
+}
+
+/// Scatter `key`/`value` `[T, num_kv_heads, head_dim]` float32 into `slot_mapping` (-1 = skip).
+#[pyfunction]
+pub fn write_kv(
+    py: Python<'_>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
+    key: &Bound<'_, PyAny>,
+    value: &Bound<'_, PyAny>,
+    slot_mapping: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let (kr, vr, dt, shape) = cache_pair_mut(k_cache, v_cache)?;
+    let keyr = typed::<f32>(key, "key", 3, "float32")?;
+    let valr = typed::<f32>(value, "value", 3, "float32")?;
+    let slr = typed::<i64>(slot_mapping, "slot_mapping", 1, "int64")?;
+    let want = [slr.shape[0], shape.num_kv_heads, shape.head_dim];
+    if keyr.shape != want || valr.shape != want {
+        return Err(PyValueError::new_err(format!(
+            "key and value must be {want:?} (num_tokens, num_kv_heads, head_dim), got {:?} and {:?}",
+            keyr.shape, valr.shape
+        )));
+    }
+    for (r, n) in [(&keyr, "key"), (&valr, "value"), (&slr, "slot_mapping")] {
+        if r.overlaps(&kr) || r.overlaps(&vr) {
+            return Err(PyValueError::new_err(format!(
+                "{n} must not share memory with the caches"
+            )));
+        }
+    }
+    let (kg, vg, sg) = (
+        readonly::<f32>(&keyr, "key")?,
+        readonly::<f32>(&valr, "value")?,
+        readonly::<i64>(&slr, "slot_mapping")?,
+    );
+    let (ks, vs, ss) = (
+        slice_of(&kg, "key")?,
+        slice_of(&vg, "value")?,
+        slice_of(&sg, "slot_mapping")?,
+    );
+    let numel = shape.numel().map_err(PyErr::from)?;
+    // SAFETY: both caches passed `cache_pair` (C-contiguous, aligned, `numel` items, disjoint)
+    // and are writeable; key/value/slots are disjoint from them (checked above). The Bound
+    // arrays outlive the call. As with any numpy kernel that releases the GIL, the caller
+    // must not mutate these arrays from another thread during the call.
+    let (km, vm) = unsafe { (kv_mut(&kr, dt, numel), kv_mut(&vr, dt, numel)) };
+    py.detach(|| att::write_kv(km, vm, shape, ks, vs, ss))
+        .map_err(PyErr::from)
+}
+
+/// Copy whole blocks `(src, dst)` in order; `pairs` is int64 `[n, 2]` or a sequence of pairs.
+#[pyfunction]
+pub fn copy_blocks(
+    py: Python<'_>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
+    pairs: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let (kr, vr, dt, shape) = cache_pair_mut(k_cache, v_cache)?;
+    let flat: Vec<i64> = if pairs.cast::<PyUntypedArray>().is_ok() {
+        let pr = typed::<i64>(pairs, "pairs", 2, "int64")?;
+        if pr.shape[1] != 2 {
+            return Err(PyValueError::new_err(format!(
+                "pairs must be [n, 2], got {:?}",
+                pr.shape
+            )));
+        }
+        slice_of(&readonly::<i64>(&pr, "pairs")?, "pairs")?.to_vec()
+    } else {
+        let items: Vec<(i64, i64)> = pairs.extract().map_err(|_| {
+            PyTypeError::new_err("pairs must be an int64 array [n, 2] or a sequence of (src, dst) int pairs")
+        })?;
+        items.into_iter().flat_map(|(a, b)| [a, b]).collect()
+    };
+    let numel = shape.numel().map_err(PyErr::from)?;
+    // SAFETY: as in `write_kv`; `flat` is owned.
+    let (km, vm) = unsafe { (kv_mut(&kr, dt, numel), kv_mut(&vr, dt, numel)) };
+    py.detach(|| att::copy_blocks(km, vm, shape, &flat))
+        .map_err(PyErr::from)
+}
+
+/// Causal varlen paged attention; returns `out` float32 `[num_tokens, num_q_heads, head_dim]`.
+#[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale = None,
+                    sliding_window = None, soft_cap = None, out = None))]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention<'py>(
+    py: Python<'py>,
+    q: &Bound<'py, PyAny>,
+    k_cache: &Bound<'py, PyAny>,
+    v_cache: &Bound<'py, PyAny>,
+    block_tables: &Bound<'py, PyAny>,
+    seq_lens: &Bound<'py, PyAny>,
+    query_start_loc: &Bound<'py, PyAny>,
+    scale: Option<f64>,
+    sliding_window: Option<i64>,
+    soft_cap: Option<f64>,
+    out: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (kr, vr, dt, shape) = cache_pair(k_cache, v_cache)?;
+    let qr = typed::<f32>(q, "q", 3, "float32")?;
+    let (t, hq, d) = (qr.shape[0], qr.shape[1], qr.shape[2]);
+    if d != shape.head_dim {
+        return Err(PyValueError::new_err(format!(
+            "q head_dim {d} != cache head_dim {}",
+            shape.head_dim
+        )));
+    }
+    if hq == 0 || hq % shape.num_kv_heads != 0 {
+        return Err(PyValueError::new_err(format!(
+            "num_q_heads ({hq}) must be a positive multiple of num_kv_heads ({})",
+            shape.num_kv_heads
+        )));
+    }
+    let btr = typed::<i32>(block_tables, "block_tables", 2, "int32")?;
+    let slr = typed::<i32>(seq_lens, "seq_lens", 1, "int32")?;
+    let qslr = typed::<i32>(query_start_loc, "query_start_loc", 1, "int32")?;
+    let nseq = slr.shape[0];
+    if btr.shape[0] != nseq || qslr.shape[0] != nseq + 1 {
+        return Err(PyValueError::new_err(format!(
+            "need block_tables [B, max_blocks], seq_lens [B], query_start_loc [B+1]; got {:?}, {:?}, {:?}",
+            btr.shape, slr.shape, qslr.shape
+        )));
+    }
+    let params = Params::new(d, scale, sliding_window, soft_cap).map_err(PyErr::from)?;
+    let out_obj = match out {
+        Some(o) => o.clone(),
+        None => PyArray::<f32, _>::zeros(py, [t, hq, d], false).into_any(),
+    };
+    let outr = typed::<f32>(&out_obj, "out", 3, "float32")?;
+    if outr.shape != qr.shape {
+        return Err(PyValueError::new_err(format!(
+            "out must have q's shape {:?}, got {:?}",
+            qr.shape, outr.shape
+        )));
+    }
+    for (r, n) in [
+        (&qr, "q"),
+        (&kr, "k_cache"),
+        (&vr, "v_cache"),
+        (&btr, "block_tables"),
+        (&slr, "seq_lens"),
+        (&qslr, "query_start_loc"),
+    ] {
+        if outr.overlaps(r) {
+            return Err(PyValueError::new_err(format!("out must not share memory with {n}")));
+        }
+    }
+    let (qg, btg, slg, qslg) = (
+        readonly::<f32>(&qr, "q")?,
+        readonly::<i32>(&btr, "block_tables")?,
+        readonly::<i32>(&slr, "seq_lens")?,
+        readonly::<i32>(&qslr, "query_start_loc")?,
+    );
+    let mut og = outr
+        .arr
+        .cast::<PyArrayDyn<f32>>()
+        .map_err(|_| PyTypeError::new_err("out must be float32"))?
+        .try_readwrite()
+        .map_err(|e| PyValueError::new_err(format!("out must be writeable and not borrowed elsewhere: {e}")))?;
+    let batch = Batch {
+        q: slice_of(&qg, "q")?,
+        num_q_heads: hq,
+        block_tables: slice_of(&btg, "block_tables")?,
+        max_blocks: btr.shape[1],
+        seq_lens: slice_of(&slg, "seq_lens")?,
+        query_start_loc: slice_of(&qslg, "query_start_loc")?,
+    };
+    let o = og
+        .as_slice_mut()
+        .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+    let numel = shape.numel().map_err(PyErr::from)?;
+    // SAFETY: both caches passed `cache_pair` (C-contiguous, aligned, `numel` items) and are
+    // only read; `out` is disjoint from them (checked above). The Bound arrays outlive the
+    // call. As with any numpy kernel that releases the GIL, the caller must not mutate the
+    // caches from another thread during the call.
+    let (k, v) = unsafe { (kv(&kr, dt, numel), kv(&vr, dt, numel)) };
+    py.detach(|| att::paged_attention(k, v, shape, batch, params, o))
+        .map_err(PyErr::from)?;
+    drop(og);
+    Ok(out_obj)
+}

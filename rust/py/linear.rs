@@ -1,0 +1,240 @@
+//! Block-quantized linear layers (`QLinear`) and the row-wise ops around them (`rms_norm`,
+//! `silu_and_mul`).
+
+use numpy::IntoPyArray;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use super::args::dim;
+use super::arrays::{f32_2d, out_f32, readonly, readwrite_f32, slice_of, typed, u8_2d};
+use crate::linear as lin;
+
+/// A weight matrix `[n, k]` in the block-quantized 8-bit layout of `rust/linear` (codes
+/// `c`, per-32 block `d`, `m`: `w = d*c + m`), applied as `x @ W.T` on the kernel threads.
+#[pyclass(frozen, module = "pagedkv_rs._core")]
+pub struct QLinear {
+    w: std::sync::Arc<lin::QWeight>,
+}
+
+#[pymethods]
+impl QLinear {
+    /// From GGUF rows `data: uint8 [n, row_bytes]` of type `"Q4_1"` or `"Q8_0"` and width `k`.
+    #[staticmethod]
+    fn from_gguf(py: Python<'_>, data: &Bound<'_, PyAny>, ggml_type: &str, k: i64) -> PyResult<Self> {
+        let (g, shape) = u8_2d(data, "data")?;
+        let raw = slice_of(&g, "data")?;
+        let k = dim("k", k, 1)?;
+        let n = shape[0];
+        let w = match ggml_type {
+            "Q4_1" => py.detach(|| lin::QWeight::from_q4_1(raw, n, k)),
+            "Q8_0" => py.detach(|| lin::QWeight::from_q8_0(raw, n, k)),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "ggml_type must be 'Q4_1' or 'Q8_0', got {ggml_type:?}"
+                )))
+            }
+        }
+        .map_err(PyErr::from)?;
+        Ok(QLinear {
+            w: std::sync::Arc::new(w),
+        })
+    }
+
+    /// Quantize float32 weights `[n, k]` (k a multiple of 32) per 32-wide block, asymmetric 8-bit.
+    #[staticmethod]
+    fn from_float(py: Python<'_>, w: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let (g, shape) = f32_2d(w, "w")?;
+        let v = slice_of(&g, "w")?;
+        let q = py
+            .detach(|| lin::QWeight::from_f32(v, shape[0], shape[1]))
+            .map_err(PyErr::from)?;
+        Ok(QLinear {
+            w: std::sync::Arc::new(q),
+        })
+    }
+
+    /// From `codes: uint8 [n, k]`, `d`, `m`: float32 `[n, k/32]` (the inverse of `unpack`).
+    #[staticmethod]
+    fn from_parts(codes: &Bound<'_, PyAny>, d: &Bound<'_, PyAny>, m: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let (cg, cs) = u8_2d(codes, "codes")?;
+        let (dg, ds) = f32_2d(d, "d")?;
+        let (mg, ms) = f32_2d(m, "m")?;
+        if ds != ms || ds[0] != cs[0] || cs[1] != ds[1] * lin::QBLOCK {
+            return Err(PyValueError::new_err(format!(
+                "need codes [n, k], d and m [n, k/{}]; got {cs:?}, {ds:?}, {ms:?}",
+                lin::QBLOCK
+            )));
+        }
+        let q = lin::QWeight::from_parts(
+            cs[0],
+            cs[1],
+            slice_of(&cg, "codes")?,
+            slice_of(&dg, "d")?,
+            slice_of(&mg, "m")?,
+        )
+        .map_err(PyErr::from)?;
+        Ok(QLinear {
+            w: std::sync::Arc::new(q),
+        })
+    }
+
+    /// Output features.
+    #[getter]
+    fn n(&self) -> usize {
+        self.w.n()
+    }
+
+    /// Input features.
+    #[getter]
+    fn k(&self) -> usize {
+        self.w.k()
+    }
+
+    /// Bytes held (codes and scales).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.w.nbytes()
+    }
+
+    /// `(codes uint8 [n, k], d float32 [n, k/32], m float32 [n, k/32])`.
+    fn unpack<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let (n, nb) = (self.w.n(), self.w.k() / lin::QBLOCK);
+        let (c, d, m) = py.detach(|| self.w.unpack());
+        let shaped = |v: Vec<f32>| numpy::ndarray::Array2::from_shape_vec((n, nb), v);
+        let c = numpy::ndarray::Array2::from_shape_vec((n, self.w.k()), c)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let d = shaped(d).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let m = shaped(m).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        PyTuple::new(
+            py,
+            [
+                c.into_pyarray(py).into_any(),
+                d.into_pyarray(py).into_any(),
+                m.into_pyarray(py).into_any(),
+            ],
+        )
+    }
+
+    /// `x @ W.T`: `x` float32 `[m, k]` -> float32 `[m, n]` (into `out` when given).
+    #[pyo3(signature = (x, *, out = None))]
+    fn __call__<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let xr = typed::<f32>(x, "x", 2, "float32")?;
+        let (m, k) = (xr.shape[0], xr.shape[1]);
+        if k != self.w.k() {
+            return Err(PyValueError::new_err(format!(
+                "x must be [m, {}], got {:?}",
+                self.w.k(),
+                xr.shape
+            )));
+        }
+        let n = self.w.n();
+        let out_obj = out_f32(py, out, &[m, n], &[(&xr, "x")])?;
+        let xg = readonly::<f32>(&xr, "x")?;
+        let mut og = readwrite_f32(&out_obj, "out")?;
+        let xs = slice_of(&xg, "x")?;
+        let o = og
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+        let w = &self.w;
+        py.detach(|| lin::linear(xs, m, w, o)).map_err(PyErr::from)?;
+        drop(og);
+        Ok(out_obj)
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        let isa = lin::variant_name(lin::active_isa()?);
+        Ok(format!("QLinear(n={}, k={}, isa={isa:?})", self.w.n(), self.w.k()))
+    }
+}
+
+/// RMSNorm of float32 `x [T, H]` times `weight [H]`; with `residual` (float32 `[T, H]`), first
+/// `residual += x` in place and normalise that (vLLM's fused_add_rms_norm). Returns `out`.
+#[pyfunction]
+#[pyo3(signature = (x, weight, eps, *, residual = None, out = None))]
+pub fn rms_norm<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+    weight: &Bound<'py, PyAny>,
+    eps: f64,
+    residual: Option<&Bound<'py, PyAny>>,
+    out: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let xr = typed::<f32>(x, "x", 2, "float32")?;
+    let wr = typed::<f32>(weight, "weight", 1, "float32")?;
+    let h = xr.shape[1];
+    if wr.shape[0] != h {
+        return Err(PyValueError::new_err(format!(
+            "weight must be [{h}], got {:?}",
+            wr.shape
+        )));
+    }
+    let rr = residual
+        .map(|r| typed::<f32>(r, "residual", 2, "float32"))
+        .transpose()?;
+    let mut inputs = vec![(&xr, "x"), (&wr, "weight")];
+    if let Some(r) = &rr {
+        if r.shape != xr.shape {
+            return Err(PyValueError::new_err(format!(
+                "residual must have x's shape {:?}, got {:?}",
+                xr.shape, r.shape
+            )));
+        }
+        if r.overlaps(&xr) || r.overlaps(&wr) {
+            return Err(PyValueError::new_err("residual must not share memory with x or weight"));
+        }
+        inputs.push((r, "residual"));
+    }
+    let out_obj = out_f32(py, out, &xr.shape, &inputs)?;
+    let (xg, wg) = (readonly::<f32>(&xr, "x")?, readonly::<f32>(&wr, "weight")?);
+    let mut rg = residual.map(|r| readwrite_f32(r, "residual")).transpose()?;
+    let mut og = readwrite_f32(&out_obj, "out")?;
+    let (xs, ws) = (slice_of(&xg, "x")?, slice_of(&wg, "weight")?);
+    let rs = match rg.as_mut() {
+        Some(g) => Some(
+            g.as_slice_mut()
+                .map_err(|e| PyValueError::new_err(format!("residual: {e}")))?,
+        ),
+        None => None,
+    };
+    let os = og
+        .as_slice_mut()
+        .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+    py.detach(|| crate::ops::rms_norm(xs, h, ws, eps as f32, rs, os))
+        .map_err(PyErr::from)?;
+    drop(og);
+    Ok(out_obj)
+}
+
+/// SwiGLU activation: float32 `gate_up [T, 2F]` (gate columns, then up) -> `silu(gate) * up [T, F]`.
+#[pyfunction]
+#[pyo3(signature = (gate_up, *, out = None))]
+pub fn silu_and_mul<'py>(
+    py: Python<'py>,
+    gate_up: &Bound<'py, PyAny>,
+    out: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let gr = typed::<f32>(gate_up, "gate_up", 2, "float32")?;
+    if gr.shape[1] % 2 != 0 || gr.shape[1] == 0 {
+        return Err(PyValueError::new_err(format!(
+            "gate_up must be [T, 2F], got {:?}",
+            gr.shape
+        )));
+    }
+    let f = gr.shape[1] / 2;
+    let out_obj = out_f32(py, out, &[gr.shape[0], f], &[(&gr, "gate_up")])?;
+    let gg = readonly::<f32>(&gr, "gate_up")?;
+    let mut og = readwrite_f32(&out_obj, "out")?;
+    let gs = slice_of(&gg, "gate_up")?;
+    let os = og
+        .as_slice_mut()
+        .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+    py.detach(|| crate::ops::silu_and_mul(gs, f, os)).map_err(PyErr::from)?;
+    drop(og);
+    Ok(out_obj)
+}

@@ -1,0 +1,233 @@
+//! The kernel runtime (no pyo3): the one `Isa` enum, CPU detection, the ISA setting
+//! (`PAGEDKV_ISA`, read once on first use, or `set_isa`) and the rayon pool the kernels run on.
+//!
+//! | ISA      | runs on                                   | attention              | linear                          | ops      |
+//! |----------|-------------------------------------------|------------------------|---------------------------------|----------|
+//! | `scalar` | anything                                  | `reference.rs`         | portable tile                   | plain    |
+//! | `avx2`   | x86-64 with AVX2 + FMA + F16C             | `x86.rs` `attend`      | portable tile built for AVX2    | AVX2 build |
+//! | `avx512` | also AVX-512 F + VL + BW                  | `x86.rs` `attend_avx512` | VNNI tile when `avx512_vnni()`, else the AVX2 one | AVX2 build |
+//! | `neon`   | aarch64 (NEON is baseline)                | `aarch64.rs` `attend`  | portable tile                   | plain    |
+//!
+//! Setting: `auto` (the widest ISA detected) or one ISA forced. `PAGEDKV_ISA=auto|scalar|avx2|
+//! avx512|neon` chooses it; while `PAGEDKV_ISA` is unset the legacy `PAGEDKV_KERNEL` does, with
+//! any value that is not an ISA this CPU runs (`auto`, `rust`, `reference`, ...) meaning auto, as
+//! before. An invalid `PAGEDKV_ISA` is an error at first use (importing never fails on it).
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::error::{Error, Result};
+
+/// Instruction set a kernel call runs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// The AVX2 kernels compiled with AVX-512 F/VL/BW enabled: 32 registers and wider register
+    /// blocks; the quantized linear layer uses AVX-512 VNNI when the CPU has it too.
+    Avx512,
+    /// aarch64 NEON (any head_dim).
+    Neon,
+}
+
+impl Isa {
+    /// Every ISA, narrowest first.
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon];
+
+    /// The name `PAGEDKV_ISA`, `set_isa` and `kernel_info()` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+            Isa::Neon => "neon",
+        }
+    }
+
+    /// Whether this CPU can run it (runtime detection).
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 =
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            match self {
+                Isa::Scalar => true,
+                Isa::Avx2 => avx2,
+                Isa::Avx512 => {
+                    avx2 && is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512vl")
+                        && is_x86_feature_detected!("avx512bw")
+                }
+                Isa::Neon => false,
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            match self {
+                Isa::Scalar => true,
+                Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+                _ => false,
+            }
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+        {
+            self == Isa::Scalar
+        }
+    }
+}
+
+/// AVX-512 F + BW + VNNI (`vpdpbusd`), what the quantized linear layer's fastest tile needs.
+pub fn avx512_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Every ISA this CPU can run, scalar first (what tests iterate over).
+pub fn available_isas() -> Vec<Isa> {
+    Isa::ALL.into_iter().filter(|i| i.available()).collect()
+}
+
+/// Widest ISA this CPU runs.
+pub fn detected_isa() -> Isa {
+    Isa::ALL
+        .into_iter()
+        .rev()
+        .find(|i| i.available())
+        .unwrap_or(Isa::Scalar)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The setting: `None` = auto, `Some(isa)` = forced.
+
+/// `set_isa` state: 0 never called (the environment decides), 1 auto, 2 + index in `Isa::ALL`.
+const SET_NONE: u8 = 0;
+const SET_AUTO: u8 = 1;
+static SET: AtomicU8 = AtomicU8::new(SET_NONE);
+/// The environment's setting, read once.
+static ENV: OnceLock<Result<Option<Isa>>> = OnceLock::new();
+
+/// `"auto"` or an ISA name this CPU runs.
+fn parse(name: &str) -> Result<Option<Isa>> {
+    if name == "auto" {
+        return Ok(None);
+    }
+    let Some(isa) = Isa::ALL.into_iter().find(|i| i.name() == name) else {
+        return Err(Error::Invalid(format!(
+            "ISA must be 'auto', 'scalar', 'avx2' or 'avx512' (x86-64) or 'neon' (aarch64), got {name:?}"
+        )));
+    };
+    if !isa.available() {
+        let names: Vec<&str> = available_isas().iter().map(|i| i.name()).collect();
+        return Err(Error::Invalid(format!(
+            "ISA {name:?} is not supported by this CPU (available: auto, {})",
+            names.join(", ")
+        )));
+    }
+    Ok(Some(isa))
+}
+
+fn env_setting() -> Result<Option<Isa>> {
+    let var = |k: &str| std::env::var(k).unwrap_or_default().trim().to_ascii_lowercase();
+    let isa = var("PAGEDKV_ISA");
+    if !isa.is_empty() {
+        return parse(&isa).map_err(|e| Error::Invalid(format!("PAGEDKV_ISA: {e}")));
+    }
+    // Legacy: PAGEDKV_KERNEL also names the kernel source (auto|rust|reference, Python's), so
+    // anything but an ISA this CPU runs means auto.
+    Ok(parse(&var("PAGEDKV_KERNEL")).unwrap_or(None))
+}
+
+/// Force `"scalar"`, `"avx2"`, `"avx512"` or `"neon"`, or go back to `"auto"` (the widest
+/// detected); an error naming the available ISAs when this CPU lacks the one asked for.
+pub fn set_isa(name: &str) -> Result<()> {
+    let state = match parse(name)? {
+        None => SET_AUTO,
+        Some(isa) => 2 + Isa::ALL.iter().position(|&i| i == isa).unwrap_or(0) as u8,
+    };
+    SET.store(state, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The setting: `None` for auto, else the forced ISA (an error when `PAGEDKV_ISA` is invalid).
+pub fn isa_setting() -> Result<Option<Isa>> {
+    match SET.load(Ordering::Relaxed) {
+        SET_NONE => ENV.get_or_init(env_setting).clone(),
+        SET_AUTO => Ok(None),
+        s => Ok(Isa::ALL.get(usize::from(s - 2)).copied()),
+    }
+}
+
+/// `"auto"` or the forced ISA's name.
+pub fn isa_setting_name() -> Result<&'static str> {
+    Ok(isa_setting()?.map_or("auto", Isa::name))
+}
+
+/// The ISA the kernels run with: the forced one, else the widest detected.
+pub fn isa() -> Result<Isa> {
+    Ok(isa_setting()?.unwrap_or_else(detected_isa))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thread pool.
+
+static POOL: Mutex<Option<Arc<rayon::ThreadPool>>> = Mutex::new(None);
+
+/// A pool of `n` threads named `pagedkv-<i>`.
+pub fn build_pool(n: usize) -> Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("pagedkv-{i}"))
+        .build()
+        .map_err(|e| Error::Invalid(format!("cannot start {n} threads: {e}")))
+}
+
+/// The kernel thread pool (default: one thread per available core).
+pub fn pool() -> Result<Arc<rayon::ThreadPool>> {
+    let mut g = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = g.as_ref() {
+        return Ok(p.clone());
+    }
+    let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let p = Arc::new(build_pool(n)?);
+    *g = Some(p.clone());
+    Ok(p)
+}
+
+/// Replace the kernel thread pool with one of `n` threads.
+pub fn set_num_threads(n: usize) -> Result<()> {
+    if n == 0 || n > 1024 {
+        return Err(Error::Invalid(format!("num_threads must be in [1, 1024], got {n}")));
+    }
+    let p = Arc::new(build_pool(n)?);
+    *POOL.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+    Ok(())
+}
+
+/// Threads of the kernel pool.
+pub fn num_threads() -> Result<usize> {
+    Ok(pool()?.current_num_threads())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back_and_unknown_ones_are_errors() {
+        for isa in available_isas() {
+            assert_eq!(parse(isa.name()), Ok(Some(isa)));
+        }
+        assert_eq!(parse("auto"), Ok(None));
+        assert!(parse("avx9000").is_err());
+        assert!(detected_isa().available());
+    }
+}

@@ -1,0 +1,52 @@
+"""The Rust ISA setting: set_isa / get_isa, kernel_info keys, PAGEDKV_ISA over the legacy PAGEDKV_KERNEL."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+core = pytest.importorskip("pagedkv_rs._core")
+
+
+def test_set_isa_get_isa_and_info_keys():
+    isas = core.kernel_info()["isas"]
+    assert isas[0] == "scalar" and isas == core.kernel_info()["backends"]
+    try:
+        for name in isas:
+            core.set_isa(name)
+            info = core.kernel_info()
+            assert core.get_isa() == info["isa"] == info["backend"] == name
+            assert info["active_isa"] == name
+        core.set_isa("auto")
+        info = core.kernel_info()
+        assert core.get_isa() == info["isa"] == "auto"
+        assert info["active_isa"] == info["detected_isa"] == isas[-1]
+        with pytest.raises(ValueError, match="'auto', 'scalar', 'avx2' or 'avx512'"):
+            core.set_isa("avx9000")
+        for name in {"scalar", "avx2", "avx512", "neon"} - set(isas):
+            with pytest.raises(ValueError, match=f"not supported by this CPU \\(available: auto, {', '.join(isas)}\\)"):
+                core.set_isa(name)
+        assert core.get_isa() == "auto"
+    finally:
+        core.set_isa("auto")
+
+
+def _isa_in_subprocess(**env: str) -> subprocess.CompletedProcess[str]:
+    code = "import pagedkv_rs._core as c; print(c.get_isa(), c.kernel_info()['active_isa'])"
+    full = {k: v for k, v in os.environ.items() if k not in ("PAGEDKV_ISA", "PAGEDKV_KERNEL")}
+    return subprocess.run([sys.executable, "-c", code], env={**full, **env}, capture_output=True, text=True)
+
+
+def test_env_pagedkv_isa_wins_over_legacy_pagedkv_kernel():
+    out = _isa_in_subprocess(PAGEDKV_ISA="scalar", PAGEDKV_KERNEL="auto")
+    assert out.returncode == 0 and out.stdout.split() == ["scalar", "scalar"], out.stderr
+    out = _isa_in_subprocess(PAGEDKV_KERNEL="reference")  # Python's kernel source: auto for Rust
+    assert out.returncode == 0 and out.stdout.split()[0] == "auto", out.stderr
+
+
+def test_env_invalid_pagedkv_isa_is_an_error_at_first_use():
+    out = _isa_in_subprocess(PAGEDKV_ISA="avx9000")
+    assert out.returncode != 0 and "ValueError: PAGEDKV_ISA: ISA must be" in out.stderr
