@@ -179,7 +179,7 @@ fn salt(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
         return Ok(Vec::new());
     };
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(s.to_str()?.as_bytes().to_vec());
+        return Ok(s.to_cow()?.as_bytes().to_vec());
     }
     if let Ok(b) = obj.cast::<PyBytes>() {
         return Ok(b.as_bytes().to_vec());
@@ -322,7 +322,7 @@ impl Config {
         let policy = match policy {
             Arg::Default(p) => Policy::parse(p).unwrap_or(Policy::Lru),
             Arg::Given(p) => match p.cast::<PyString>() {
-                Ok(s) => Policy::parse(s.to_str()?),
+                Ok(s) => Policy::parse(&s.to_cow()?),
                 Err(_) => None,
             }
             .ok_or_else(|| {
