@@ -49,7 +49,7 @@ impl Config {
         let policy = match policy {
             Arg::Default(p) => Policy::parse(p).unwrap_or(Policy::Lru),
             Arg::Given(p) => match p.cast::<PyString>() {
-                Ok(s) => Policy::parse(s.to_str()?),
+                Ok(s) => Policy::parse(&s.to_cow()?),
                 Err(_) => None,
             }
             .ok_or_else(|| {

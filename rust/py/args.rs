@@ -127,7 +127,7 @@ pub(super) fn salt(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u8>> {
         return Ok(Vec::new());
     };
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(s.to_str()?.as_bytes().to_vec());
+        return Ok(s.to_cow()?.as_bytes().to_vec());
     }
     if let Ok(b) = obj.cast::<PyBytes>() {
         return Ok(b.as_bytes().to_vec());
