@@ -116,9 +116,11 @@ from pagedkv_rs.engine import LLMEngine, Model, RequestStream  # noqa: E402
 from pagedkv_rs.request import (  # noqa: E402
     CompletionOutput,
     InvalidRequestError,
+    Logprob,
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    StreamLeaseExpiredError,
     UnknownRequestError,
 )
 from pagedkv_rs.scheduler import Scheduler, SchedulerConfig  # noqa: E402
@@ -133,6 +135,8 @@ __all__ += [
     "RequestStatus",
     "InvalidRequestError",
     "UnknownRequestError",
+    "StreamLeaseExpiredError",
+    "Logprob",
     "Scheduler",
     "SchedulerConfig",
 ]
