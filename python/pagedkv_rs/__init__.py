@@ -21,6 +21,7 @@ from pagedkv_rs.engine import (
     CompletionOutput,
     InvalidRequestError,
     LLMEngine,
+    Logprob,
     Model,
     RequestOutput,
     RequestStatus,
@@ -28,6 +29,7 @@ from pagedkv_rs.engine import (
     SamplingParams,
     Scheduler,
     SchedulerConfig,
+    StreamLeaseExpiredError,
     UnknownRequestError,
 )
 from pagedkv_rs.errors import (
@@ -65,6 +67,8 @@ __all__ = [
     "RequestStatus",
     "InvalidRequestError",
     "UnknownRequestError",
+    "StreamLeaseExpiredError",
+    "Logprob",
     "Scheduler",
     "SchedulerConfig",
 ]  # not LLM: `from pagedkv_rs import *` must work without the model extra

@@ -23,9 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", default=None, help="system message for the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    # defaults: SmolLM2-Instruct's recommended temperature / top_p, and HF's / llama.cpp's classic
+    # repetition penalty, which stops the small model's greedy loops ("a fleeting choice, a fleeting choice, ...")
+    p.add_argument("--temperature", type=float, default=0.2, help="0 = greedy (default 0.2)")
+    p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.1, help="1 = off (default 1.1)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None)
     add_llm_args(p)
     p.add_argument("--stats", action="store_true", help="print throughput and cache stats to stderr")
@@ -45,6 +50,9 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            stop=args.stop,
             seed=args.seed,
         )
         llm = llm_from_args(args)
@@ -71,8 +79,14 @@ def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
             dec = IncrementalDecoder(tok)
             if args.raw:
                 out.write(args.prompts[i])
+            shown = ""
             for o in stream:
-                out.write(dec.push(o.new_token_ids))
+                if params.stop:  # the engine's text holds back a possible stop string and cuts it at the end
+                    text = o.text or ""
+                    out.write(text[len(shown) :])
+                    shown = text
+                else:
+                    out.write(dec.push(o.new_token_ids))
                 out.flush()
                 if o.finished:
                     n_out += len(o.token_ids)

@@ -11,9 +11,11 @@ from pagedkv_rs.engine.engine import LLMEngine, Model, RequestStream
 from pagedkv_rs.engine.request import (
     CompletionOutput,
     InvalidRequestError,
+    Logprob,
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    StreamLeaseExpiredError,
     UnknownRequestError,
 )
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig
@@ -28,6 +30,8 @@ __all__ = [
     "RequestStatus",
     "InvalidRequestError",
     "UnknownRequestError",
+    "StreamLeaseExpiredError",
+    "Logprob",
     "Scheduler",
     "SchedulerConfig",
 ]

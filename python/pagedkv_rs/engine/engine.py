@@ -8,13 +8,29 @@ loop thread and returns a ``RequestStream`` (blocking and async iterator of incr
 Locking: ``_lock`` guards scheduler state and is held only briefly; ``_step_lock`` serialises
 steps. The forward runs outside ``_lock``, so any thread may add or abort requests mid-step: an
 abort frees the request's blocks at once and its pending result is dropped.
+
+Isolation: every request is checked completely at submission (``Scheduler.check_request``:
+types, ranges, token ids against ``model.vocab_size``, lengths); nothing changes on rejection.
+A failure of the forward or of the batched sampling fails that step's requests; a failure in a
+request's own post-processing (detokenizing for stop strings, decoding logprob tokens) fails
+only that request.
+
+Streams are leases: each ``submit()`` stream buffers at most ``stream_buffer`` outputs (later
+ones are merged into the last); if the buffer stays full for ``stream_idle_timeout`` seconds the
+request is aborted with cause "lease_expired", its blocks are freed, and the stream raises
+``StreamLeaseExpiredError``.
+
+Metrics: ``self.metrics`` (``pagedkv_rs.engine.metrics.EngineMetrics``) holds bounded counters and
+fixed-bucket histograms; ``stats()`` reports them with the scheduler's and the KV manager's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
+import inspect
 import itertools
-import statistics
 import threading
 import time
 from collections import deque
@@ -26,15 +42,18 @@ import numpy as np
 from pagedkv_rs import kernels
 from pagedkv_rs._backend import backend as allocator_backend
 from pagedkv_rs.batch import BatchInputs
+from pagedkv_rs.engine.metrics import EngineMetrics
 from pagedkv_rs.engine.request import (
-    FINISHED,
     InvalidRequestError,
+    Logprob,
     Request,
     RequestOutput,
+    RequestStatus,
     SamplingParams,
+    StreamLeaseExpiredError,
     UnknownRequestError,
 )
-from pagedkv_rs.engine.sampling import sample
+from pagedkv_rs.engine.sampling import sample, top_logprobs
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 __all__ = ["Model", "LLMEngine", "RequestStream"]
@@ -58,7 +77,9 @@ class Model(Protocol):
 
         Writes this step's K/V of every layer into ``kv_caches[layer]`` at ``batch.slot_mapping``
         (``write_kv``) and attends with ``paged_attention(q, k, v, batch.block_tables,
-        batch.seq_lens, batch.query_start_loc)``.
+        batch.seq_lens, batch.query_start_loc)``. A model whose forward also takes
+        ``logits_indices`` (int [N] into the step's tokens; returns [N, vocab_size]) serves
+        ``prompt_logprobs`` requests.
         """
         ...
 
@@ -67,10 +88,12 @@ class RequestStream:
     """Incremental ``RequestOutput``s of one request: iterate (blocking) or ``async for``.
 
     The last item has ``finished=True``. Leaving the loop early (break + close, cancelling the
-    task, or ``cancel()``) aborts the request.
+    task, or ``cancel()``) aborts the request. At most ``maxlen`` outputs wait unread: a later one
+    is merged into the last (cumulative tokens, concatenated deltas) and the buffer counts as full
+    from then until the reader takes an item (``full_since``, the engine's clock).
     """
 
-    def __init__(self, engine: LLMEngine, request_id: str) -> None:
+    def __init__(self, engine: LLMEngine, request_id: str, maxlen: Optional[int] = None) -> None:
         self.request_id = request_id
         self._engine = engine
         self._items: deque[Union[RequestOutput, BaseException]] = deque()
@@ -78,31 +101,61 @@ class RequestStream:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._event: Optional[asyncio.Event] = None
         self.finished = False
+        self.maxlen = maxlen
+        self.full_since: Optional[float] = None
 
     def _put(self, item: Union[RequestOutput, BaseException]) -> None:
         with self._cond:
             if self.finished:
                 return
             self.finished = isinstance(item, BaseException) or item.finished
-            self._items.append(item)
+            items = self._items
+            if (
+                self.maxlen is not None
+                and len(items) >= self.maxlen
+                and isinstance(item, RequestOutput)
+                and isinstance(items[-1], RequestOutput)
+            ):
+                items[-1] = _merge(items[-1], item)
+                if self.full_since is None:
+                    self.full_since = self._engine._clock()
+            else:
+                items.append(item)
             self._cond.notify_all()
             loop, event = self._loop, self._event
+        self._notify(loop, event)
+
+    @staticmethod
+    def _notify(loop: Optional[asyncio.AbstractEventLoop], event: Optional[asyncio.Event]) -> None:
         if loop is not None and event is not None:
             try:
                 loop.call_soon_threadsafe(event.set)
             except RuntimeError:  # the consumer's loop is closed: nobody is listening
                 pass
 
+    def _expire(self, error: BaseException) -> None:
+        """The lease ran out: drop the unread outputs; the next read raises ``error``."""
+        with self._cond:
+            self._items.clear()
+            self._items.append(error)
+            self.finished = True
+            self.full_since = None
+            self._cond.notify_all()
+            loop, event = self._loop, self._event
+        self._notify(loop, event)
+
     def _take(self, timeout: Optional[float] = None) -> Union[RequestOutput, BaseException]:
         with self._cond:
             if not self._cond.wait_for(lambda: self._items, timeout):
                 raise TimeoutError(f"request {self.request_id!r}: no output within {timeout} s")
+            self.full_since = None
             return self._items.popleft()
 
     def _drain(self) -> list[Union[RequestOutput, BaseException]]:
         with self._cond:
             items = list(self._items)
             self._items.clear()
+            self.full_since = None
             return items
 
     def __iter__(self) -> Iterator[RequestOutput]:
@@ -133,6 +186,8 @@ class RequestStream:
                     item = self._items.popleft() if self._items else None
                     if item is None:
                         self._event.clear()
+                    else:
+                        self.full_since = None
                 if item is None:
                     await self._event.wait()
                     continue
@@ -156,13 +211,28 @@ class RequestStream:
                 return item
 
     def cancel(self) -> None:
-        """Abort the request unless it already finished."""
+        """Abort the request unless it already finished (abort cause "cancelled")."""
         if not self.finished:
-            self._engine._abort(self.request_id)
+            self._engine._abort(self.request_id, "cancelled")
+
+
+def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """A copy of ``new`` carrying the deltas of both (an unread output folded into the next)."""
+    deltas = {c.index: c.new_token_ids for c in old.outputs}
+    outs = []
+    for c in new.outputs:
+        c = copy.copy(c)
+        c.new_token_ids = deltas.get(c.index, []) + c.new_token_ids
+        outs.append(c)
+    return dataclasses.replace(new, outputs=outs, new_token_ids=outs[0].new_token_ids)
 
 
 class LLMEngine:
-    """Continuous batching with a paged KV cache over any ``Model``."""
+    """Continuous batching with a paged KV cache over any ``Model``.
+
+    ``stream_buffer`` (outputs) and ``stream_idle_timeout`` (seconds) set the lease of
+    ``submit()`` streams (see the module docstring).
+    """
 
     def __init__(
         self,
@@ -176,10 +246,19 @@ class LLMEngine:
         scheduler_config: Optional[SchedulerConfig] = None,
         tokenizer: Any = None,
         seed: int = 0,
+        stream_buffer: int = 64,
+        stream_idle_timeout: float = 30.0,
         **scheduler_kwargs: Any,
     ) -> None:
         if not isinstance(model, Model):
             raise TypeError(f"model {type(model).__name__} does not implement the Model protocol")
+        vocab = getattr(model, "vocab_size", None)
+        if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)) or vocab < 1:
+            raise TypeError(f"model.vocab_size must be a positive int, got {vocab!r}")
+        if isinstance(stream_buffer, bool) or not isinstance(stream_buffer, int) or stream_buffer < 1:
+            raise ValueError(f"stream_buffer must be an int >= 1, got {stream_buffer!r}")
+        if not isinstance(stream_idle_timeout, (int, float)) or not stream_idle_timeout >= 0:
+            raise ValueError(f"stream_idle_timeout must be a number of seconds >= 0, got {stream_idle_timeout!r}")
         if scheduler_config is not None and scheduler_kwargs:
             raise TypeError("pass either scheduler_config or scheduler keyword arguments, not both")
         self.model = model
@@ -192,6 +271,7 @@ class LLMEngine:
             scheduler_config or SchedulerConfig(**scheduler_kwargs),
             eos_token_ids=model.eos_token_ids,
             max_model_len=model.max_model_len,
+            vocab_size=int(vocab),
         )
         self.kv_caches: list[tuple[np.ndarray, np.ndarray]] = [
             kernels.new_kv_cache(num_blocks, block_size, model.num_kv_heads, model.head_dim, kv_cache_dtype)
@@ -208,7 +288,14 @@ class LLMEngine:
         self._stopping = False
         self._idle_steps = 0
         self._handled_error: Optional[BaseException] = None
-        self._finished_metrics: deque[tuple[float, list[float]]] = deque(maxlen=100_000)
+        self.metrics = EngineMetrics()
+        self.stream_buffer = stream_buffer
+        self.stream_idle_timeout = float(stream_idle_timeout)
+        self._clock = time.monotonic  # the lease clock (tests may replace it)
+        try:
+            self._logits_indices = "logits_indices" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):  # pragma: no cover - a builtin forward without a signature
+            self._logits_indices = False
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -233,40 +320,64 @@ class LLMEngine:
         cache_salt: Any,
         stream: bool = False,
     ) -> Request:
-        text = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("a text prompt needs an engine with a tokenizer; pass token ids instead")
-            text, prompt = prompt, _encode(self.tokenizer, prompt)
+        text, toks = self._check(request_id, prompt, params, arrival_time, cache_salt)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self.scheduler.requests:
                 request_id = f"req-{next(self._ids)}"
         req = self.scheduler.add_request(
-            request_id, prompt, params, arrival_time=arrival_time, cache_salt=cache_salt, prompt=text
+            request_id, toks, params, arrival_time=arrival_time, cache_salt=cache_salt, prompt=text
         )
         if not req.params.greedy:
             seed = req.params.seed if req.params.seed is not None else int(self._rng.integers(1 << 63))
-            req.generator = np.random.default_rng(seed)
+            for m in req.group:  # completion i > 0 of a seeded request: its own stream of the same seed
+                m.generator = np.random.default_rng(seed if m.index == 0 else [seed, m.index])
         if stream:
-            self._streams[req.request_id] = RequestStream(self, req.request_id)
+            self._streams[req.request_id] = RequestStream(self, req.request_id, self.stream_buffer)
         self._wake.notify_all()
         return req
 
-    def abort_request(self, request_id: str) -> RequestOutput:
-        """Abort an unfinished request at any status, freeing its blocks now; returns its final output."""
-        out = self._abort(request_id)
+    def _check(
+        self, request_id: Any, prompt: Any, params: Any, arrival_time: Any, cache_salt: Any
+    ) -> tuple[Optional[str], list[int]]:
+        """Every submission check, changing nothing; returns (text or None, prompt token ids)."""
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("a text prompt needs an engine with a tokenizer; pass token ids instead")
+            text, prompt = prompt, _encode(self.tokenizer, prompt)
+        elif isinstance(prompt, bytes) or not isinstance(prompt, (Sequence, np.ndarray)):
+            raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
+        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None and not self._logits_indices:
+            raise InvalidRequestError(
+                f"prompt_logprobs: model {type(self.model).__name__}.forward takes no logits_indices"
+            )
+        _, toks = self.scheduler.check_request(request_id, prompt, params, arrival_time, cache_salt, text)
+        return text, toks
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput:
+        """Abort an unfinished request at any status, freeing its blocks now; returns its final output.
+
+        ``reason`` is the cause counted in ``metrics.aborted_by_cause`` (the server passes
+        "client_disconnect", "timeout", ...).
+        """
+        if not isinstance(reason, str) or not reason:
+            raise TypeError(f"abort reason must be a non-empty str, got {reason!r}")
+        out = self._abort(request_id, reason)
         if out is None:
             raise UnknownRequestError(f"no unfinished request with id {request_id!r}")
         return out
 
-    def _abort(self, request_id: str) -> Optional[RequestOutput]:
+    def _abort(self, request_id: str, cause: str = "abort") -> Optional[RequestOutput]:
         with self._lock:
-            if request_id not in self.scheduler.requests:
+            if not isinstance(request_id, str) or request_id not in self.scheduler.requests:
                 return None
             req = self.scheduler.abort_request(request_id)
-            self._host.pop(request_id, None)
+            req.abort_cause = cause
+            for m in req.group:
+                self._host.pop(m.request_id, None)
             out = self._output(req)
+            self.metrics.record_finished(req, cause)
             self._publish([out])
             return out
 
@@ -278,6 +389,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; returns an output per request that got a token (``generate``'s: final only)."""
         with self._step_lock:
+            t0 = time.perf_counter()
             with self._lock:
                 so = self.scheduler.schedule()
                 if so is None:
@@ -288,30 +400,182 @@ class LLMEngine:
                 self._idle_steps = 0
                 self._apply_memory_ops(so)
                 rows = so.sample_rows
-                to_sample = [so.requests[i] for i in rows]
+                to_sample = so.samplers
                 params = [r.params for r in to_sample]
                 gens = [r.generator for r in to_sample]
+                history = None
+                if any(p.has_penalties for p in params):
+                    history = (
+                        [r.output_token_ids for r in to_sample],
+                        [r.prompt_token_ids for r in to_sample],
+                        [r.stop_ids for r in to_sample],
+                    )
+                plp = self._prompt_logprob_positions(so)
             try:
-                logits = self.model.forward(so.batch, self.kv_caches)
-                if not isinstance(logits, np.ndarray) or logits.shape != (so.batch.num_seqs, self.model.vocab_size):
+                b = so.batch.num_seqs
+                if plp is None:
+                    logits = self.model.forward(so.batch, self.kv_caches)
+                else:
+                    last = so.batch.query_start_loc[1:].astype(np.int64) - 1
+                    idx = np.concatenate([last, plp[1]])
+                    logits = self.model.forward(so.batch, self.kv_caches, logits_indices=idx)
+                want = b if plp is None else b + len(plp[1])
+                if not isinstance(logits, np.ndarray) or logits.shape != (want, self.model.vocab_size):
                     raise ValueError(
                         f"model.forward returned {getattr(logits, 'shape', type(logits))}, expected "
-                        f"({so.batch.num_seqs}, {self.model.vocab_size})"
+                        f"({want}, {self.model.vocab_size})"
                     )
-                if len(rows) < logits.shape[0]:
+                extra = None if plp is None else logits[b:]
+                if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
                     logits = logits[rows]
-                tokens = sample(logits, params, gens) if rows else np.empty(0, np.int64)
+                if rows:
+                    o, pr, st = history if history is not None else (None, None, None)
+                    tokens = sample(logits, params, gens, output_token_ids=o, prompt_token_ids=pr, stop_ids=st)
+                else:
+                    tokens = np.empty(0, np.int64)
+                lp = self._sample_logprobs(params, logits, tokens)
+                prompt_lp = None if plp is None else self._prompt_logprobs(plp, extra)
             except BaseException as e:
                 self._fail_step(so, e)
                 raise
             with self._lock:
                 changed = self.scheduler.update_from_output(so, tokens.tolist())
-                outputs = [self._output(r) for r in changed if not r.final_only or r.status in FINISHED]
+                failed: dict[str, BaseException] = {}
+                if lp is not None or prompt_lp is not None:
+                    self._attach_logprobs(to_sample, lp, prompt_lp, failed)
                 for r in changed:
-                    if r.status in FINISHED:
-                        self._finished_metrics.append((r.metrics.time_to_first_token or 0.0, r.inter_token_latencies()))
+                    if r.params.stop and r.head.request_id not in failed:
+                        try:
+                            self._check_stop_strings(r)
+                        except Exception as e:
+                            failed[r.head.request_id] = e
+                heads: dict[str, Request] = {}
+                for r in changed:
+                    if r.head.request_id not in failed:
+                        heads.setdefault(r.head.request_id, r.head)
+                outputs = [self._output(h) for h in heads.values() if not h.final_only or h.group_finished]
+                for h in heads.values():
+                    if h.group_finished:
+                        self.metrics.record_finished(h)
                 self._publish(outputs)
-                return outputs
+                for rid, e in failed.items():
+                    self._fail_request(rid, e)
+                self._expire_leases()
+            self.metrics.record_step(time.perf_counter() - t0)
+            return outputs
+
+    def _prompt_logprob_positions(
+        self, so: SchedulerOutput
+    ) -> Optional[tuple[list[tuple[Request, int, int]], np.ndarray]]:
+        """For prompt_logprobs requests in the step: ([(request, first position, count)], token indices)."""
+        spans: list[tuple[Request, int, int]] = []
+        idx: list[np.ndarray] = []
+        qsl = so.batch.query_start_loc
+        for i, r in enumerate(so.requests):
+            if r.prompt_logprobs is None:
+                continue
+            q = int(qsl[i + 1] - qsl[i])
+            first = r.num_computed_tokens - q  # position of the step's first token
+            done = len(r.prompt_logprobs) - 1  # positions whose next-token logprob is known
+            lo, hi = max(first, done), min(first + q, r.num_prompt_tokens - 1)
+            if hi > lo:
+                spans.append((r, lo, hi - lo))
+                idx.append(np.arange(int(qsl[i]) + lo - first, int(qsl[i]) + hi - first, dtype=np.int64))
+        if not spans:
+            return None
+        return spans, np.concatenate(idx)
+
+    def _prompt_logprobs(
+        self, plp: tuple[list[tuple[Request, int, int]], np.ndarray], logits: np.ndarray
+    ) -> list[tuple[Request, int, list[tuple[list[int], list[float], list[int]]]]]:
+        spans, _ = plp
+        targets: list[int] = []
+        ks: list[int] = []
+        for r, lo, n in spans:
+            targets += r.prompt_token_ids[lo + 1 : lo + 1 + n]
+            ks += [r.params.prompt_logprobs] * n  # type: ignore[list-item]
+        rows = top_logprobs(logits, np.asarray(targets, np.int64), ks)
+        out, j = [], 0
+        for r, lo, n in spans:
+            out.append((r, lo, rows[j : j + n]))
+            j += n
+        return out
+
+    @staticmethod
+    def _sample_logprobs(
+        params: list[SamplingParams], logits: np.ndarray, tokens: np.ndarray
+    ) -> Optional[dict[int, tuple[list[int], list[float], list[int]]]]:
+        """Top-k logprobs (raw distribution) of the sampled tokens, keyed by sample row."""
+        sel = [j for j, p in enumerate(params) if p.logprobs is not None]
+        if not sel:
+            return None
+        rows = top_logprobs(logits[sel], tokens[sel], [params[j].logprobs for j in sel])  # type: ignore[misc]
+        return dict(zip(sel, rows))
+
+    def _attach_logprobs(
+        self,
+        samplers: list[Request],
+        lp: Optional[dict[int, tuple[list[int], list[float], list[int]]]],
+        prompt_lp: Optional[list[tuple[Request, int, list[tuple[list[int], list[float], list[int]]]]]],
+        failed: dict[str, BaseException],
+    ) -> None:
+        """Append this step's logprob dicts to the requests that got them (decoding each token once)."""
+        for j, row in (lp or {}).items():
+            r = samplers[j]
+            if r.logprobs is None or len(r.logprobs) != len(r.output_token_ids) - 1:
+                continue  # aborted (or the fork did not happen) since the step was scheduled
+            try:
+                r.logprobs.append(self._logprob_dict(row))
+            except Exception as e:
+                failed.setdefault(r.head.request_id, e)
+        for r, lo, rows in prompt_lp or ():
+            if r.finished or len(r.prompt_logprobs) != lo + 1:  # type: ignore[arg-type]
+                continue
+            try:
+                r.prompt_logprobs += [self._logprob_dict(row) for row in rows]  # type: ignore[operator]
+            except Exception as e:
+                failed.setdefault(r.head.request_id, e)
+
+    def _logprob_dict(self, row: tuple[list[int], list[float], list[int]]) -> dict[int, Logprob]:
+        dec = None if self.tokenizer is None else self.tokenizer.decode
+        return {t: Logprob(lp, rank, None if dec is None else dec([t])) for t, lp, rank in zip(*row)}
+
+    def _check_stop_strings(self, r: Request) -> None:
+        """Finish ``r`` if its output text contains a stop string (after min_tokens); cut the text there."""
+        if self.tokenizer is None or r.status not in (RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH):
+            return
+        if len(r.output_token_ids) < r.params.min_tokens:
+            return
+        text = self.tokenizer.decode(r.output_token_ids)
+        hits = [(i, s) for s in r.params.stop if (i := text.find(s)) >= 0]
+        if not hits:
+            return
+        i, stop = min(hits)
+        r.stop_text = text[: i + len(stop)] if r.params.include_stop_str_in_output else text[:i]
+        r.stop_reason = stop
+        self.scheduler.finish_request(r, RequestStatus.FINISHED_STOPPED)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        """One request's own post-processing failed: abort it (cause "error") and hand its stream the error."""
+        stream = self._streams.pop(request_id, None)
+        self._abort(request_id, "error")
+        if stream is not None:
+            stream._put(error)
+
+    def _expire_leases(self) -> None:
+        """Abort requests whose stream buffer has been full for longer than ``stream_idle_timeout``."""
+        now = self._clock()
+        for rid, st in list(self._streams.items()):
+            since = st.full_since
+            if since is not None and now - since >= self.stream_idle_timeout and not st.finished:
+                del self._streams[rid]
+                self._abort(rid, "lease_expired")
+                st._expire(
+                    StreamLeaseExpiredError(
+                        f"request {rid!r} aborted: its stream buffer of {st.maxlen} outputs stayed full for "
+                        f"{self.stream_idle_timeout} s without a read"
+                    )
+                )
 
     def _apply_memory_ops(self, so: SchedulerOutput) -> None:
         """Swap-out, then swap-in, then copy-on-write copies, in every layer (before the forward)."""
@@ -336,9 +600,10 @@ class LLMEngine:
         with self._lock:
             self._handled_error = error
             for r in so.requests:
-                if r.request_id in self.scheduler.requests:
-                    stream = self._streams.pop(r.request_id, None)
-                    self._abort(r.request_id)
+                rid = r.head.request_id
+                if rid in self.scheduler.requests:
+                    stream = self._streams.pop(rid, None)
+                    self._abort(rid, "error")
                     if stream is not None:
                         stream._put(error)
             self.kv_manager.reset_prefix_cache()
@@ -348,7 +613,7 @@ class LLMEngine:
         with self._lock:
             for rid in list(self.scheduler.requests):
                 stream = self._streams.pop(rid, None)
-                self._abort(rid)
+                self._abort(rid, "error")
                 if stream is not None:
                     stream._put(error)
 
@@ -377,6 +642,8 @@ class LLMEngine:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(plist_in)
         if len(plist) != len(plist_in):
             raise ValueError(f"{len(plist_in)} prompts but {len(plist)} SamplingParams")
+        for p, sp in zip(plist_in, plist):  # every prompt is checked before any is queued
+            self._check(None, p, sp, None, None)
         with self._lock:
             streams = []
             try:
@@ -464,7 +731,7 @@ class LLMEngine:
         if abort:
             with self._lock:
                 for rid in list(self.scheduler.requests):
-                    self._abort(rid)
+                    self._abort(rid, "shutdown")
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -474,15 +741,18 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
-        """Scheduler and KV stats plus TTFT / inter-token latency over finished requests (seconds)."""
+        """Scheduler and KV stats, running counters, and latencies (seconds; bounded, see ``metrics``).
+
+        Means cover every finished request (histogram sums), medians the last ``metrics.recent_*``
+        window. ``prefix_cache_queries`` / ``prefix_cache_hits`` count prompt tokens.
+        """
         with self._lock:
             s = self.scheduler.stats()
-            ttft = [m[0] for m in self._finished_metrics]
-            itl = [x for m in self._finished_metrics for x in m[1]]
-            s["num_finished"] = len(ttft)
-            s["mean_ttft_s"] = statistics.fmean(ttft) if ttft else None
-            s["mean_itl_s"] = statistics.fmean(itl) if itl else None
-            s["p50_itl_s"] = statistics.median(itl) if itl else None
+            kv = self.kv_manager.stats()
+            s["prefix_cache_queries"] = int(kv.get("prefix_query_tokens", 0))
+            s["prefix_cache_hits"] = int(kv.get("prefix_hit_tokens", 0))
+            s["kv_block_evictions"] = int(kv.get("evictions", 0))
+            s.update(self.metrics.summary())
             s["backend"] = self.backend
             s["kernels"] = kernels.kernel_source()
             return s

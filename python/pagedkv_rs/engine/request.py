@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -21,9 +22,14 @@ __all__ = [
     "RequestMetrics",
     "InvalidRequestError",
     "UnknownRequestError",
+    "StreamLeaseExpiredError",
+    "Logprob",
+    "MAX_LOGPROBS",
 ]
 
 MAX_TOKEN_ID = (1 << 32) - 1
+MAX_LOGPROBS = 20  # top-k logprobs per token (OpenAI's top_logprobs bound, vLLM's max_logprobs default)
+MAX_N = 128  # completions per prompt
 
 
 class InvalidRequestError(PagedKVError, ValueError):
@@ -32,6 +38,10 @@ class InvalidRequestError(PagedKVError, ValueError):
 
 class UnknownRequestError(PagedKVError, LookupError):
     """No unfinished request has this id."""
+
+
+class StreamLeaseExpiredError(PagedKVError, TimeoutError):
+    """A stream's reader left its output buffer full past the engine's idle timeout: the request was aborted."""
 
 
 def _int(name: str, value: object, lo: int, hi: Optional[int] = None) -> int:
@@ -44,21 +54,62 @@ def _int(name: str, value: object, lo: int, hi: Optional[int] = None) -> int:
     return v
 
 
-def _float(name: str, value: object) -> float:
+def _float(name: str, value: object, lo: float = -math.inf, hi: float = math.inf) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__}")
     v = float(value)
     if not math.isfinite(v):
         raise ValueError(f"SamplingParams.{name} must be finite, got {v}")
+    if not lo <= v <= hi:
+        raise ValueError(f"SamplingParams.{name} must be in [{lo}, {hi}], got {v}")
     return v
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"SamplingParams.{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if isinstance(items, bytes) or not hasattr(items, "__iter__"):
+        raise TypeError(f"SamplingParams.stop must be a str or a list of str, got {type(value).__name__}")
+    out = []
+    for x in items:  # type: ignore[union-attr]
+        if not isinstance(x, str):
+            raise TypeError(f"SamplingParams.stop must be a str or a list of str, got an item {type(x).__name__}")
+        if not x:
+            raise ValueError("SamplingParams.stop strings must be non-empty")
+        out.append(x)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token under the model's raw distribution; ``rank`` 1 = the most likely."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request; validated on construction.
 
-    temperature 0 means greedy. top_k 0 (or -1) and top_p 1.0 disable those filters.
+    temperature 0 means greedy. top_k 0 (or -1), top_p 1.0 and min_p 0 disable those filters.
     A lower ``priority`` value is served earlier under the "priority" policy (as in vLLM).
+
+    The rest follow vLLM: ``n`` completions of the prompt (its KV blocks shared through ``fork``);
+    ``stop`` strings matched on the detokenized output across token boundaries (cut from the text
+    unless ``include_stop_str_in_output``); ``logprobs`` / ``prompt_logprobs`` = k top tokens'
+    log-probabilities (raw model distribution) per output / prompt token, plus the chosen token's;
+    ``repetition_penalty`` (> 0, 1 = off; over prompt and output), ``presence_penalty`` and
+    ``frequency_penalty`` (in [-2, 2], 0 = off; over the output); ``min_tokens`` masks EOS and stop
+    tokens (and ignores stop strings) until that many tokens were generated.
     """
 
     max_tokens: int = 16
@@ -69,6 +120,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     priority: int = 0
+    n: int = 1
+    stop: Union[str, Sequence[str], None] = None
+    include_stop_str_in_output: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -92,10 +153,38 @@ class SamplingParams:
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
         s(self, "ignore_eos", bool(self.ignore_eos))
         s(self, "priority", _int("priority", self.priority, -(1 << 63), (1 << 63) - 1))
+        s(self, "n", _int("n", self.n, 1, MAX_N))
+        s(self, "stop", _stop_strings(self.stop))
+        s(self, "include_stop_str_in_output", _bool("include_stop_str_in_output", self.include_stop_str_in_output))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                s(self, name, _int(name, getattr(self, name), 0, MAX_LOGPROBS))
+        s(self, "presence_penalty", _float("presence_penalty", self.presence_penalty, -2.0, 2.0))
+        s(self, "frequency_penalty", _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
+        r = _float("repetition_penalty", self.repetition_penalty)
+        if r <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0 (1 = off), got {r}")
+        s(self, "repetition_penalty", r)
+        s(self, "min_p", _float("min_p", self.min_p, 0.0, 1.0))
+        s(self, "min_tokens", _int("min_tokens", self.min_tokens, 0))
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits are changed before the argmax / draw (penalties or a min_tokens mask)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
 
 
 class RequestStatus(enum.Enum):
@@ -158,7 +247,8 @@ class Request:
         "request_id", "prompt_token_ids", "params", "cache_salt", "prompt", "status", "output_token_ids",
         "all_token_ids", "num_computed_tokens", "num_kv_tokens", "num_cached_tokens", "seq_id", "metrics",
         "token_times", "generator", "swapped_computed", "num_sent", "_order", "stop_ids", "max_output",
-        "final_only",
+        "final_only", "index", "head", "group", "pending_forks", "kv_salt", "stop_reason", "stop_text",
+        "logprobs", "prompt_logprobs", "abort_cause",
     )  # fmt: skip
 
     def __init__(
@@ -193,6 +283,19 @@ class Request:
         self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)  # the scheduler adds eos ids
         self.max_output = params.max_tokens  # the scheduler caps it by the context limit
         self.final_only = False  # the engine reports only the final output (as vLLM's generate does)
+        # n > 1: the head (index 0, the id users see) holds the group; the others fork its prompt's blocks
+        self.index = 0
+        self.head: Request = self
+        self.group: tuple[Request, ...] = (self,)
+        self.pending_forks: list[Request] = []  # completions not yet forked (the head's prompt still runs)
+        self.kv_salt = cache_salt  # the salt the KV manager sees (unique for prompt_logprobs: no prefix hits)
+        self.stop_reason: Union[str, int, None] = None  # the stop string or stop token id that finished it
+        self.stop_text: Optional[str] = None  # output text once a stop string finished it
+        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
+        self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.abort_cause: Optional[str] = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -210,6 +313,10 @@ class Request:
     def finish_reason(self) -> Optional[str]:
         return self.status.finish_reason
 
+    @property
+    def group_finished(self) -> bool:
+        return all(m.status in FINISHED for m in self.group)
+
     def inter_token_latencies(self) -> list[float]:
         """Gaps between consecutive output tokens (seconds)."""
         return self.metrics.inter_token_latencies()
@@ -225,9 +332,17 @@ class CompletionOutput:
     """One generated continuation (vLLM's ``CompletionOutput``); token_ids are cumulative.
 
     ``text`` is decoded on first access (``detokenize``), so steps nobody reads cost no decoding.
+
+    ``stop_reason`` is the stop string or stop token id that finished it (None for EOS / length);
+    ``logprobs`` (when asked for) holds one ``{token_id: Logprob}`` per output token: the top-k and
+    the sampled token. While a request with stop strings runs, ``text`` holds back the last
+    ``max(len(stop)) - 1`` characters (they may begin a stop string), as vLLM does.
     """
 
-    __slots__ = ("index", "token_ids", "finish_reason", "_text", "_detokenize")
+    __slots__ = (
+        "index", "token_ids", "finish_reason", "_text", "_detokenize", "stop_reason", "logprobs", "new_token_ids",
+        "_hold_back",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -236,18 +351,33 @@ class CompletionOutput:
         token_ids: list[int],
         finish_reason: Optional[str] = None,
         detokenize: Optional[Callable[[list[int]], str]] = None,
+        stop_reason: Union[str, int, None] = None,
+        logprobs: Optional[list[dict[int, Logprob]]] = None,
+        new_token_ids: Optional[list[int]] = None,
+        hold_back: int = 0,
     ) -> None:
         self.index = index
         self.token_ids = token_ids
         self.finish_reason = finish_reason
         self._text = text
         self._detokenize = detokenize
+        self.stop_reason = stop_reason
+        self.logprobs = logprobs
+        self.new_token_ids = [] if new_token_ids is None else new_token_ids
+        self._hold_back = hold_back
 
     @property
     def text(self) -> Optional[str]:
         if self._text is None and self._detokenize is not None:
-            self._text = self._detokenize(self.token_ids)
+            t = self._detokenize(self.token_ids)
+            self._text = t[: max(0, len(t) - self._hold_back)] if self._hold_back else t
         return self._text
+
+    @property
+    def cumulative_logprob(self) -> Optional[float]:
+        if self.logprobs is None:
+            return None
+        return float(sum(d[t].logprob for d, t in zip(self.logprobs, self.token_ids)))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CompletionOutput):
@@ -259,7 +389,7 @@ class CompletionOutput:
     def __repr__(self) -> str:
         return (
             f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
-            f"finish_reason={self.finish_reason!r})"
+            f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})"
         )
 
 
@@ -267,7 +397,9 @@ class CompletionOutput:
 class RequestOutput:
     """What a step (or a stream) reports for one request, shaped like vLLM's ``RequestOutput``.
 
-    ``outputs[0].token_ids`` holds every output token so far; ``new_token_ids`` only this update's.
+    ``outputs[0].token_ids`` holds every output token so far; ``new_token_ids`` only this update's
+    (each ``CompletionOutput`` of an ``n > 1`` request has its own ``new_token_ids``).
+    ``prompt_logprobs`` (when asked for): None for the first prompt token, then ``{token_id: Logprob}``.
     """
 
     request_id: str
@@ -278,6 +410,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -293,17 +426,28 @@ class RequestOutput:
 
     @classmethod
     def from_request(cls, req: Request, detokenize: Optional[Callable[[list[int]], str]] = None) -> RequestOutput:
-        """Snapshot of ``req``; the delta covers tokens not yet reported (and marks them reported)."""
-        new = req.output_token_ids[req.num_sent :]
-        req.num_sent = len(req.output_token_ids)
-        out = CompletionOutput(0, None, list(req.output_token_ids), req.finish_reason, detokenize)
+        """Snapshot of ``req``'s group (one output per completion); deltas cover tokens not yet reported."""
+        head = req.head
+        hold = max(map(len, head.params.stop), default=1) - 1
+        outs = []
+        for m in head.group:
+            new = m.output_token_ids[m.num_sent :]
+            m.num_sent = len(m.output_token_ids)
+            lps = None if m.logprobs is None else list(m.logprobs)
+            outs.append(
+                CompletionOutput(
+                    m.index, m.stop_text, list(m.output_token_ids), m.finish_reason, detokenize, m.stop_reason, lps,
+                    new, 0 if m.finished else hold,
+                )
+            )  # fmt: skip
         return cls(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[out],
-            finished=req.finished,
-            new_token_ids=new,
-            num_cached_tokens=req.num_cached_tokens or 0,
-            metrics=req.metrics,
+            request_id=head.request_id,
+            prompt=head.prompt,
+            prompt_token_ids=head.prompt_token_ids,
+            outputs=outs,
+            finished=head.group_finished,
+            new_token_ids=outs[0].new_token_ids,
+            num_cached_tokens=head.num_cached_tokens or 0,
+            metrics=head.metrics,
+            prompt_logprobs=None if head.prompt_logprobs is None else list(head.prompt_logprobs),
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -27,6 +28,7 @@ from typing import Any, Optional
 
 from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.engine.request import (
+    MAX_TOKEN_ID,
     InvalidRequestError,
     Request,
     RequestStatus,
@@ -39,6 +41,8 @@ __all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SwapOut", "SwapIn
 
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
+MAX_REQUEST_ID_LEN = 1024
+MAX_CACHE_SALT_LEN = 1024
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,10 @@ class SchedulerOutput:
     requests: list[Request]  # batch order
     num_scheduled_tokens: list[int]
     sample_rows: list[int] = field(default_factory=list)  # rows whose request has all its KV: sample these
+    # the request each sample_rows entry samples for: requests[row], or (a row listed n times) the
+    # completions of an n > 1 request whose prompt finishes this step, forked from it in update_from_output
+    samplers: list[Request] = field(default_factory=list)
+    forks: list[tuple[Request, Request]] = field(default_factory=list)  # (head, completion) to fork
     seq_ids: list[int] = field(default_factory=list)  # the requests' KV-manager sequence ids
     batch: BatchInputs = None  # type: ignore[assignment]  # set once the step's requests are chosen
     copy_pairs: list[tuple[int, int]] = field(default_factory=list)
@@ -169,8 +177,10 @@ class Scheduler:
         *,
         eos_token_ids: Sequence[int] = (),
         max_model_len: Optional[int] = None,
+        vocab_size: Optional[int] = None,
     ) -> None:
         self.kv = kv_manager
+        self.vocab_size = MAX_TOKEN_ID + 1 if vocab_size is None else int(vocab_size)
         self.config = config or SchedulerConfig()
         self.block_size = int(kv_manager.block_size)
         limits = [int(kv_manager.max_seq_len)]
@@ -200,21 +210,81 @@ class Scheduler:
         cache_salt: Any = None,
         prompt: Optional[str] = None,
     ) -> Request:
-        """Validate and queue a request; raises ``InvalidRequestError`` if it could never run."""
+        """Validate and queue a request; raises ``InvalidRequestError`` / ``TypeError`` naming the field.
+
+        Nothing changes on rejection. ``params.n > 1`` queues one request (the head, ``request_id``)
+        whose other completions fork its prompt's blocks once the prompt is computed.
+        """
+        if request_id is None:
+            raise TypeError("request_id must be a str, got NoneType")
+        params, toks = self.check_request(request_id, prompt_token_ids, params, arrival_time, cache_salt, prompt)
+        req = self._new_request(request_id, toks, params, arrival_time, cache_salt, prompt)
+        if params.n > 1:
+            req.group = (req,) + tuple(
+                self._new_request(f"{request_id}\x00{i}", toks, params, req.metrics.arrival_time, cache_salt, prompt)
+                for i in range(1, params.n)
+            )
+            for i, m in enumerate(req.group):
+                m.index, m.head = i, req
+            req.pending_forks = list(req.group[1:])
+        self.requests[request_id] = req
+        self.waiting.push(req)
+        return req
+
+    def check_request(
+        self,
+        request_id: object,
+        prompt_token_ids: object,
+        params: object = None,
+        arrival_time: object = None,
+        cache_salt: object = None,
+        prompt: object = None,
+    ) -> tuple[SamplingParams, list[int]]:
+        """Every submission check (no state changes); returns the params and the prompt as a list of ints.
+
+        ``request_id=None`` skips the id checks (for a caller that makes a fresh id).
+        """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use by an unfinished request")
-        if isinstance(prompt_token_ids, (str, bytes)):
-            raise TypeError("prompt_token_ids must be a sequence of ints (pass text to an engine with a tokenizer)")
+        if request_id is not None:  # None: the caller makes a fresh id later
+            if not isinstance(request_id, str):
+                raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+            if not request_id or len(request_id) > MAX_REQUEST_ID_LEN or "\x00" in request_id:
+                raise InvalidRequestError(
+                    f"request_id must be 1 to {MAX_REQUEST_ID_LEN} characters without NUL, got {request_id[:64]!r}"
+                )
+            if request_id in self.requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use by an unfinished request")
+        if cache_salt is not None:
+            if not isinstance(cache_salt, (str, bytes)):
+                raise TypeError(f"cache_salt must be a str, bytes or None, got {type(cache_salt).__name__}")
+            if len(cache_salt) > MAX_CACHE_SALT_LEN:
+                raise InvalidRequestError(f"cache_salt is longer than {MAX_CACHE_SALT_LEN} characters")
+        if arrival_time is not None:
+            if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)):
+                raise TypeError(f"arrival_time must be a float (time.monotonic()), got {type(arrival_time).__name__}")
+            if not math.isfinite(arrival_time):
+                raise InvalidRequestError(f"arrival_time must be finite, got {arrival_time}")
+        if prompt is not None and not isinstance(prompt, str):
+            raise TypeError(f"prompt text must be a str, got {type(prompt).__name__}")
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+            raise TypeError(
+                f"prompt_token_ids must be a sequence of ints (pass text to an engine with a tokenizer), "
+                f"got {type(prompt_token_ids).__name__}"
+            )
         toks = []
-        for t in prompt_token_ids:
-            if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= t.__index__() < (1 << 32):
-                raise InvalidRequestError(f"request {request_id!r}: bad prompt token id {t!r}")
-            toks.append(int(t.__index__()))
+        vocab = self.vocab_size
+        for t in prompt_token_ids:  # type: ignore[attr-defined]
+            if isinstance(t, bool) or not hasattr(t, "__index__"):
+                raise TypeError(f"request {request_id!r}: prompt token ids must be ints, got {type(t).__name__}")
+            v = int(t.__index__())
+            if not 0 <= v < vocab:
+                raise InvalidRequestError(
+                    f"request {request_id!r}: prompt token id {v} at position {len(toks)} is outside the "
+                    f"vocabulary [0, {vocab})"
+                )
+            toks.append(v)
         if not toks:
             raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
         if len(toks) > self.max_model_len:
@@ -222,6 +292,11 @@ class Scheduler:
                 f"request {request_id!r}: prompt of {len(toks)} tokens exceeds max_model_len={self.max_model_len}"
                 f" (model context, config and KV pool of {self.kv.num_blocks} blocks x {self.block_size})"
             )
+        return params, toks
+
+    def _new_request(
+        self, request_id: str, toks: list[int], params: SamplingParams, arrival_time: Any, cache_salt: Any, prompt: Any
+    ) -> Request:
         req = Request(
             request_id,
             toks,
@@ -232,26 +307,45 @@ class Scheduler:
             prompt=prompt,
         )
         req._order = next(self._order)
+        if params.prompt_logprobs is not None:  # its own salt: every prompt position is computed, none hit
+            tag = f"\x00prompt_logprobs:{req.seq_id}"
+            req.kv_salt = cache_salt + tag.encode() if isinstance(cache_salt, bytes) else (cache_salt or "") + tag
         if not params.ignore_eos:
             req.stop_ids = req.stop_ids | self.eos_token_ids
         req.max_output = min(params.max_tokens, self.max_model_len - len(toks))
-        self.requests[request_id] = req
-        self.waiting.push(req)
         return req
 
     def abort_request(self, request_id: str) -> Request:
-        """Finish a request at any status, freeing its blocks now; raises ``UnknownRequestError``."""
-        req = self.requests.get(request_id)
-        if req is None:
+        """Finish a request (every unfinished completion of it) at any status, freeing its blocks now.
+
+        Raises ``UnknownRequestError``; returns the request (the head of an ``n > 1`` group).
+        """
+        head = self.requests.get(request_id)
+        if head is None:
             raise UnknownRequestError(f"no unfinished request with id {request_id!r}")
+        pending = head.pending_forks
+        head.pending_forks = []
+        for m in pending:  # never queued: nothing to free
+            m.status = RequestStatus.FINISHED_ABORTED
+            m.metrics.finished_time = time.monotonic()
+        for req in head.group:
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif req.status is RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+            elif req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
+            else:
+                continue
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return head
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Finish one running or just-finished completion (a stop string matched after the update)."""
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req.status is RequestStatus.SWAPPED:
-            self.swapped.remove(req)
-        else:
-            self.waiting.remove(req)
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return req
+            self._stop(req, status)
+        elif req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            req.status = status
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -269,7 +363,9 @@ class Scheduler:
             self.swap_blocks_used -= self._blocks(req.swapped_computed)
         req.status = status
         req.metrics.finished_time = time.monotonic()
-        del self.requests[req.request_id]
+        head = req.head
+        if head.group_finished and not head.pending_forks:
+            del self.requests[head.request_id]
 
     def _blocks(self, n: int) -> int:
         return -(-n // self.block_size)
@@ -286,6 +382,20 @@ class Scheduler:
             return None
         out.batch = self.kv.prepare_batch(out.seq_ids, out.num_scheduled_tokens)
         self.num_steps += 1
+        reqs = out.requests
+        out.samplers = [reqs[i] for i in out.sample_rows]
+        if any(r.pending_forks for r in out.samplers):
+            rows: list[int] = []
+            samplers: list[Request] = []
+            for i in out.sample_rows:
+                r = reqs[i]
+                rows.append(i)
+                samplers.append(r)
+                for c in r.pending_forks:
+                    rows.append(i)
+                    samplers.append(c)
+                    out.forks.append((r, c))
+            out.sample_rows, out.samplers = rows, samplers
         return out
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int) -> None:
@@ -421,10 +531,10 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             kv_toks = req.all_token_ids[: req.num_kv_tokens]
-            if self.kv.blocks_needed(kv_toks, req.cache_salt) > self._admission_room():
+            if self.kv.blocks_needed(kv_toks, req.kv_salt) > self._admission_room():
                 break
             self.swapped.popleft()
-            cached = self.kv.allocate(req.seq_id, kv_toks, req.cache_salt)
+            cached = self.kv.allocate(req.seq_id, kv_toks, req.kv_salt)
             first = self._blocks(cached) if cached < req.swapped_computed else self._blocks(req.swapped_computed)
             table = self.kv.block_table(req.seq_id)
             out.swap_in.append(SwapIn(req.request_id, first, table[first : self._blocks(req.swapped_computed)]))
@@ -458,12 +568,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             toks = req.all_token_ids
-            if self.kv.blocks_needed(toks, req.cache_salt) > self._admission_room():
+            if self.kv.blocks_needed(toks, req.kv_salt) > self._admission_room():
                 break
             if not chunked and out.requests and len(toks) > budget:
                 break  # a whole prompt must fit the rest of this step; alone it may exceed the budget
             self.waiting.pop()
-            cached = self.kv.allocate(req.seq_id, toks, req.cache_salt)
+            cached = self.kv.allocate(req.seq_id, toks, req.kv_salt)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = cached
             req.num_kv_tokens = len(toks)
@@ -486,12 +596,14 @@ class Scheduler:
         if len(sampled) != len(rows):
             raise ValueError(f"{len(rows)} rows to sample but {len(sampled)} tokens")
         now = time.monotonic()
-        reqs = out.requests
         running = RequestStatus.RUNNING
+        for head, child in out.forks:  # before any token: a head that stops at once must still be forkable
+            if head.status is running and child in head.pending_forks:
+                self._fork(head, child)
+        samplers = out.samplers if len(out.samplers) == len(rows) else [out.requests[i] for i in rows]
         changed: list[Request] = []
         add = changed.append
-        for row, tok in zip(rows, sampled):
-            req = reqs[row]
+        for req, tok in zip(samplers, sampled):
             if req.status is not running:
                 continue
             outs = req.output_token_ids
@@ -499,11 +611,24 @@ class Scheduler:
             req.all_token_ids.append(tok)
             req.token_times.append(now)
             add(req)
-            if tok in req.stop_ids:
+            if tok in req.stop_ids and len(outs) > req.params.min_tokens:
+                if tok in req.params.stop_token_ids:
+                    req.stop_reason = tok
                 self._stop(req, RequestStatus.FINISHED_STOPPED)
             elif len(outs) >= req.max_output:
                 self._stop(req, RequestStatus.FINISHED_LENGTH)
         return changed
+
+    def _fork(self, head: Request, child: Request) -> None:
+        """Start a completion of ``head``'s group on the head's computed prompt blocks (shared, copy-on-write)."""
+        head.pending_forks.remove(child)
+        self.kv.fork(head.seq_id, child.seq_id)
+        child.num_kv_tokens = head.num_kv_tokens
+        child.num_computed_tokens = head.num_computed_tokens
+        child.num_cached_tokens = head.num_cached_tokens
+        child.metrics.first_scheduled_time = head.metrics.first_scheduled_time
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
 
     def _stop(self, req: Request, status: RequestStatus) -> None:
         self.running.remove(req)

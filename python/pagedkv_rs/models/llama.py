@@ -261,13 +261,21 @@ class LlamaModel:
         itemsize = np.dtype(_np_dtype(dtype)).itemsize
         return 2 * self.num_layers * self.num_kv_heads * block_size * self.head_dim * itemsize
 
-    def forward(self, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        """Float32 logits ``[B, V]`` for each sequence's last scheduled token of this step."""
+    def forward(
+        self,
+        batch: BatchInputs,
+        kv_caches: list[tuple[np.ndarray, np.ndarray]],
+        logits_indices: Optional[np.ndarray] = None,
+    ) -> np.ndarray:
+        """Float32 logits ``[B, V]`` for each sequence's last scheduled token of this step.
+
+        ``logits_indices`` (int [N], into the step's T tokens): logits ``[N, V]`` of those tokens instead.
+        """
         qsl = np.asarray(batch.query_start_loc, np.int64)
         if np.any(qsl[1:] <= qsl[:-1]):
             raise ValueError("every sequence in a forward batch needs at least one scheduled token")
         hidden = self.forward_hidden(batch, kv_caches)
-        last = hidden[qsl[1:] - 1]  # [B, H]
+        last = hidden[qsl[1:] - 1 if logits_indices is None else np.asarray(logits_indices, np.int64)]  # [B, H]
         w = self.weights
         return linear(rms_norm(last, w.final_norm, self.config.rms_eps), w.lm_head)
 

@@ -8,6 +8,8 @@ recompute after preemption all give the same greedy tokens); q/k/v enter the ker
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from pagedkv_rs import kernels
@@ -78,8 +80,13 @@ class TinyModel:
         x1, x2 = x[..., : self.head_dim // 2], x[..., self.head_dim // 2 :]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    def forward(self, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        """Logits float32 [num_seqs, vocab] of each sequence's last scheduled token."""
+    def forward(
+        self,
+        batch: BatchInputs,
+        kv_caches: list[tuple[np.ndarray, np.ndarray]],
+        logits_indices: Optional[np.ndarray] = None,
+    ) -> np.ndarray:
+        """Logits float32 [num_seqs, vocab] of each sequence's last scheduled token (or of ``logits_indices``)."""
         t = batch.num_tokens
         x = self.embed[batch.input_ids]  # [T, H]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -99,6 +106,6 @@ class TinyModel:
             hn = _rms_norm(x, layer["mlp_norm"])
             g = hn @ layer["w_gate"]
             x = x + (g / (1.0 + np.exp(-g)) * (hn @ layer["w_up"])) @ layer["w_down"]
-        last = batch.query_start_loc[1:].astype(np.int64) - 1  # [B]
+        last = batch.query_start_loc[1:].astype(np.int64) - 1 if logits_indices is None else logits_indices  # [B]
         logits = _rms_norm(x[last], self.final_norm) @ self.lm_head
         return logits.astype(np.float32)

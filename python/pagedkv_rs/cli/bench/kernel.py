@@ -191,7 +191,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     bw = pk.memory_bandwidth(1 << (28 if args.quick else 30), threads)
     fma = pk.fma_peak(0.2, threads)
     print(
-        f"kernel {info['active_isa']}, {threads} threads, block_size {args.block_size}; memory read bandwidth {bw:.1f} GB/s, "
+        f"kernel {info['active_isa']}, {threads} threads, block_size {args.block_size}; "
+        f"memory read bandwidth {bw:.1f} GB/s, "
         f"FMA peak {fma:.0f} GFLOP/s (both measured now)"
     )
     hdr = (
