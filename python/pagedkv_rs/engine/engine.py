@@ -453,10 +453,13 @@ class LLMEngine:
                 for r in changed:
                     if r.head.request_id not in failed:
                         heads.setdefault(r.head.request_id, r.head)
-                outputs = [self._output(h) for h in heads.values() if not h.final_only or h.group_finished]
+                outputs = []
                 for h in heads.values():
-                    if h.group_finished:
+                    done = h.group_finished
+                    if done:
                         self.metrics.record_finished(h)
+                    if done or not h.final_only:
+                        outputs.append(self._output(h))
                 self._publish(outputs)
                 for rid, e in failed.items():
                     self._fail_request(rid, e)

@@ -94,7 +94,8 @@ class EngineMetrics:
 
     @property
     def num_finished(self) -> int:
-        return sum(self.finished_by_reason.values())
+        """Requests that finished by stop or length (aborted ones are in ``finished_by_reason["abort"]``)."""
+        return sum(n for reason, n in self.finished_by_reason.items() if reason != "abort")
 
     def record_abort(self, cause: str) -> None:
         """Count an abort (or a request rejected before it reached the engine) under ``cause``."""

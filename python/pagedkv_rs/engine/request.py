@@ -315,6 +315,8 @@ class Request:
 
     @property
     def group_finished(self) -> bool:
+        if len(self.group) == 1:
+            return self.status in FINISHED
         return all(m.status in FINISHED for m in self.group)
 
     def inter_token_latencies(self) -> list[float]:
