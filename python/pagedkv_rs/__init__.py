@@ -89,23 +89,27 @@ if _core is not None:  # the kernel functions exist only in the compiled core
         build_profile,
         copy_blocks,
         fma_peak,
+        get_isa,
         get_num_threads,
         kernel_info,
         memory_bandwidth,
         new_kv_cache,
         paged_attention,
         rms_norm,
-        set_kernel_backend,
+        set_isa,
         set_num_threads,
         silu_and_mul,
         write_kv,
     )
+    from pagedkv_rs.kernels import set_kernel_backend  # deprecated spelling of set_isa
 
     __all__ += [
         "new_kv_cache",
         "write_kv",
         "copy_blocks",
         "paged_attention",
+        "set_isa",
+        "get_isa",
         "set_kernel_backend",
         "kernel_info",
         "set_num_threads",

@@ -6,7 +6,7 @@ come from the compiled core when it is built, else from the float64 numpy refere
 
 The kernel source is read once at import from ``PAGEDKV_KERNEL=auto|rust|reference`` (``auto``: Rust
 when built) and switched at run time with ``set_kernel_source``; ``kernel_source()`` says which is in
-use. The ISA the Rust kernels run is a separate switch (``set_kernel_backend``). The old values
+use. The ISA the Rust kernels run is a separate switch (``PAGEDKV_ISA``, ``pagedkv_rs.set_isa``). The old values
 ``PAGEDKV_KERNEL=scalar|avx2|avx512|neon`` name an ISA: for one release they still mean kernel source
 ``rust`` (the Rust core reads the ISA from them) and warn.
 """
@@ -33,6 +33,7 @@ __all__ = [
     "set_kernel_source",
     "KERNEL_SOURCES",
     "reference",
+    "set_kernel_backend",
 ]
 
 KERNEL_SOURCES = ("auto", "rust", "reference")
@@ -52,6 +53,19 @@ def set_kernel_source(name: str) -> None:
     if name == "rust" and _core is None:
         raise ImportError("kernel source 'rust' but the compiled core pagedkv_rs._core is not built")
     _impl = reference if name == "reference" or _core is None else _core
+
+
+def set_kernel_backend(name: str) -> None:
+    """Deprecated spelling of ``pagedkv_rs.set_isa`` (the Rust kernels' ISA): warns, then sets the ISA."""
+    warnings.warn(
+        "set_kernel_backend is deprecated: use pagedkv_rs.set_isa (the ISA) or "
+        "pagedkv_rs.kernels.set_kernel_source (rust or reference)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    if _core is None:
+        raise ImportError("set_kernel_backend needs the compiled core pagedkv_rs._core")
+    _core.set_isa(name)
 
 
 def kernel_source() -> str:
