@@ -28,13 +28,18 @@ from pagedkv_rs.serve import Server, build_app
 
 
 @contextlib.contextmanager
-def running(app: Any) -> Iterator[tuple[str, Server]]:
-    """Serve ``app`` on a free 127.0.0.1 port in a background thread; yields (base URL, server)."""
+def running(app: Any, grace: float = 5.0, sndbuf: int = 0) -> Iterator[tuple[str, Server]]:
+    """Serve ``app`` on a free 127.0.0.1 port in a background thread; yields (base URL, server).
+
+    ``sndbuf``: a fixed kernel send buffer for the accepted connections (they inherit it).
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if sndbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    srv = Server(app, log_level="warning", grace=5.0)
+    srv = Server(app, log_level="warning", grace=grace)
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     deadline = time.monotonic() + 30
@@ -69,6 +74,24 @@ def tiny_model(llm: LLM) -> TinyModel:
     return TinyModel(vocab_size=llm.tokenizer.vocab_size, max_model_len=1024, eos_token_ids=(2,))
 
 
+class SlowModel:
+    """The tiny model with a fixed sleep in every forward: engine steps long enough to count."""
+
+    def __init__(self, model: TinyModel, seconds: float) -> None:
+        self._m, self.seconds = model, seconds
+        for a in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_model_len", "eos_token_ids"):
+            setattr(self, a, getattr(model, a))
+
+    def forward(self, batch: Any, kv_caches: Any) -> Any:
+        time.sleep(self.seconds)
+        return self._m.forward(batch, kv_caches)
+
+
+@pytest.fixture
+def slow_model(tiny_model: TinyModel) -> Any:
+    return lambda seconds: SlowModel(tiny_model, seconds)
+
+
 @pytest.fixture
 def make_tiny_engine(llm: LLM, tiny_model: TinyModel) -> Any:
     def make(model: Any = None, **kwargs: Any) -> LLMEngine:
@@ -83,10 +106,12 @@ def serve_tiny(llm: LLM, make_tiny_engine: Any) -> Any:
     """``with serve_tiny(**build_app_kwargs) as (url, engine, server)``: a fresh tiny engine behind a server."""
 
     @contextlib.contextmanager
-    def start(engine: Any = None, **kwargs: Any) -> Iterator[tuple[str, LLMEngine, Server]]:
+    def start(
+        engine: Any = None, grace: float = 5.0, sndbuf: int = 0, **kwargs: Any
+    ) -> Iterator[tuple[str, LLMEngine, Server]]:
         eng = engine or make_tiny_engine()
         kwargs.setdefault("served_model_name", "tiny")
-        with running(build_app(eng, tokenizer=llm.tokenizer, **kwargs)) as (url, srv):
+        with running(build_app(eng, tokenizer=llm.tokenizer, **kwargs), grace, sndbuf) as (url, srv):
             yield url, eng, srv
 
     return start

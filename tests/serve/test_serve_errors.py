@@ -100,7 +100,7 @@ def test_503_queue_full_and_dead_engine(serve_tiny):
 
 def test_504_past_the_request_timeout(serve_tiny, wait_idle):
     with serve_tiny(request_timeout=0.3) as (url, engine, _srv), httpx.Client(base_url=url) as c:
-        body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
+        body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
         r = c.post("/v1/completions", json=body)  # 1000 tiny-model steps take well over 0.3 s
         assert _is_error(r, 504)["code"] == "request_timeout"
         lines = [ln for ln in c.post("/v1/completions", json={**body, "stream": True}).text.splitlines() if ln]
