@@ -60,6 +60,9 @@ def test_400_for_every_invalid_field(serve_tiny):
         _is_error(c.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
         long = c.post("/v1/completions", json={"prompt": list(range(3, 1100)), "max_tokens": 1})
         assert _is_error(long, 400)["code"] == "context_length_exceeded"
+        for path, body in (("/v1/completions", {"prompt": "word " * 5000}),  # tokenized off the event loop
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 5000}]})):
+            assert _is_error(c.post(path, json=body), 400)["code"] == "context_length_exceeded"
         assert c.post("/v1/completions", json={"prompt": "x", "unknown_field": {"a": 1}, "max_tokens": 2}).status_code == 200
         assert engine.scheduler.stats()["num_running"] == 0
 

@@ -48,6 +48,7 @@ __all__ = ["build_app", "OPEN_PATHS"]
 log = logging.getLogger("pagedkv_rs.serve")
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
+LONG_INPUT = 16384  # characters (or token ids) past which a prompt is tokenized off the event loop
 MAX_PENDING_OUTPUTS = 4096  # outputs one job may hold unsent before its lease expires
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]  # fmt: skip
@@ -114,7 +115,7 @@ class _Job:
         first = True
         try:
             async for out in stream:
-                if first:
+                if first and out.finish_reason != "abort":  # the prompt was prefilled
                     m.prompt_tokens.inc(len(out.prompt_token_ids))
                     first = False
                 if out.new_token_ids:
@@ -126,7 +127,8 @@ class _Job:
                         self.abort("lease_expired")
                 if out.finished:
                     self.final[i] = out
-                    m.finished(out)
+                    if out.finish_reason != "abort":  # aborts are counted by cause
+                        m.finished(out)
                 self.event.set()
         except asyncio.CancelledError:
             raise
@@ -277,14 +279,22 @@ def build_app(
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest, state)
         _check_model(state, req.model)
-        prompts = [_encode(state, p) if isinstance(p, str) else _check_ids(state, p, "prompt") for p in req.prompts()]
+        items = req.prompts()
+
+        def encode() -> list[list[int]]:
+            return [_encode(state, p) if isinstance(p, str) else _check_ids(state, p, "prompt") for p in items]
+
+        long = sum(len(p) for p in items) > LONG_INPUT
+        prompts = await asyncio.to_thread(encode) if long else encode()  # a long text must not stall the loop
         return await _generate(state, request, req, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest, state)
         _check_model(state, req.model)
-        ids = _chat_ids(state, req.messages, req.add_generation_prompt)
+        long = sum(len(m.text()) for m in req.messages) > LONG_INPUT
+        args = (state, req.messages, req.add_generation_prompt)
+        ids = await asyncio.to_thread(_chat_ids, *args) if long else _chat_ids(*args)
         return await _generate(state, request, req, [ids], chat=True)
 
     return app

@@ -108,7 +108,7 @@ class ServerMetrics:
         self._aborted.labels(self._name, cause).inc()
 
     def finished(self, out: Any) -> None:
-        """Record one engine request's final output (any finish reason)."""
+        """Record one engine request's final output (finished by the engine: stop or length)."""
         m = out.metrics
         n_out = sum(len(c.token_ids) for c in out.outputs)
         self.req_prompt.observe(len(out.prompt_token_ids))
