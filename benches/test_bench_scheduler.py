@@ -81,8 +81,14 @@ class NullModel:
 def test_engine_step_null_model_256_decode(benchmark, backend):
     """``LLMEngine.step()`` around a zero-cost model: schedule, batch, greedy sampling, outputs."""
     blocks = NUM_SEQS * -(-(PROMPT + ROUNDS + 64) // BLOCK)
-    e = LLMEngine(NullModel(), num_blocks=blocks, block_size=BLOCK, backend=backend,
-                  max_num_seqs=NUM_SEQS, max_num_batched_tokens=NUM_SEQS * PROMPT)  # fmt: skip
+    e = LLMEngine(
+        NullModel(),
+        num_blocks=blocks,
+        block_size=BLOCK,
+        backend=backend,
+        max_num_seqs=NUM_SEQS,
+        max_num_batched_tokens=NUM_SEQS * PROMPT,
+    )
     params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
     for i in range(NUM_SEQS):
         e.add_request(None, [(i * 7 + j) % 1000 + 2 for j in range(PROMPT)], params)

@@ -11,6 +11,7 @@ def test_defaults_are_not_greedy_without_a_penalty():
 
 
 def test_sampling_options_parse():
-    a = build_parser().parse_args(["hi", "--temperature", "0", "--repetition-penalty", "1", "--stop", "\n", "--stop",
-                                   "END", "--min-p", "0.05"])  # fmt: skip
+    a = build_parser().parse_args(
+        ["hi", "--temperature", "0", "--repetition-penalty", "1", "--stop", "\n", "--stop", "END", "--min-p", "0.05"]
+    )
     assert (a.temperature, a.repetition_penalty, a.stop, a.min_p) == (0.0, 1.0, ["\n", "END"], 0.05)

@@ -160,8 +160,7 @@ def test_penalties_change_greedy_output_and_seeded_rows_stay_batch_independent(b
     e = engine(backend.name)
     base = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     plain = run(e, PROMPT, base).token_ids
-    pen = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.8,
-                         frequency_penalty=1.0)  # fmt: skip
+    pen = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.8, frequency_penalty=1.0)
     out = run(e, PROMPT, pen).token_ids
     assert out != plain and len(set(out)) >= len(set(plain))
     seeded = SamplingParams(max_tokens=12, temperature=0.9, seed=7, presence_penalty=1.0, min_p=0.05)
@@ -182,8 +181,11 @@ def test_stop_strings_across_token_boundaries(backend):
     c = out.outputs[0]
     assert (c.finish_reason, c.stop_reason, c.text) == ("stop", stop, text[:i])
     assert c.token_ids == full.token_ids[: i + len(stop)]  # the tokens that completed the match stay
-    out = run(e, PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=stop,
-                                        include_stop_str_in_output=True))  # fmt: skip
+    out = run(
+        e,
+        PROMPT,
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=stop, include_stop_str_in_output=True),
+    )
     assert out.text == text[: i + len(stop)] and out.finish_reason == "stop"
     out = run(e, PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=stop, min_tokens=12))
     assert len(out.token_ids) >= 12
@@ -195,8 +197,9 @@ def test_streamed_text_holds_back_a_possible_stop_string(backend):
     full = run(e, PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)).text
     stop = full[8:11]
     try:
-        seen = [o.text for o in e.submit(PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
-                                                                stop=stop))]  # fmt: skip
+        seen = [
+            o.text for o in e.submit(PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=stop))
+        ]
     finally:
         e.shutdown()
     cut = full[: full.find(stop)]

@@ -13,6 +13,8 @@ commands:
   bench kernel            paged-attention kernel vs memory bandwidth and numpy
   bench linear            int8 QLinear vs numpy float32 sgemm on SmolLM2's layer shapes
   bench e2e               end-to-end serving benchmark (requests/s, tokens/s, TTFT, TPOT)
+  bench serve             benchmark any OpenAI-compatible server over HTTP (same table as bench e2e)
+  serve                   OpenAI-compatible HTTP server (needs the serve extra)
   simulate                replay a synthetic trace to size a KV cache (paged vs contiguous)
   info                    backend, build profile and CPU features
 
@@ -25,6 +27,8 @@ COMMANDS = {
     ("bench", "kernel"): "pagedkv_rs.cli.bench.kernel",
     ("bench", "linear"): "pagedkv_rs.cli.bench.linear",
     ("bench", "e2e"): "pagedkv_rs.cli.bench.e2e",
+    ("bench", "serve"): "pagedkv_rs.cli.bench.serve",
+    ("serve",): "pagedkv_rs.cli.serve",
     ("simulate",): "pagedkv_rs.cli.simulate",
 }
 

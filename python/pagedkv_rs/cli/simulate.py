@@ -219,14 +219,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if kv_tokens < a.max_model_len:
         ap.error(f"KV capacity of {kv_tokens} tokens is below --max-model-len {a.max_model_len}")
     trace = make_trace(
-        a.num_requests, a.rate, prompt_median=a.prompt_median, output_median=a.output_median,
-        sigma=a.sigma, max_model_len=a.max_model_len, seed=a.seed,
-    )  # fmt: skip
+        a.num_requests,
+        a.rate,
+        prompt_median=a.prompt_median,
+        output_median=a.output_median,
+        sigma=a.sigma,
+        max_model_len=a.max_model_len,
+        seed=a.seed,
+    )
     rows = simulate(
-        trace, kv_tokens=kv_tokens, block_sizes=block_sizes, max_model_len=a.max_model_len,
-        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        preemption_mode=a.preemption, backend=a.backend,
-    )  # fmt: skip
+        trace,
+        kv_tokens=kv_tokens,
+        block_sizes=block_sizes,
+        max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        preemption_mode=a.preemption,
+        backend=a.backend,
+    )
     if a.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))
         return 0

@@ -244,12 +244,38 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "params", "cache_salt", "prompt", "status", "output_token_ids",
-        "all_token_ids", "num_computed_tokens", "num_kv_tokens", "num_cached_tokens", "seq_id", "metrics",
-        "token_times", "generator", "swapped_computed", "num_sent", "_order", "stop_ids", "max_output",
-        "final_only", "index", "head", "group", "pending_forks", "kv_salt", "stop_reason", "stop_text",
-        "logprobs", "prompt_logprobs", "abort_cause",
-    )  # fmt: skip
+        "request_id",
+        "prompt_token_ids",
+        "params",
+        "cache_salt",
+        "prompt",
+        "status",
+        "output_token_ids",
+        "all_token_ids",
+        "num_computed_tokens",
+        "num_kv_tokens",
+        "num_cached_tokens",
+        "seq_id",
+        "metrics",
+        "token_times",
+        "generator",
+        "swapped_computed",
+        "num_sent",
+        "_order",
+        "stop_ids",
+        "max_output",
+        "final_only",
+        "index",
+        "head",
+        "group",
+        "pending_forks",
+        "kv_salt",
+        "stop_reason",
+        "stop_text",
+        "logprobs",
+        "prompt_logprobs",
+        "abort_cause",
+    )
 
     def __init__(
         self,
@@ -342,9 +368,16 @@ class CompletionOutput:
     """
 
     __slots__ = (
-        "index", "token_ids", "finish_reason", "_text", "_detokenize", "stop_reason", "logprobs", "new_token_ids",
+        "index",
+        "token_ids",
+        "finish_reason",
+        "_text",
+        "_detokenize",
+        "stop_reason",
+        "logprobs",
+        "new_token_ids",
         "_hold_back",
-    )  # fmt: skip
+    )
 
     def __init__(
         self,
@@ -385,8 +418,11 @@ class CompletionOutput:
         if not isinstance(other, CompletionOutput):
             return NotImplemented
         return (self.index, self.text, self.token_ids, self.finish_reason) == (
-            other.index, other.text, other.token_ids, other.finish_reason,
-        )  # fmt: skip
+            other.index,
+            other.text,
+            other.token_ids,
+            other.finish_reason,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -438,10 +474,17 @@ class RequestOutput:
             lps = None if m.logprobs is None else list(m.logprobs)
             outs.append(
                 CompletionOutput(
-                    m.index, m.stop_text, list(m.output_token_ids), m.finish_reason, detokenize, m.stop_reason, lps,
-                    new, 0 if m.finished else hold,
+                    m.index,
+                    m.stop_text,
+                    list(m.output_token_ids),
+                    m.finish_reason,
+                    detokenize,
+                    m.stop_reason,
+                    lps,
+                    new,
+                    0 if m.finished else hold,
                 )
-            )  # fmt: skip
+            )
         return cls(
             request_id=head.request_id,
             prompt=head.prompt,

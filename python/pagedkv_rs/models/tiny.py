@@ -95,13 +95,20 @@ class TinyModel:
             k = self._rope((hn @ layer["wk"]).reshape(t, self.num_kv_heads, self.head_dim), batch.positions)
             v = (hn @ layer["wv"]).reshape(t, self.num_kv_heads, self.head_dim)
             kernels.write_kv(
-                k_cache, v_cache, np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32),
+                k_cache,
+                v_cache,
+                np.ascontiguousarray(k, np.float32),
+                np.ascontiguousarray(v, np.float32),
                 batch.slot_mapping,
-            )  # fmt: skip
+            )
             o = kernels.paged_attention(
-                np.ascontiguousarray(q, np.float32), k_cache, v_cache,
-                batch.block_tables, batch.seq_lens, batch.query_start_loc,
-            )  # fmt: skip
+                np.ascontiguousarray(q, np.float32),
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.seq_lens,
+                batch.query_start_loc,
+            )
             x = x + o.reshape(t, -1).astype(np.float64) @ layer["wo"]
             hn = _rms_norm(x, layer["mlp_norm"])
             g = hn @ layer["w_gate"]

@@ -1,0 +1,267 @@
+"""``pagedkv bench serve``: load any OpenAI-compatible server over HTTP, reported like vLLM's ``benchmark_serving``.
+
+Prompts are fixed-seed random token ids (lengths uniform in ``input_len * [1 - r, 1 + r]``; ``r = 0``
+gives fixed lengths) sent to ``/v1/completions`` with ``ignore_eos`` so each request generates exactly
+its output length. Requests arrive all at once (``--request-rate inf``) or as a Poisson process,
+at most ``--max-concurrency`` in flight. Streaming (the default) timestamps every SSE chunk: TTFT
+is the first chunk with text, ITL the gaps between chunks, TPOT (last - first) / (tokens - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["main", "build_parser", "run", "format_report"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedkv bench serve", description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (…/v1/completions is posted)")
+    p.add_argument("--model", default=None, help="model id to send (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*[1-r, 1+r] (0: fixed)")
+    p.add_argument("--token-range", default="100:10000", metavar="LO:HI", help="prompt token ids drawn from [LO, HI)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at t=0)")
+    p.add_argument("--no-stream", action="store_true", help="non-streamed requests (TTFT = E2E)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def make_prompts(args: argparse.Namespace) -> list[tuple[list[int], int]]:
+    """Fixed-seed ``(prompt_ids, output_len)`` pairs."""
+    if not 0.0 <= args.range_ratio < 1.0:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    lo, hi = (int(x) for x in args.token_range.split(":"))
+    rng = np.random.default_rng(args.seed)
+
+    def lengths(mean: int) -> np.ndarray:
+        a, b = max(1, int(mean * (1 - args.range_ratio))), max(1, int(mean * (1 + args.range_ratio)))
+        return rng.integers(a, b + 1, args.num_prompts)
+
+    ins, outs = lengths(args.input_len), lengths(args.output_len)
+    return [(rng.integers(lo, hi, int(n)).tolist(), int(m)) for n, m in zip(ins, outs)]
+
+
+async def _one(client: Any, url: str, body: dict[str, Any], stream: bool) -> Result:
+    r = Result(prompt_len=len(body["prompt"]))
+    t0 = time.perf_counter()
+    try:
+        if not stream:
+            resp = await client.post(url, json=body)
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return r
+            r.output_tokens = resp.json()["usage"]["completion_tokens"]
+            r.ttft = r.latency = time.perf_counter() - t0
+            r.ok = True
+            return r
+        last = None
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    r.error = str(chunk["error"])
+                    return r
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if last is None:
+                        r.ttft = now - t0
+                    else:
+                        r.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    r.output_tokens = chunk["usage"]["completion_tokens"]
+        r.latency = time.perf_counter() - t0
+        r.ok = last is not None
+        if not r.ok:
+            r.error = "no tokens streamed"
+    except Exception as e:
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Send the prompts; returns the metrics dict ``format_report`` prints."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.base_url.rstrip("/")
+    limits = httpx.Limits(max_connections=args.max_concurrency or args.num_prompts, max_keepalive_connections=None)
+    async with httpx.AsyncClient(headers=headers, timeout=args.timeout, limits=limits) as client:
+        model = args.model
+        if model is None:
+            resp = await client.get(f"{base}/v1/models")
+            resp.raise_for_status()
+            model = resp.json()["data"][0]["id"]
+        url = f"{base}/v1/completions"
+        stream = not args.no_stream
+
+        def body(prompt: list[int], n_out: int) -> dict[str, Any]:
+            b = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": n_out,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": stream,
+            }
+            if stream:
+                b["stream_options"] = {"include_usage": True}
+            return b
+
+        reqs = make_prompts(args)
+        await _one(client, url, body(reqs[0][0][:16], 4), stream)  # warm-up: connection, server first touch
+        sem = asyncio.Semaphore(args.max_concurrency or len(reqs))
+        bar = None
+        if not args.no_progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(reqs), desc="bench serve", unit="req", file=sys.stderr)
+
+        async def limited(prompt: list[int], n_out: int) -> Result:
+            async with sem:
+                res = await _one(client, url, body(prompt, n_out), stream)
+            if bar is not None:
+                bar.update(1)
+            return res
+
+        rng = np.random.default_rng(args.seed + 1)
+        tasks = []
+        t0 = time.perf_counter()
+        for prompt, n_out in reqs:
+            tasks.append(asyncio.ensure_future(limited(prompt, n_out)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+    return summarize(results, duration)
+
+
+def _stats(prefix: str, xs: list[float]) -> dict[str, float]:
+    ms = [x * 1e3 for x in xs]
+    nan = float("nan")
+    return {
+        f"mean_{prefix}_ms": statistics.fmean(ms) if ms else nan,
+        f"median_{prefix}_ms": statistics.median(ms) if ms else nan,
+        f"p99_{prefix}_ms": float(np.percentile(ms, 99)) if ms else nan,
+    }
+
+
+def summarize(results: list[Result], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    n_in = sum(r.prompt_len for r in ok)
+    n_out = sum(r.output_tokens or len(r.itl) + 1 for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "num_requests": len(ok),
+        "num_failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "total_input_tokens": n_in,
+        "total_output_tokens": n_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": n_out / duration,
+        "total_token_throughput": (n_in + n_out) / duration,
+        **_stats("ttft", [r.ttft for r in ok]),
+        **_stats("tpot", tpot),
+        **_stats("itl", [x for r in ok for x in r.itl]),
+        **_stats("e2el", [r.latency for r in ok]),
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    rows: list[tuple[str, Any]] = [
+        ("=", " Serving Benchmark Result "),
+        ("Successful requests:", r["num_requests"]),
+        ("Failed requests:", r["num_failed"]),
+        ("Benchmark duration (s):", r["duration_s"]),
+        ("Total input tokens:", r["total_input_tokens"]),
+        ("Total generated tokens:", r["total_output_tokens"]),
+        ("Request throughput (req/s):", r["request_throughput"]),
+        ("Output token throughput (tok/s):", r["output_throughput"]),
+        ("Total Token throughput (tok/s):", r["total_token_throughput"]),
+    ]
+    for key, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
+        name = key.upper()
+        rows += [
+            ("-", title),
+            (f"Mean {name} (ms):", r[f"mean_{key}_ms"]),
+            (f"Median {name} (ms):", r[f"median_{key}_ms"]),
+            (f"P99 {name} (ms):", r[f"p99_{key}_ms"]),
+        ]
+    lines = []
+    for k, v in rows:
+        if k in ("=", "-"):
+            lines.append(f"{v:{k}^50}")
+        elif isinstance(v, float):
+            lines.append(f"{k:<40}{v:<10.2f}")
+        else:
+            lines.append(f"{k:<40}{v!s:<10}")
+    lines.append("=" * 50)
+    for e in r["errors"]:
+        lines.append(f"error: {e}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        res = asyncio.run(run(args))
+    except (ValueError, OSError) as e:
+        print(f"pagedkv bench serve: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"pagedkv bench serve: {e}; install with pip install 'pagedkv-rs[serve]' httpx", file=sys.stderr)
+        return 1
+    res["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "api_key")}
+    print(format_report(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0 if res["num_failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Prometheus metrics in vLLM's shape under ``pagedkv:``, one ``CollectorRegistry`` per app.
+
+Gauges and the engine's cumulative counters are read from the scheduler and the KV manager at scrape
+time; per-request histograms and counters are fed by the HTTP layer from each request's final
+output (``RequestMetrics``: arrival, first scheduled, token times, finish). Step times come from
+``instrument_steps``, which wraps the engine's ``step``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["ServerMetrics", "ABORT_CAUSES", "instrument_steps", "CONTENT_TYPE"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ABORT_CAUSES = ("client_disconnect", "lease_expired", "timeout", "rejected", "shutdown", "error")
+disable_created_metrics()  # as vLLM does: no *_created series beside each counter and histogram
+_LATENCY = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+_ITL = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+
+class _EngineCollector(Collector):
+    """Queue sizes, KV blocks and the engine's cumulative counters, read at scrape time."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self._engine = engine
+        self._labels = {"model_name": model_name}
+
+    def collect(self) -> Iterator[Metric]:
+        eng = self._engine
+        with eng._lock:  # one consistent snapshot; held for microseconds
+            s = eng.scheduler.stats()
+            kv = eng.kv_manager.stats()
+        lab, val = list(self._labels), list(self._labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            g = GaugeMetricFamily(f"pagedkv:{name}", doc, labels=lab)
+            g.add_metric(val, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(f"pagedkv:{name}", doc, labels=lab)
+            c.add_metric(val, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests holding KV blocks", s["num_running"])
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled", s["num_waiting"])
+        yield gauge("num_requests_swapped", "Requests whose KV is swapped to host memory", s["num_swapped"])
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = 100%)", s["kv_usage"])
+        blocks = GaugeMetricFamily("pagedkv:kv_cache_blocks", "KV blocks by state", labels=[*lab, "state"])
+        for state in ("live", "cached", "free"):
+            blocks.add_metric([*val, state], kv[f"{state}_blocks"])
+        yield blocks
+        yield counter("num_preemptions", "Preemptions (recompute or swap)", s["num_preemptions"])
+        yield counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", kv.get("prefix_query_tokens", 0)
+        )
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache", kv.get("prefix_hit_tokens", 0))
+        yield counter("kv_block_evictions", "Cached free blocks reused for new content", kv.get("evictions", 0))
+        yield counter("engine_steps", "Engine steps (forward passes)", s["num_steps"])
+        if "block_allocations" in kv:
+            yield counter("kv_block_allocations", "Blocks taken from the pool", kv["block_allocations"])
+
+
+class ServerMetrics:
+    """Every metric the server exposes, in its own registry."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(engine, model_name))
+        r, lab = self.registry, ["model_name"]
+        self._name = model_name
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"pagedkv:{name}", doc, lab, buckets=buckets, registry=r).labels(model_name)
+
+        self.prompt_tokens = Counter("pagedkv:prompt_tokens", "Prefill tokens processed", lab, registry=r).labels(
+            model_name
+        )
+        self.generation_tokens = Counter("pagedkv:generation_tokens", "Generated tokens", lab, registry=r).labels(
+            model_name
+        )
+        self._success = Counter(
+            "pagedkv:request_success", "Requests finished by the engine", [*lab, "finished_reason"], registry=r
+        )
+        self._aborted = Counter("pagedkv:request_aborted", "Requests aborted, by cause", [*lab, "cause"], registry=r)
+        for cause in ABORT_CAUSES:
+            self._aborted.labels(model_name, cause)
+        for reason in ("stop", "length"):
+            self._success.labels(model_name, reason)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token", _LATENCY)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens", _ITL)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish", _LATENCY)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled", _LATENCY)
+        self.step = hist("engine_step_seconds", "Duration of one engine step", _ITL)
+        self.req_prompt = hist("request_prompt_tokens", "Prompt tokens per request", _TOKENS)
+        self.req_generation = hist("request_generation_tokens", "Generated tokens per request", _TOKENS)
+
+    def aborted(self, cause: str) -> None:
+        self._aborted.labels(self._name, cause).inc()
+
+    def finished(self, out: Any) -> None:
+        """Record one engine request's final output (finished by the engine: stop or length)."""
+        m = out.metrics
+        n_out = sum(len(c.token_ids) for c in out.outputs)
+        self.req_prompt.observe(len(out.prompt_token_ids))
+        self.req_generation.observe(n_out)
+        if out.finish_reason in ("stop", "length"):
+            self._success.labels(self._name, out.finish_reason).inc()
+        if m is None:
+            return
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+        t = m.token_times
+        if t:
+            self.ttft.observe(t[0] - m.arrival_time)
+            obs = self.itl.observe
+            for a, b in zip(t, t[1:]):
+                obs(b - a)
+        end = m.finished_time if m.finished_time is not None else time.monotonic()
+        self.e2e.observe(end - m.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def instrument_steps(engine: Any, observe: Callable[[float], None]) -> None:
+    """Time every ``engine.step()`` that ran a batch into ``observe`` (wraps the instance's method once)."""
+    observers = getattr(engine.step, "_pagedkv_observers", None)
+    if observers is not None:
+        observers.append(observe)
+        return
+    step, sched = engine.step, engine.scheduler
+    observers = [observe]
+
+    @functools.wraps(step)
+    def timed() -> Any:
+        n, t0 = sched.num_steps, time.perf_counter()
+        outs = step()
+        if sched.num_steps != n:
+            dt = time.perf_counter() - t0
+            for f in observers:
+                f(dt)
+        return outs
+
+    timed._pagedkv_observers = observers  # type: ignore[attr-defined]
+    engine.step = timed
