@@ -29,17 +29,17 @@ BAD_BODIES = [
     (b'{"prompt": "x"', None),
 ]
 
-# fields the engine does not take yet (the engine-requests branch adds them): 400, never ignored
-NOT_YET = [
-    ("n", 2),
-    ("stop", ["\n"]),
-    ("logprobs", 2),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", 0.5),
-    ("repetition_penalty", 1.2),
-    ("min_p", 0.1),
-    ("min_tokens", 3),
-    ("include_stop_str_in_output", True),
+# vLLM's sampling fields with values SamplingParams refuses: 400 naming the field, never 500
+BAD_SAMPLING = [
+    ("n", 0),
+    ("n", 1000),
+    ("stop", 5),
+    ("logprobs", 50),
+    ("presence_penalty", 5.0),
+    ("frequency_penalty", -3.0),
+    ("repetition_penalty", 0.0),
+    ("min_p", 2.0),
+    ("min_tokens", -1),
 ]
 
 
@@ -56,9 +56,8 @@ def test_400_for_every_invalid_field(serve_tiny):
     with serve_tiny() as (url, engine, _), httpx.Client(base_url=url) as c:
         for body, param in BAD_BODIES:
             _is_error(c.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400, param)
-        for field, value in NOT_YET:
-            err = _is_error(c.post("/v1/completions", json={"prompt": "x", field: value}), 400, field)
-            assert "not supported" in err["message"] and err["code"] == "unsupported_parameter"
+        for field, value in BAD_SAMPLING:
+            _is_error(c.post("/v1/completions", json={"prompt": "x", field: value}), 400, field)
         _is_error(c.post("/v1/chat/completions", json={"messages": []}), 400, "messages")
         _is_error(
             c.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}), 400, "messages"
@@ -129,3 +128,25 @@ def test_504_past_the_request_timeout(serve_tiny, wait_idle):
         lines = [ln for ln in c.post("/v1/completions", json={**body, "stream": True}).text.splitlines() if ln]
         assert '"request_timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
         wait_idle(engine)
+
+
+def test_vllm_sampling_fields_reach_the_engine(serve_tiny):
+    """n, stop, logprobs and the penalties are honoured, not ignored."""
+    with serve_tiny() as (url, engine, _), httpx.Client(base_url=url) as c:
+        body = {"prompt": "x", "max_tokens": 6, "temperature": 0, "n": 2, "logprobs": 3, "repetition_penalty": 1.3}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [ch["index"] for ch in choices] == [0, 1]
+        lp = choices[0]["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 6
+        assert all(1 <= len(t) <= 4 for t in lp["top_logprobs"])
+        first = choices[0]["text"]
+        stop = first[2:4]
+        r = c.post(
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 6, "temperature": 0, "stop": [stop], "repetition_penalty": 1.3},
+        )
+        ch = r.json()["choices"][0]
+        assert r.status_code == 200 and ch["finish_reason"] == "stop" and ch["stop_reason"] == stop
+        assert ch["text"] == first[: first.index(stop)]

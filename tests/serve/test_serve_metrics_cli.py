@@ -140,9 +140,11 @@ def test_bench_serve_against_a_live_server(serve_tiny, tmp_path, capsys):
         assert "HTTP 401" in capsys.readouterr().out
 
 
-def test_unsupported_fields_are_refused_until_the_engine_has_them():
+def test_request_fields_map_onto_sampling_params():
     with pytest.raises(Exception, match="not supported"):
-        to_sampling_params(CompletionRequest(prompt="x", min_p=0.5), max_tokens=4)
+        to_sampling_params(CompletionRequest(prompt="x", echo=True), max_tokens=4)
+    p = to_sampling_params(CompletionRequest(prompt="x", min_p=0.5, n=2, stop="z", min_tokens=1), max_tokens=4)
+    assert (p.min_p, p.n, p.stop, p.min_tokens) == (0.5, 2, ("z",), 1)
     p = to_sampling_params(CompletionRequest(prompt="x", temperature=0, top_k=-1, seed=3, priority=2), max_tokens=4)
     assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.priority) == (4, 0.0, 0, 3, 2)
 

@@ -1,14 +1,13 @@
 """OpenAI/vLLM request and response models, validated at the door, and the one map to ``SamplingParams``.
 
 Unknown request fields are ignored (as OpenAI and vLLM do); a known field of the wrong type or out of
-range is a 400. ``to_sampling_params`` is the only place a request becomes engine parameters: a field
-the engine's ``SamplingParams`` does not have yet answers 400 "not supported" when set to a
-non-default value, and passes straight through once ``SamplingParams`` grows that field.
+range is a 400. ``to_sampling_params`` is the only place a request becomes engine parameters; the few
+OpenAI fields the engine has no equivalent for (``echo``, ``suffix``, ``best_of``, ``logit_bias``,
+``tools``, non-text ``response_format``) answer 400 "not supported" when set, never silently ignored.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -188,9 +187,6 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-
-
 def to_sampling_params(req: _Sampling, *, max_tokens: int) -> SamplingParams:
     """The request's sampling fields as ``SamplingParams``; 400 for a value the engine cannot honour."""
     unsupported: list[tuple[str, Any, Any]] = [  # request param, value, the value that means "off"
@@ -219,31 +215,19 @@ def to_sampling_params(req: _Sampling, *, max_tokens: int) -> SamplingParams:
         "ignore_eos": req.ignore_eos,
         "priority": req.priority,
     }
-    optional: list[tuple[str, str, Any, Any]] = [  # SamplingParams field, request param, value, default
-        ("n", "n", req.n, 1),
-        ("stop", "stop", req.stop_strings(), []),
-        ("include_stop_str_in_output", "include_stop_str_in_output", req.include_stop_str_in_output, False),
-        ("logprobs", "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs", logprobs, None),
-        ("prompt_logprobs", "prompt_logprobs", req.prompt_logprobs, None),
-        ("presence_penalty", "presence_penalty", req.presence_penalty or 0.0, 0.0),
-        ("frequency_penalty", "frequency_penalty", req.frequency_penalty or 0.0, 0.0),
-        (
-            "repetition_penalty",
-            "repetition_penalty",
-            1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            1.0,
-        ),
-        ("min_p", "min_p", req.min_p or 0.0, 0.0),
-        ("min_tokens", "min_tokens", req.min_tokens, 0),
-    ]
-    for name, param, value, default in optional:
-        if value == default:
-            continue
-        if name not in _FIELDS:
-            raise APIError(
-                f"{param} is not supported by this server's engine yet", param=param, code="unsupported_parameter"
-            )
-        kwargs[name] = value
+    optional: dict[str, tuple[Any, Any]] = {  # SamplingParams field: (value, the default that means "off")
+        "n": (req.n, 1),
+        "stop": (req.stop_strings(), []),
+        "include_stop_str_in_output": (req.include_stop_str_in_output, False),
+        "logprobs": (logprobs, None),
+        "prompt_logprobs": (req.prompt_logprobs, None),
+        "presence_penalty": (req.presence_penalty or 0.0, 0.0),
+        "frequency_penalty": (req.frequency_penalty or 0.0, 0.0),
+        "repetition_penalty": (1.0 if req.repetition_penalty is None else req.repetition_penalty, 1.0),
+        "min_p": (req.min_p or 0.0, 0.0),
+        "min_tokens": (req.min_tokens, 0),
+    }
+    kwargs.update({name: value for name, (value, default) in optional.items() if value != default})
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:
