@@ -8,12 +8,13 @@ import sys
 
 import pytest
 
-core = pytest.importorskip("pagedkv_rs._core")
+import pagedkv_rs._core as core  # the session needs it (tests/conftest.py): no skip
 
 
 def test_set_isa_get_isa_and_info_keys():
     isas = core.kernel_info()["isas"]
     assert isas[0] == "scalar" and isas == core.kernel_info()["backends"]
+    prev = core.get_isa()
     try:
         for name in isas:
             core.set_isa(name)
@@ -31,7 +32,7 @@ def test_set_isa_get_isa_and_info_keys():
                 core.set_isa(name)
         assert core.get_isa() == "auto"
     finally:
-        core.set_isa("auto")
+        core.set_isa(prev)
 
 
 def _isa_in_subprocess(**env: str) -> subprocess.CompletedProcess[str]:
@@ -50,3 +51,11 @@ def test_env_pagedkv_isa_wins_over_legacy_pagedkv_kernel():
 def test_env_invalid_pagedkv_isa_is_an_error_at_first_use():
     out = _isa_in_subprocess(PAGEDKV_ISA="avx9000")
     assert out.returncode != 0 and "ValueError: PAGEDKV_ISA: ISA must be" in out.stderr
+
+
+@pytest.mark.parametrize("name", sorted({"avx2", "avx512", "neon"} - set(core.kernel_info()["isas"])))
+def test_env_isa_this_cpu_lacks_is_a_clear_error(name):
+    """E.g. PAGEDKV_ISA=avx512 on an AVX2-only CPU: a ValueError naming it, never another ISA run silently."""
+    out = _isa_in_subprocess(PAGEDKV_ISA=name)
+    assert out.returncode != 0
+    assert f'ValueError: PAGEDKV_ISA: ISA "{name}" is not supported by this CPU (available: auto, ' in out.stderr
