@@ -308,6 +308,28 @@ def test_bench_numpy_baseline_matches_reference():
     from pagedkv_rs.cli.bench.kernel import numpy_attention
 
     rng = np.random.default_rng(12)
-    case = make_case(rng, seq_lens=[40, 17, 5], q_lens=[1, 17, 3], hq=6, hkv=2, d=32, bs=8, dtype="float16")
+    # 300 rows: three chunks of NUMPY_CHUNK, each over only the keys it can see (causal work)
+    case = make_case(rng, seq_lens=[40, 17, 5, 310], q_lens=[1, 17, 3, 300], hq=6, hkv=2, d=32, bs=8, dtype="float16")
     got = numpy_attention(*case.args())
     assert max_err(got, ref.paged_attention(*case.args()).astype(np.float64)) < 1e-4
+
+
+def test_bench_numpy_baseline_does_causal_work(monkeypatch):
+    """The Prefill row counts causal FLOPs; the numpy baseline's matmuls must do about that, not L x L."""
+    from pagedkv_rs.cli.bench import kernel as bench
+
+    c = bench.Config("Prefill", 1, 1024, 2, 1, 8, "float32", q_len=1024, block_size=16)
+    x = bench.build(c)[0]
+    done = [0.0]
+    matmul = np.matmul
+
+    def counting(a, b, *args, **kw):
+        done[0] += 2.0 * np.prod(a.shape[:-1]) * a.shape[-1] * b.shape[-1]  # flops of this product
+        return matmul(a, b, *args, **kw)
+
+    monkeypatch.setattr(np, "matmul", counting)
+    got = bench.numpy_attention(*x)
+    monkeypatch.undo()
+    # chunks of 128 rows over L = 1024 keys: at most 1 + 128/1024 times the causal work
+    assert 1.0 <= done[0] / c.flops < 1.13, done[0] / c.flops
+    assert max_err(got, ref.paged_attention(*x).astype(np.float64)) < 1e-4
