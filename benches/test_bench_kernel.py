@@ -17,7 +17,7 @@ from pagedkv_rs.cli.bench.kernel import CONFIGS, build, numpy_attention
 if pk.build_profile() != "release":
     pytest.exit("benchmarks need a release build of pagedkv_rs._core (maturin develop --release)", returncode=2)
 
-IMPLS = [f"rust-{b}" for b in pk.kernel_info()["backends"]] + ["numpy"]
+IMPLS = [f"rust-{b}" for b in pk.kernel_info()["isas"]] + ["numpy"]
 _cache: dict = {}
 
 
@@ -51,10 +51,11 @@ def test_paged_attention(benchmark, config, impl):
             for x, o in zip(layers, outs):
                 pk.paged_attention(*x, out=o)
 
-    pk.set_kernel_backend(impl.removeprefix("rust-") if impl != "numpy" else "auto")
+    prev = pk.get_isa()
+    pk.set_isa(impl.removeprefix("rust-") if impl != "numpy" else prev)
     try:
         slow = impl in ("rust-scalar", "numpy")
         benchmark.pedantic(fn, rounds=1 if slow else 5, iterations=1, warmup_rounds=0 if slow else 1)
     finally:
-        pk.set_kernel_backend("auto")
+        pk.set_isa(prev)
     assert all(np.isfinite(o).all() for o in outs)

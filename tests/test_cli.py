@@ -1,7 +1,8 @@
-"""The pagedkv command's dispatch and the allocator benchmark's smoke run."""
+"""The pagedkv command's dispatch and the benchmark commands' smoke runs (alloc, kernel, linear)."""
 
 from __future__ import annotations
 
+import pagedkv_rs
 from pagedkv_rs.cli import main as cli
 
 
@@ -21,3 +22,24 @@ def test_bench_alloc_quick(capsys):
     assert cli.main(["bench", "alloc", "--quick", "--workload", "decode-step-256"]) == 0
     out = capsys.readouterr().out
     assert "decode-step-256" in out and " us" in out
+
+
+def test_bench_kernel_tiny(capsys):
+    prev = pagedkv_rs.get_isa()
+    assert cli.main(["bench", "kernel", "--tiny", "--threads", "1"]) == 0
+    assert pagedkv_rs.get_isa() == prev  # the forced-scalar rows put the setting back
+    out = capsys.readouterr().out
+    info = pagedkv_rs.kernel_info()
+    assert f"kernel {info['active_isa']}, 1 threads" in out and "x numpy" in out
+    rows = [
+        line.split() for line in out.splitlines() if line.split()[:1] in (["A"], ["Long"], ["SmolLM2"], ["Prefill"])
+    ]
+    assert [r[0] for r in rows] == ["A", "A", "Long", "SmolLM2", "SmolLM2", "Prefill"]
+    assert all(float(r[3]) > 0 and float(r[-1]) > 0 for r in rows)  # time ms and x numpy measured
+
+
+def test_bench_linear_one_round(capsys):
+    assert cli.main(["bench", "linear", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"linear ISA {pagedkv_rs.kernel_info()['linear_isa']}" in out
+    assert "one decode step's matmuls" in out and "lm_head" in out

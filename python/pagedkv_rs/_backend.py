@@ -3,20 +3,26 @@
 ``auto`` (the default) is the Rust core when it is built, else the pure-Python ``fallback``.
 ``BACKEND`` names the choice, ``BlockAllocator`` / ``KVCacheManager`` are its classes, and
 ``backend(name)`` hands out either backend explicitly. ``_core`` is the compiled module, or
-``None`` when it is not built.
+``None`` when it is not installed (a pure-Python install; ``CORE_IMPORT_ERROR`` says why). A core
+that is installed but fails to load (ABI, missing symbol) raises at import instead of being hidden.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import types
 
 from pagedkv_rs import fallback
 
+CORE_IMPORT_ERROR: str = ""
 try:
-    from pagedkv_rs import _core
-except ImportError:  # pragma: no cover - only without a compiled core
+    _core = importlib.import_module("pagedkv_rs._core")
+except ModuleNotFoundError as e:  # a pure-Python install: only the missing module itself is tolerated
+    if e.name != "pagedkv_rs._core":
+        raise
     _core = None  # type: ignore[assignment]
+    CORE_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 __all__ = ["BACKEND", "BACKENDS", "BlockAllocator", "KVCacheManager", "backend"]
 
@@ -30,7 +36,9 @@ def backend(name: str = "auto") -> types.SimpleNamespace:
     mod: types.ModuleType
     if name == "rust":
         if _core is None:
-            raise ImportError("PAGEDKV_BACKEND=rust but the compiled core pagedkv_rs._core is not built")
+            raise ImportError(
+                f"PAGEDKV_BACKEND=rust but the compiled core pagedkv_rs._core is not built ({CORE_IMPORT_ERROR})"
+            )
         mod = _core
     elif name == "python":
         mod = fallback

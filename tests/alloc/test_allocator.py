@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -24,9 +26,49 @@ def state(a) -> tuple:
 
 
 def test_rust_backend_is_built():
-    if os.environ.get("PAGEDKV_ALLOW_NO_RUST") != "1":
-        assert "rust" in pagedkv_rs.BACKENDS, "the compiled core pagedkv_rs._core did not import"
+    # tests/conftest.py stops the session when the core is missing; this says so in the test report too.
+    assert "rust" in pagedkv_rs.BACKENDS, f"pagedkv_rs._core did not import: {pagedkv_rs._backend.CORE_IMPORT_ERROR}"
     assert pagedkv_rs.BACKEND in pagedkv_rs.BACKENDS
+
+
+def _import_in_subprocess(prelude: str, **env: str) -> subprocess.CompletedProcess:
+    code = prelude + "\nimport pagedkv_rs as p; print(p.BACKEND, p.BlockAllocator.__module__, p.BACKENDS)"
+    full = {k: v for k, v in os.environ.items() if k != "PAGEDKV_BACKEND"}
+    return subprocess.run([sys.executable, "-c", code], env={**full, **env}, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("value,name", [("", "rust"), ("auto", "rust"), ("rust", "rust"), (" Python ", "python")])
+def test_pagedkv_backend_is_read_at_import(value, name):
+    r = _import_in_subprocess("", PAGEDKV_BACKEND=value)
+    assert r.returncode == 0, r.stderr
+    got_name, got_module, _ = r.stdout.split(maxsplit=2)
+    assert got_name == name
+    assert got_module.startswith("pagedkv_rs.fallback") if name == "python" else "fallback" not in got_module
+
+
+def test_pagedkv_backend_errors_name_the_problem():
+    r = _import_in_subprocess("", PAGEDKV_BACKEND="gpu")
+    assert r.returncode != 0 and "ValueError: unknown backend 'gpu'" in r.stderr
+    # A pure-Python install (no core module): auto falls back, rust says why it cannot.
+    no_core = "import sys; sys.modules['pagedkv_rs._core'] = None"
+    r = _import_in_subprocess(no_core)
+    assert r.returncode == 0 and r.stdout.split()[0] == "python" and "('python',)" in r.stdout, r.stderr
+    r = _import_in_subprocess(no_core, PAGEDKV_BACKEND="rust")
+    assert r.returncode != 0 and "compiled core pagedkv_rs._core is not built (ModuleNotFoundError" in r.stderr
+
+
+def test_a_broken_core_fails_the_import_loudly():
+    """An installed core that does not load (ABI, symbols) is an error, not a silent pure-Python fallback."""
+    broken = (
+        "import importlib.abc, sys\n"
+        "class Broken(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'pagedkv_rs._core':\n"
+        "            raise ImportError('undefined symbol: PyFoo')\n"
+        "sys.meta_path.insert(0, Broken())"
+    )
+    r = _import_in_subprocess(broken)
+    assert r.returncode != 0 and "ImportError: undefined symbol: PyFoo" in r.stderr
 
 
 def test_backend_selection_errors():

@@ -1,7 +1,8 @@
 """Hypothesis drives the Rust and the Python KVCacheManager side by side and demands identical results.
 
 Every rule runs on each backend; the returned values (or raised exception types), block tables, free
-orders, ref counts and statistics must agree, and the invariants I1-I5 must hold after every step.
+orders, ref counts and statistics must agree, the invariants I1-I5 must hold after every step, and
+I6 (a prefix hit leaves at least one prompt token to compute) on every allocate.
 A small pool, a tiny vocabulary (so prefixes repeat) and 2-bit hashes (so collisions happen) keep
 memory pressure, prefix hits and collision checks frequent. Soak: HYPOTHESIS_PROFILE=soak.
 """
@@ -52,7 +53,9 @@ class BothBackends(RuleBasedStateMachine):
 
     @rule(sid=SEQ_IDS, toks=TOKENS, salt=SALTS)
     def allocate(self, sid, toks, salt):
-        self.both(lambda m: m.allocate(sid, toks, cache_salt=salt))
+        r = self.both(lambda m: m.allocate(sid, toks, cache_salt=salt))
+        if r[0] == "ok" and toks:
+            assert 0 <= r[1] < len(toks), f"I6 a hit of {r[1]} tokens covers the {len(toks)}-token prompt"
 
     @rule(sid=SEQ_IDS, toks=TOKENS)
     def append(self, sid, toks):

@@ -22,10 +22,45 @@ from pagedkv_rs.models import TinyModel
 MODEL = TinyModel(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=128, max_model_len=128)
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 _alone_cache: dict[tuple, list[int]] = {}
+_engines: list[LLMEngine] = []  # every engine a test made: shut down after it, pass or fail
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_engines():
+    yield
+    try:
+        while _engines:
+            _engines.pop().shutdown()
+    finally:
+        _engines.clear()
+
+
+def tracked(e: LLMEngine) -> LLMEngine:
+    """Register ``e`` so its background loop is stopped when the test ends, even when it fails."""
+    _engines.append(e)
+    return e
 
 
 def engine(backend, num_blocks=128, block_size=4, **kw) -> LLMEngine:
-    return LLMEngine(MODEL, num_blocks=num_blocks, block_size=block_size, backend=backend, **kw)
+    return tracked(LLMEngine(MODEL, num_blocks=num_blocks, block_size=block_size, backend=backend, **kw))
+
+
+class Thread(threading.Thread):
+    """A thread whose exception ``join`` raises again (``threading`` only prints it), and that must end."""
+
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException as e:
+            self.error = e
+
+    def join(self, timeout: float | None = 60) -> None:
+        super().join(timeout)
+        assert not self.is_alive(), f"thread {self.name} still running after {timeout} s"
+        if self.error is not None:
+            raise self.error
 
 
 def alone(prompt: list[int], params: SamplingParams = GREEDY, dtype: str = "float32") -> list[int]:
@@ -184,7 +219,7 @@ def test_stop_conditions(backend):
     out = e.generate([p], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop], ignore_eos=True))[0]
     assert out.finish_reason == "stop" and out.token_ids == ref[: ref.index(stop) + 1]
     eos_model = TinyModel(num_layers=2, hidden_size=64, vocab_size=128, max_model_len=128, eos_token_ids=(stop,))
-    e2 = LLMEngine(eos_model, num_blocks=64, block_size=4, backend=backend)
+    e2 = tracked(LLMEngine(eos_model, num_blocks=64, block_size=4, backend=backend))
     out = e2.generate([p], SamplingParams(max_tokens=20, temperature=0))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == stop
     short = TinyModel(num_layers=2, hidden_size=64, vocab_size=128, max_model_len=len(p) + 3)
@@ -224,7 +259,7 @@ class FailingModel(TinyModel):
 
 
 def test_model_error_aborts_the_step_and_leaks_nothing(backend):
-    e = LLMEngine(FailingModel({1}), num_blocks=32, block_size=4, backend=backend)
+    e = tracked(LLMEngine(FailingModel({1}), num_blocks=32, block_size=4, backend=backend))
     s = e.submit([5, 6, 7, 8, 9], GREEDY)
     with pytest.raises(RuntimeError, match="boom"):
         s.result(timeout=10)
@@ -232,7 +267,7 @@ def test_model_error_aborts_the_step_and_leaks_nothing(backend):
     assert_clean(e)
     assert e.kv_manager.num_cached_blocks == 0  # hashes of possibly unwritten KV are forgotten
     # synchronous: only the failing step's requests end; the others go on
-    e = LLMEngine(FailingModel({2}), num_blocks=32, block_size=4, backend=backend, max_num_seqs=1)
+    e = tracked(LLMEngine(FailingModel({2}), num_blocks=32, block_size=4, backend=backend, max_num_seqs=1))
     a = e.add_request("a", [5, 6, 7], GREEDY)
     b = e.add_request("b", [8, 9], GREEDY)
     e.step()
@@ -283,20 +318,22 @@ class GatedModel(TinyModel):
 
 def test_abort_from_another_thread_mid_step(backend):
     m = GatedModel()
-    e = LLMEngine(m, num_blocks=64, block_size=4, backend=backend)
+    e = tracked(LLMEngine(m, num_blocks=64, block_size=4, backend=backend))
     ps = prompts(7, 3, 5, 15)
     ids = [e.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]
     e.step()
     m.gate = True
-    stepper = threading.Thread(target=e.step)
+    stepper = Thread(target=e.step)
     stepper.start()
-    assert m.entered.wait(10)
-    live_before = e.kv_manager.num_live_blocks
-    out = e.abort_request("r1")  # while the forward runs
-    assert out.finished and out.finish_reason == "abort"
-    assert e.kv_manager.num_live_blocks < live_before  # freed at once
-    m.release.set()
-    stepper.join(10)
+    try:
+        assert m.entered.wait(10)
+        live_before = e.kv_manager.num_live_blocks
+        out = e.abort_request("r1")  # while the forward runs
+        assert out.finished and out.finish_reason == "abort"
+        assert e.kv_manager.num_live_blocks < live_before  # freed at once
+    finally:
+        m.release.set()
+        stepper.join(10)  # raises what the step raised
     m.gate = False
     res = {}
     while e.has_unfinished_requests():
@@ -364,7 +401,7 @@ def test_many_threads_submit_and_abort(backend):
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    threads = [Thread(target=worker, args=(k,)) for k in range(8)]
     for t in threads:
         t.start()
     for t in threads:
@@ -453,3 +490,89 @@ def test_generate_alongside_background_loop_with_progress_bar(backend, capsys):
     assert_clean(e)
     with pytest.raises(ValueError, match="2 prompts but 3"):
         e.generate(ps[:2], [GREEDY] * 3)
+
+
+# ----------------------------------------------------------------- lifecycle and guard rails
+def test_shutdown_without_abort_keeps_the_requests(backend):
+    e = engine(backend)
+    e.add_request("a", [5, 6, 7], GREEDY)  # synchronous: the loop is not running
+    e.start()
+    e.shutdown(abort=False)
+    assert e._thread is None
+    left = e.has_unfinished_requests()
+    res = {}
+    while e.has_unfinished_requests():  # what the loop left is still there, in any state
+        res.update({o.request_id: o for o in e.step()})
+    if left:
+        assert res["a"].finish_reason == "length"
+    assert_clean(e)
+    e.add_request("b", [8, 9], GREEDY)
+    e.shutdown(abort=False)
+    assert e.has_unfinished_requests()  # not aborted
+    e.shutdown()  # the default aborts it
+    assert_clean(e)
+
+
+def test_context_manager_shuts_the_loop_down_and_aborts(backend):
+    long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    with engine(backend) as e:
+        s = e.submit([5, 6, 7], long)
+        assert e._thread is not None and e._thread.is_alive()
+    assert e._thread is None
+    assert s.result(timeout=10).finish_reason == "abort"
+    assert_clean(e)
+
+
+def test_stream_result_times_out_while_the_step_is_stuck(backend):
+    m = GatedModel()
+    m.gate = True
+    e = tracked(LLMEngine(m, num_blocks=64, block_size=4, backend=backend))
+    s = e.submit([5, 6, 7], GREEDY)
+    try:
+        assert m.entered.wait(10)
+        with pytest.raises(TimeoutError, match=r"request 'req-0': no output within [0-9.e-]+ s"):
+            s.result(timeout=0.05)
+    finally:
+        m.gate = False
+        m.release.set()
+    assert s.result(timeout=30).token_ids == alone([5, 6, 7])
+
+
+def test_a_scheduler_that_makes_no_progress_is_an_error(backend):
+    e = engine(backend)
+    e.add_request("a", [5, 6, 7], GREEDY)
+    e.scheduler.schedule = lambda: None  # a scheduler bug: work left, nothing scheduled
+    assert e.step() == []  # one idle step is allowed
+    with pytest.raises(RuntimeError, match="scheduler made no progress: "):
+        e.step()
+
+
+class WrongShapeModel(TinyModel):
+    def __init__(self, shape) -> None:
+        super().__init__(num_layers=2, hidden_size=64, vocab_size=128, max_model_len=128)
+        self.shape = shape
+
+    def forward(self, batch, kv_caches, logits_indices=None):
+        return np.zeros(self.shape, np.float32)
+
+
+@pytest.mark.parametrize("shape", [(1, 127), (2, 128), (128,)])
+def test_bad_logits_shape_fails_the_step_and_leaks_nothing(backend, shape):
+    e = tracked(LLMEngine(WrongShapeModel(shape), num_blocks=32, block_size=4, backend=backend))
+    e.add_request("a", [5, 6, 7], GREEDY)
+    with pytest.raises(ValueError, match=r"model.forward returned \(.*\), expected \(1, 128\)"):
+        e.step()
+    assert_clean(e)
+
+
+def test_engine_end_to_end_on_the_numpy_reference_kernels(backend):
+    """The same greedy tokens with every kernel from kernels.reference (the pure-Python install's path)."""
+    ps = prompts(21, 3, 3, 12)
+    want = [alone(p) for p in ps]  # Rust kernels
+    kernels.set_kernel_source("reference")
+    try:
+        assert kernels.kernel_source() == "reference"
+        got = engine(backend, num_blocks=24, block_size=4).generate(ps, GREEDY)
+    finally:
+        kernels.set_kernel_source("auto")
+    assert [o.token_ids for o in got] == want

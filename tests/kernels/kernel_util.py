@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,3 +86,42 @@ def max_err(got: np.ndarray, want: np.ndarray) -> float:
     assert got.shape == want.shape and got.dtype == np.float32
     assert np.isfinite(got).all(), "non-finite output: a NaN slot was read"
     return float(np.max(np.abs(got.astype(np.float64) - want), initial=0.0))
+
+
+def gil_released_during(call, attempts: int = 5) -> bool:
+    """Whether ``call()`` lets another Python thread run before it returns, proven without timing.
+
+    With the switch interval at 1e6 s CPython never forces the GIL away from a running thread, so the
+    waiting thread can run while ``call`` is in progress only if ``call`` releases the GIL itself
+    (``py.detach``). ``Event.set`` wakes the waiter but keeps the GIL. The waiter sees ``finished``
+    unset: released. It sees it set: not released, or woken too late (inconclusive), so try again.
+    """
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e6)
+    try:
+        return any(_waiter_ran_during(call) for _ in range(attempts))
+    finally:
+        sys.setswitchinterval(old)
+
+
+def _waiter_ran_during(call) -> bool:
+    started, finished = threading.Event(), threading.Event()
+    seen: list[bool] = []
+    waiter = threading.Thread(target=lambda: seen.append(started.wait(60) and finished.is_set()))
+    waiter.start()
+    time.sleep(0.01)  # let it block in wait() (if it is still running, it gives the GIL up there)
+    started.set()
+    try:
+        call()
+    finally:
+        finished.set()
+        waiter.join(60)
+    assert seen, "the waiting thread did not finish"
+    return seen[0] is False
+
+
+def python_busy(seconds: float = 0.05) -> None:
+    """Pure-Python work that never gives up the GIL on its own (the control for ``gil_released_during``)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

@@ -1,33 +1,35 @@
 """Hypothesis fuzz of the kernel's validation boundary.
 
-Every bad input must raise TypeError or ValueError (pyo3's PanicException derives from
-BaseException, so a panic fails these tests), and every valid random input must match the
-float64 reference.
+Every bad input must raise TypeError or ValueError whose message names the problem (pyo3's
+PanicException derives from BaseException, so a panic fails these tests), and every valid random
+input must match the float64 reference. Every drawn case carries work (at least one sequence, every
+sequence with at least one query row), and every mutation applies to the case drawn for it, so no
+example is skipped or compares empty arrays. Budgets scale with HYPOTHESIS_PROFILE (``session.scaled``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import pagedkv_rs as pk
 from kernel_util import make_case, max_err
 from pagedkv_rs.kernels import reference as ref
-
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+from session import forced_isa, scaled
 
 
 @st.composite
-def cases(draw):
-    hkv = draw(st.integers(1, 3))
+def cases(draw, min_hkv: int = 1, min_seqs: int = 1):
+    """A valid batch with work: 1-4 sequences of 1-40 tokens, each scheduling 1..seq_len query rows."""
+    hkv = draw(st.integers(min_hkv, 3))
     g = draw(st.integers(1, 4))
     d = draw(st.sampled_from([8, 12, 16, 64]))
     bs = draw(st.sampled_from([1, 2, 5, 16]))
-    n = draw(st.integers(0, 4))
-    seq_lens = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))
-    q_lens = [draw(st.integers(0, L)) for L in seq_lens]
+    n = draw(st.integers(min_seqs, 4))
+    seq_lens = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
+    q_lens = [draw(st.integers(1, L)) for L in seq_lens]
     dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"]))
     seed = draw(st.integers(0, 2**32 - 1))
     return make_case(
@@ -43,19 +45,17 @@ def cases(draw):
     )
 
 
-@SETTINGS
+@scaled(60)
 @given(
     cases(),
-    st.sampled_from(pk.kernel_info()["backends"]),
+    st.sampled_from(pk.kernel_info()["isas"]),
     st.sampled_from([None, 1, 3, 50]),
     st.sampled_from([None, 1.5]),
 )
-def test_valid_random_inputs_match_reference(case, backend, window, cap):
-    pk.set_kernel_backend(backend)
-    try:
+def test_valid_random_inputs_match_reference(case, isa, window, cap):
+    assert case.q.shape[0] >= len(case.seq_lens) >= 1
+    with forced_isa(isa):
         got = pk.paged_attention(*case.args(), sliding_window=window, soft_cap=cap)
-    finally:
-        pk.set_kernel_backend("auto")
     want = ref.paged_attention(*case.args(), sliding_window=window, soft_cap=cap).astype(np.float64)
     assert max_err(got, want) < 3e-5
 
@@ -73,9 +73,7 @@ def _bad_attention_args(case, kind: str, rng: np.random.Generator):
     kw: dict = {}
     T, hq, d = q.shape
     nb, hkv, bs, _ = k.shape
-    used = [(i, j) for i in range(len(sl)) for j in range(-(-int(sl[i]) // bs))]
-    if q.size == 0 and kind in ("q_noncontig", "out_noncontig"):
-        return None  # numpy calls every empty array contiguous
+    used = [(i, j) for i in range(len(sl)) for j in range(-(-int(sl[i]) // bs))]  # never empty
     if kind == "q_dtype":
         q = q.astype(rng.choice([np.float64, np.float16, np.int32]))
     elif kind == "q_ndim":
@@ -84,14 +82,12 @@ def _bad_attention_args(case, kind: str, rng: np.random.Generator):
         q = np.concatenate([q, q], axis=2)[:, :, ::2]
     elif kind == "q_head_dim":
         q = np.zeros((T, hq, d + 8), np.float32)
-    elif kind == "q_heads":
-        if hkv == 1:
-            return None  # every head count is a multiple of 1
+    elif kind == "q_heads":  # drawn with hkv >= 2: hq + 1 is not a multiple of it
         q = np.zeros((T, hq + 1, d), np.float32)
     elif kind == "q_not_array":
         q = q.tolist()
     elif kind == "q_unaligned":
-        q = _unaligned(q) if q.size else np.zeros((1, hq, d), np.float64)
+        q = _unaligned(q)
     elif kind == "q_byteswapped":
         q = q.astype(">f4")
     elif kind == "cache_dtype":
@@ -108,42 +104,27 @@ def _bad_attention_args(case, kind: str, rng: np.random.Generator):
     elif kind == "tables_dtype":
         bt = bt.astype(np.int64)
     elif kind == "tables_id_high":
-        if not used:
-            return None
         i, j = used[rng.integers(len(used))]
         bt[i, j] = nb + int(rng.integers(0, 5))
     elif kind == "tables_id_negative":
-        if not used:
-            return None
         i, j = used[rng.integers(len(used))]
         bt[i, j] = int(rng.choice([-1, -7, np.iinfo(np.int32).min]))
     elif kind == "tables_too_narrow":
-        if bt.shape[1] == 0 or not used:
-            return None
         bt = np.ascontiguousarray(bt[:, : max(j for _, j in used)])
     elif kind == "tables_rows":
         bt = np.zeros((bt.shape[0] + 1, bt.shape[1]), np.int32)
     elif kind == "seq_len_negative":
-        if not len(sl):
-            return None
         sl[rng.integers(len(sl))] = -int(rng.integers(1, 1000))
     elif kind == "seq_len_over_capacity":
-        if not len(sl):
-            return None
         sl[rng.integers(len(sl))] = bt.shape[1] * bs + int(rng.integers(1, 100))
     elif kind == "seq_len_below_q_len":
         ql = np.diff(qsl)
-        idx = [i for i in range(len(sl)) if ql[i] > 0]
-        if not idx:
-            return None
-        i = idx[rng.integers(len(idx))]
+        i = int(rng.integers(len(sl)))  # every q_len >= 1
         sl[i] = ql[i] - 1
     elif kind == "seq_lens_dtype":
         sl = sl.astype(np.int64)
     elif kind == "qsl_decreasing":
-        if len(qsl) < 3:
-            return None
-        qsl[1], qsl[2] = qsl[2] + 1, qsl[1]
+        qsl[2] = qsl[1] - 1  # drawn with >= 3 sequences: the end stays right
     elif kind == "qsl_start":
         qsl[0] = 1
     elif kind == "qsl_end":
@@ -159,12 +140,8 @@ def _bad_attention_args(case, kind: str, rng: np.random.Generator):
         o.flags.writeable = False
         kw["out"] = o
     elif kind == "out_aliases_q":
-        if q.size == 0:
-            return None
         kw["out"] = q
     elif kind == "out_aliases_cache":
-        if q.size == 0:
-            return None
         kf = np.zeros((max(1, -(-q.nbytes // (hkv * bs * d * 4))), hkv, bs, d), np.float32)
         k, v = kf, np.zeros_like(kf)
         bt = np.zeros_like(bt)
@@ -222,14 +199,65 @@ ATTN_KINDS = [
 ]
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases(), st.sampled_from(ATTN_KINDS), st.integers(0, 2**32 - 1))
-def test_bad_attention_inputs_raise(case, kind, seed):
-    bad = _bad_attention_args(case, kind, np.random.default_rng(seed))
-    if bad is None:  # this mutation does not apply to this case
-        return
-    args, kw = bad
-    with pytest.raises((TypeError, ValueError)):
+# What each mutation must raise: the exception type and a message naming the argument and the problem.
+ATTN_ERRORS = {
+    "q_dtype": (TypeError, r"^q must be float32, got (float64|float16|int32)$"),
+    "q_ndim": (ValueError, r"^q must be 3-d, got shape \[\d+, \d+\]$"),
+    "q_noncontig": (ValueError, r"^q must be C-contiguous"),
+    "q_head_dim": (ValueError, r"^q head_dim \d+ != cache head_dim \d+$"),
+    "q_heads": (ValueError, r"^num_q_heads \(\d+\) must be a positive multiple of num_kv_heads \(\d+\)$"),
+    "q_not_array": (TypeError, r"^q must be a numpy\.ndarray, got list$"),
+    "q_unaligned": (ValueError, r"^q data is not aligned to its 4-byte items$"),
+    "q_byteswapped": (TypeError, r"^q must be in native byte order$"),
+    "cache_dtype": (TypeError, r"^k_cache must be float32, float16 or bfloat16, got float64$"),
+    "cache_mismatch": (ValueError, r"^k_cache and v_cache must match: "),
+    "cache_shape": (ValueError, r"^k_cache and v_cache must match: "),
+    "cache_noncontig": (ValueError, r"^k_cache must be C-contiguous"),
+    "cache_ndim": (ValueError, r"^k_cache must be 4-d, got shape \[\d+, \d+, \d+\]$"),
+    "tables_dtype": (TypeError, r"^block_tables must be int32, got int64$"),
+    "tables_id_high": (ValueError, r"^block_tables\[\d+, \d+\] = \d+ is not a block id in \[0, \d+\)"),
+    "tables_id_negative": (ValueError, r"^block_tables\[\d+, \d+\] = -\d+ is not a block id in \[0, \d+\)"),
+    "tables_too_narrow": (ValueError, r"^sequence \d+: seq_len \d+ needs \d+ blocks, block_tables has \d+ columns$"),
+    "tables_rows": (ValueError, r"^need block_tables \[B, max_blocks\], seq_lens \[B\], query_start_loc \[B\+1\]"),
+    "seq_len_negative": (ValueError, r"^seq_lens\[\d+\] = -\d+ is negative$"),
+    "seq_len_over_capacity": (
+        ValueError,
+        r"^sequence \d+: seq_len \d+ needs \d+ blocks, block_tables has \d+ columns$",
+    ),
+    "seq_len_below_q_len": (ValueError, r"^sequence \d+: q_len \d+ > seq_len \d+$"),
+    "seq_lens_dtype": (TypeError, r"^seq_lens must be int32, got int64$"),
+    "qsl_decreasing": (ValueError, r"^query_start_loc must not decrease: \[1\]=\d+ > \[2\]=\d+$"),
+    "qsl_start": (ValueError, r"^query_start_loc\[0\] must be 0, got 1$"),
+    "qsl_end": (ValueError, r"^query_start_loc\[-1\] = \d+ but q has \d+ tokens$"),
+    "qsl_length": (ValueError, r"^need block_tables \[B, max_blocks\], seq_lens \[B\], query_start_loc \[B\+1\]"),
+    "out_dtype": (TypeError, r"^out must be float32, got float64$"),
+    "out_shape": (ValueError, r"^out must have q's shape \[\d+, \d+, \d+\], got \[\d+, \d+, \d+\]$"),
+    "out_readonly": (ValueError, r"^out must be writeable"),
+    "out_aliases_q": (ValueError, r"^out must not share memory with q$"),
+    "out_aliases_cache": (ValueError, r"^out must not share memory with k_cache$"),
+    "out_noncontig": (ValueError, r"^out must be C-contiguous"),
+    "scale_nan": (ValueError, r"^scale must be finite in float32, got (NaN|inf|-inf|1e\+?300)$"),
+    "window_bad": (ValueError, r"^sliding_window must be >= 1, got -?\d+$"),
+    "soft_cap_bad": (ValueError, r"^soft_cap must be a finite float32 > 0, got "),
+}
+assert set(ATTN_ERRORS) == set(ATTN_KINDS)
+
+
+def _case_for(kind: str):
+    """A valid case the mutation ``kind`` applies to (a GQA case for q_heads, three sequences to reorder)."""
+    return cases(min_hkv=2 if kind == "q_heads" else 1, min_seqs=3 if kind == "qsl_decreasing" else 1)
+
+
+@scaled(250)
+@given(
+    st.sampled_from(ATTN_KINDS).flatmap(lambda kind: st.tuples(st.just(kind), _case_for(kind))),
+    st.integers(0, 2**32 - 1),
+)
+def test_bad_attention_inputs_raise(kind_case, seed):
+    kind, case = kind_case
+    args, kw = _bad_attention_args(case, kind, np.random.default_rng(seed))
+    exc, match = ATTN_ERRORS[kind]
+    with pytest.raises(exc, match=match):
         pk.paged_attention(*args, **kw)
 
 
@@ -247,14 +275,39 @@ WRITE_KINDS = [
 ]
 
 
-@settings(max_examples=80, deadline=None)
+WRITE_ERRORS = {
+    "slot_high": (ValueError, r"^slot_mapping\[\d+\] = \d+ is not -1 or a slot in \[0, 16\)$"),
+    "slot_low": (ValueError, r"^slot_mapping\[\d+\] = -\d+ is not -1 or a slot in \[0, 16\)$"),
+    "slot_dtype": (TypeError, r"^slot_mapping must be int64, got (int32|float64|uint64)$"),
+    "key_shape": (ValueError, r"^key and value must be \[\d+, 2, 8\] \(num_tokens, num_kv_heads, head_dim\)"),
+    "key_dtype": (TypeError, r"^key must be float32, got float64$"),
+    "value_shape": (ValueError, r"^key and value must be \[\d+, 2, 8\] \(num_tokens, num_kv_heads, head_dim\)"),
+    "readonly": (ValueError, r"^k_cache and v_cache must be writeable$"),
+    "key_aliases_cache": (ValueError, r"^key must not share memory with the caches$"),
+    # a float64 v_cache is the wrong dtype; a float32 one beside a float16/bfloat16 k_cache a mismatch
+    "cache_mismatch": (
+        (TypeError, ValueError),
+        r"^(v_cache must be float32, float16 or bfloat16, got float64|k_cache and v_cache must match: )",
+    ),
+    "slots_2d": (ValueError, r"^slot_mapping must be 1-d, got shape \[\d+, 1\]$"),
+}
+assert set(WRITE_ERRORS) == set(WRITE_KINDS)
+
+
+@scaled(80)
 @given(
-    st.sampled_from(WRITE_KINDS),
-    st.sampled_from(["float32", "float16", "bfloat16"]),
+    st.sampled_from(WRITE_KINDS).flatmap(
+        # a float32 key can only alias a float32 cache
+        lambda kind: st.tuples(
+            st.just(kind),
+            st.just("float32") if kind == "key_aliases_cache" else st.sampled_from(["float32", "float16", "bfloat16"]),
+        )
+    ),
     st.integers(1, 6),
     st.integers(0, 2**32 - 1),
 )
-def test_bad_write_kv_inputs_raise(kind, dtype, T, seed):
+def test_bad_write_kv_inputs_raise(kind_dtype, T, seed):
+    kind, dtype = kind_dtype
     rng = np.random.default_rng(seed)
     k, v = pk.new_kv_cache(4, 4, 2, 8, dtype)
     key = rng.standard_normal((T, 2, 8), dtype=np.float32)
@@ -276,19 +329,29 @@ def test_bad_write_kv_inputs_raise(kind, dtype, T, seed):
     elif kind == "readonly":
         v.flags.writeable = False
     elif kind == "key_aliases_cache":
-        if dtype != "float32":
-            return
         key = k.reshape(-1)[: key.size].reshape(key.shape)
     elif kind == "cache_mismatch":
         v = np.zeros((4, 2, 4, 8), np.float64 if dtype == "float32" else np.float32)
     elif kind == "slots_2d":
         slots = slots.reshape(T, 1)
-    with pytest.raises((TypeError, ValueError)):
+    exc, match = WRITE_ERRORS[kind]
+    with pytest.raises(exc, match=match):
         pk.write_kv(k, v, key, val, slots)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.sampled_from(["high", "negative", "shape", "dtype", "not_pairs", "same_cache"]), st.integers(0, 2**32 - 1))
+COPY_ERRORS = {
+    "high": (ValueError, r"^pairs\[\d, \d\] = \d+ is not a block id in \[0, 4\)$"),
+    "negative": (ValueError, r"^pairs\[\d, \d\] = -\d+ is not a block id in \[0, 4\)$"),
+    "shape": (ValueError, r"^pairs must be \[n, 2\], got \[3, 3\]$"),
+    "dtype": (TypeError, r"^pairs must be int64, got float64$"),
+    "not_pairs": (TypeError, r"^pairs must be an int64 array \[n, 2\] or a sequence of \(src, dst\) int pairs$"),
+    "same_cache": (ValueError, r"^k_cache and v_cache must not share memory$"),
+    "readonly": (ValueError, r"^k_cache and v_cache must be writeable$"),
+}
+
+
+@scaled(60)
+@given(st.sampled_from(list(COPY_ERRORS)), st.integers(0, 2**32 - 1))
 def test_bad_copy_blocks_inputs_raise(kind, seed):
     rng = np.random.default_rng(seed)
     k, v = pk.new_kv_cache(4, 2, 1, 8, "float16")
@@ -306,5 +369,8 @@ def test_bad_copy_blocks_inputs_raise(kind, seed):
         pairs = [(1, 2, 3)]
     elif kind == "same_cache":
         v = k
-    with pytest.raises((TypeError, ValueError)):
+    elif kind == "readonly":
+        v.flags.writeable = False
+    exc, match = COPY_ERRORS[kind]
+    with pytest.raises(exc, match=match):
         pk.copy_blocks(k, v, pairs)

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
-core = pytest.importorskip("pagedkv_rs._core")
+import pagedkv_rs._core as core  # the session needs it (tests/conftest.py): no skip
 
 
 def test_set_isa_get_isa_and_info_keys():
     isas = core.kernel_info()["isas"]
     assert isas[0] == "scalar" and isas == core.kernel_info()["backends"]
+    prev = core.get_isa()
     try:
         for name in isas:
             core.set_isa(name)
@@ -31,7 +33,7 @@ def test_set_isa_get_isa_and_info_keys():
                 core.set_isa(name)
         assert core.get_isa() == "auto"
     finally:
-        core.set_isa("auto")
+        core.set_isa(prev)
 
 
 def _isa_in_subprocess(**env: str) -> subprocess.CompletedProcess[str]:
@@ -50,3 +52,34 @@ def test_env_pagedkv_isa_wins_over_legacy_pagedkv_kernel():
 def test_env_invalid_pagedkv_isa_is_an_error_at_first_use():
     out = _isa_in_subprocess(PAGEDKV_ISA="avx9000")
     assert out.returncode != 0 and "ValueError: PAGEDKV_ISA: ISA must be" in out.stderr
+
+
+@pytest.mark.parametrize("name", sorted({"avx2", "avx512", "neon"} - set(core.kernel_info()["isas"])))
+def test_env_isa_this_cpu_lacks_is_a_clear_error(name):
+    """E.g. PAGEDKV_ISA=avx512 on an AVX2-only CPU: a ValueError naming it, never another ISA run silently."""
+    out = _isa_in_subprocess(PAGEDKV_ISA=name)
+    assert out.returncode != 0
+    assert f'ValueError: PAGEDKV_ISA: ISA "{name}" is not supported by this CPU (available: auto, ' in out.stderr
+
+
+@pytest.mark.parametrize("threads", [None, 1, 2])
+def test_machine_probes_are_positive_and_finite(threads):
+    bw = core.memory_bandwidth(1 << 22, threads)
+    fma = core.fma_peak(0.01, threads)
+    assert math.isfinite(bw) and bw > 0.1  # GB/s: any machine reads 4 MiB faster than 100 MB/s
+    assert math.isfinite(fma) and fma > 0.1  # GFLOP/s
+
+
+def test_machine_probes_reject_bad_arguments():
+    with pytest.raises(ValueError, match=r"bytes must be in \[2\*\*20, 2\*\*36\], got 1024"):
+        core.memory_bandwidth(1024)
+    with pytest.raises(ValueError, match=r"bytes must be in \[2\*\*20, 2\*\*36\], got 137438953473"):
+        core.memory_bandwidth((1 << 37) + 1)
+    for bad in (0, -1, 1025):
+        with pytest.raises(ValueError, match=rf"threads must be in \[1, 1024\], got {bad}"):
+            core.memory_bandwidth(1 << 20, bad)
+        with pytest.raises(ValueError, match=rf"threads must be in \[1, 1024\], got {bad}"):
+            core.fma_peak(0.01, bad)
+    for bad in (0.0, -1.0, 11.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"seconds must be in \(0, 10\], got "):
+            core.fma_peak(bad)

@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import pagedkv_rs
+from kernel_util import gil_released_during
 from pagedkv_rs import QLinear
 from pagedkv_rs.kernels import reference
+from session import forced_isa, scaled
 
-# Every kernel backend this CPU runs ("scalar", "avx2", "avx512"): QLinear maps them onto its
-# scalar, AVX2+FMA and AVX-512 VNNI builds.
-ISAS = pagedkv_rs.kernel_info()["backends"]
+# Every ISA this CPU runs ("scalar", then e.g. "avx2"). QLinear maps them onto its builds: scalar and
+# neon onto the scalar tile, avx2 onto AVX2+FMA, avx512 onto AVX-512 VNNI where the CPU has VNNI and
+# onto AVX2+FMA where it does not; so several ISAs can share one build.
+ISAS = pagedkv_rs.kernel_info()["isas"]
+
+
+def _linear_build(isa: str) -> str:
+    with forced_isa(isa):
+        return pagedkv_rs.kernel_info()["linear_isa"]
+
+
+BUILDS = {isa: _linear_build(isa) for isa in ISAS}
+# One ISA per SIMD build (empty on a CPU without one: the comparisons are then not generated, and reported).
+SIMD_BUILDS = {b: isa for isa, b in reversed(BUILDS.items()) if b != "scalar"}
 
 
 def _weights(rng, n, k, scale=0.1):
@@ -31,12 +41,10 @@ def _dequant(q):
 
 def test_isa_names():
     info = pagedkv_rs.kernel_info()
-    assert info["detected_linear_isa"] in ("scalar", "avx2+fma", "avx512vnni")
-    pagedkv_rs.set_kernel_backend("scalar")
-    try:
-        assert pagedkv_rs.kernel_info()["linear_isa"] == "scalar"
-    finally:
-        pagedkv_rs.set_kernel_backend("auto")
+    vnni = info["detected_linear_isa"] == "avx512vnni"
+    want = {"scalar": "scalar", "neon": "scalar", "avx2": "avx2+fma", "avx512": "avx512vnni" if vnni else "avx2+fma"}
+    assert {isa: want[isa] for isa in ISAS} == BUILDS
+    assert info["detected_linear_isa"] == BUILDS[ISAS[-1]]
 
 
 @pytest.mark.parametrize(
@@ -53,21 +61,18 @@ def test_matches_reference(isa, m, n, k):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
-def test_every_isa_gives_the_same_bits():
+@pytest.mark.parametrize("build", list(SIMD_BUILDS))
+def test_every_simd_build_gives_the_scalar_bits(build):
     rng = np.random.default_rng(3)
     q = QLinear.from_float(_weights(rng, 70, 192))
     x = rng.standard_normal((37, 192)).astype(np.float32)
     x[4, 10] = 500.0  # an outlier block
-    got = {}
-    for name in ISAS:
-        pagedkv_rs.set_kernel_backend(name)
-        try:
-            got[pagedkv_rs.kernel_info()["linear_isa"]] = q(x)
-        finally:
-            pagedkv_rs.set_kernel_backend("auto")
-    assert len(got) == len(ISAS)  # each backend ran a different build
-    for y in got.values():
-        np.testing.assert_array_equal(y.view(np.uint32), got["scalar"].view(np.uint32))
+    with forced_isa("scalar"):
+        want = q(x)
+    with forced_isa(SIMD_BUILDS[build]):
+        assert pagedkv_rs.kernel_info()["linear_isa"] == build
+        got = q(x)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_rows_do_not_depend_on_the_batch():
@@ -195,28 +200,16 @@ def test_bad_input_is_a_clear_exception():
         )
 
 
-def test_the_gil_is_released_during_a_call():
+@pytest.mark.parametrize("isa_name", ISAS)
+def test_the_gil_is_released_during_a_call(isa_name):
     rng = np.random.default_rng(11)
-    q = QLinear.from_float(_weights(rng, 4096, 1024))
-    x = rng.standard_normal((256, 1024)).astype(np.float32)
-    ticks = 0
-    done = threading.Event()
-
-    def run():
-        for _ in range(3):
-            q(x)
-        done.set()
-
-    t = threading.Thread(target=run)
-    t.start()
-    while not done.is_set():
-        ticks += 1
-        time.sleep(0.0005)
-    t.join()
-    assert ticks > 5
+    q = QLinear.from_float(_weights(rng, 1024, 1024))
+    x = rng.standard_normal((128, 1024)).astype(np.float32)
+    with forced_isa(isa_name):
+        assert gil_released_during(lambda: q(x))
 
 
-@settings(max_examples=40, deadline=None)
+@scaled(40)
 @given(
     m=st.integers(1, 12),
     n=st.integers(1, 40),

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-__all__ = ["Config", "CONFIGS", "build", "numpy_attention", "main"]
+__all__ = ["Config", "CONFIGS", "NUMPY_CHUNK", "build", "numpy_attention", "main"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,14 @@ def quick(c: Config) -> Config:
     return Config(**{**c.__dict__, **scale})
 
 
+def tiny(c: Config) -> Config:
+    """A smoke-test version of every config (seconds in all; the figures mean nothing)."""
+    return Config(
+        **{**c.__dict__, "batch": min(c.batch, 2), "seq_len": min(c.seq_len, 300), "q_len": min(c.q_len, 300)}
+        | {"layers": min(c.layers, 2)}
+    )
+
+
 Layer = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
@@ -92,8 +100,15 @@ def build(c: Config, seed: int = 0) -> list[Layer]:
     return layers
 
 
+NUMPY_CHUNK = 128  # query rows per numpy matmul: each chunk reads only the keys it can see
+
+
 def numpy_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out=None):
-    """The obvious numpy way: gather each sequence's blocks, float32 matmul, masked softmax."""
+    """The obvious numpy way: gather each sequence's blocks, float32 matmul, masked softmax.
+
+    Causal work, like the kernel's: query rows go in chunks of ``NUMPY_CHUNK``, each over the keys up
+    to its last row (a full L x L score matrix would do about twice the FLOPs the Prefill row counts).
+    """
     _, hkv, bs, d = k_cache.shape
     hq = q.shape[1]
     g = hq // hkv
@@ -108,15 +123,18 @@ def numpy_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         blocks = block_tables[i, : -(-L // bs)]
         k = k_cache[blocks].transpose(1, 0, 2, 3).reshape(hkv, -1, d)[:, :L].astype(np.float32)
         v = v_cache[blocks].transpose(1, 0, 2, 3).reshape(hkv, -1, d)[:, :L].astype(np.float32)
-        qi = q[lo:hi].reshape(nq, hkv, g, d).transpose(1, 2, 0, 3).reshape(hkv, g * nq, d)
-        s = np.matmul(qi, k.transpose(0, 2, 1)) * scale  # [hkv, g*nq, L]
-        if nq > 1:
-            qpos = np.tile(np.arange(L - nq, L), g)[:, None]
-            s = np.where(np.arange(L)[None, :] <= qpos, s, -np.inf)
-        s = np.exp(s - s.max(-1, keepdims=True))
-        s /= s.sum(-1, keepdims=True)
-        o = np.matmul(s, v).reshape(hkv, g, nq, d).transpose(2, 0, 1, 3)
-        out[lo:hi] = o.reshape(nq, hq, d)
+        for c0 in range(0, nq, NUMPY_CHUNK):
+            c1 = min(c0 + NUMPY_CHUNK, nq)
+            n, S = c1 - c0, L - nq + c1  # rows in this chunk; keys the last of them sees
+            qi = q[lo + c0 : lo + c1].reshape(n, hkv, g, d).transpose(1, 2, 0, 3).reshape(hkv, g * n, d)
+            s = np.matmul(qi, k[:, :S].transpose(0, 2, 1)) * scale  # [hkv, g*n, S]
+            if n > 1:
+                qpos = np.tile(np.arange(S - n, S), g)[:, None]
+                s = np.where(np.arange(S)[None, :] <= qpos, s, -np.inf)
+            s = np.exp(s - s.max(-1, keepdims=True))
+            s /= s.sum(-1, keepdims=True)
+            o = np.matmul(s, v[:, :S]).reshape(hkv, g, n, d).transpose(2, 0, 1, 3)
+            out[lo + c0 : lo + c1] = o.reshape(n, hq, d)
     return out
 
 
@@ -151,11 +169,12 @@ def run_config(c: Config, bw: float, fma: float, repeat: int, scalar: bool, nump
     row["GFLOPs"] = c.flops / t / 1e9
     row["fma_frac"] = row["GFLOPs"] / fma
     if scalar and c.q_len == 1:  # the scalar path on a 2k-token prefill takes tens of seconds
-        pk.set_kernel_backend("scalar")
+        prev = pk.get_isa()
+        pk.set_isa("scalar")
         try:
             row["scalar_ms"] = best_time(rust, 1) * 1e3
         finally:
-            pk.set_kernel_backend("auto")
+            pk.set_isa(prev)
     if numpy_ref:
         row["numpy_ms"] = best_time(lambda: [numpy_attention(*x, out=o) for x, o in zip(layers, outs)], 1) * 1e3
         row["vs_numpy"] = row["numpy_ms"] / row["time_ms"]
@@ -167,6 +186,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     ap = argparse.ArgumentParser(prog="pagedkv bench kernel", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller configs and bandwidth buffer (smoke run)")
+    ap.add_argument("--tiny", action="store_true", help="tiny configs, short probes: a smoke test of the command")
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     ap.add_argument("--repeat", type=int, default=None, help="timed repeats per config (best is kept)")
     ap.add_argument("--only", default=None, help="comma-separated config names (A,Long,SmolLM2,Prefill)")
@@ -180,16 +200,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.threads is not None:
         pk.set_num_threads(args.threads)
     threads = pk.get_num_threads()
-    repeat = args.repeat or (2 if args.quick else 5)
-    configs = [quick(c) if args.quick else c for c in CONFIGS]
+    repeat = args.repeat or (1 if args.tiny else 2 if args.quick else 5)
+    configs = [tiny(c) if args.tiny else quick(c) if args.quick else c for c in CONFIGS]
     configs = [Config(**{**c.__dict__, "block_size": args.block_size}) for c in configs]
     if args.only:
         names = {n.strip() for n in args.only.split(",")}
         configs = [c for c in configs if c.name in names]
 
     info = pk.kernel_info()
-    bw = pk.memory_bandwidth(1 << (28 if args.quick else 30), threads)
-    fma = pk.fma_peak(0.2, threads)
+    bw = pk.memory_bandwidth(1 << (24 if args.tiny else 28 if args.quick else 30), threads)
+    fma = pk.fma_peak(0.02 if args.tiny else 0.2, threads)
     print(
         f"kernel {info['active_isa']}, {threads} threads, block_size {args.block_size}; "
         f"memory read bandwidth {bw:.1f} GB/s, "
