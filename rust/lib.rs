@@ -37,5 +37,5 @@ mod _core {
 
     // Block-quantized linear layers and the row-wise ops around them.
     #[pymodule_export]
-    use super::py::{rms_norm, silu_and_mul, QLinear};
+    use super::py::{dequantize_gguf, rms_norm, silu_and_mul, QLinear};
 }

@@ -15,6 +15,7 @@ __all__ = [
     "build_profile",
     "copy_blocks",
     "core_version",
+    "dequantize_gguf",
     "fma_peak",
     "get_isa",
     "get_num_threads",
@@ -195,6 +196,9 @@ class QLinear:
     def unpack(self) -> tuple[npt.NDArray[np.uint8], _F32, _F32]: ...
     def __call__(self, x: _F32, *, out: Optional[_F32] = None) -> _F32: ...
 
+def dequantize_gguf(
+    data: npt.NDArray[np.uint8], ggml_type: str, k: int, *, out: Optional[_F32] = None
+) -> _F32: ...
 def rms_norm(
     x: _F32, weight: _F32, eps: float, *, residual: Optional[_F32] = None, out: Optional[_F32] = None
 ) -> _F32: ...

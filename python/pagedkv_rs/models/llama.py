@@ -27,10 +27,11 @@ from typing import Any, Optional
 import numpy as np
 
 from pagedkv_rs.batch import BatchInputs
-from pagedkv_rs.models.gguf_loader import GGUFFile, LlamaConfig, load_gguf
+from pagedkv_rs.models.gguf_loader import RAW_TYPES, GGUFFile, GGUFTensor, LlamaConfig, load_gguf
 
 __all__ = [
     "DenseLlama",
+    "Embedding",
     "FloatLinear",
     "Int8Linear",
     "LlamaModel",
@@ -104,13 +105,32 @@ class Int8Linear:
         return self.q(np.ascontiguousarray(x, np.float32))
 
 
+class Embedding:
+    """The token-embedding table ``[V, H]``, read per step from the file's own (quantized) rows.
+
+    ``embed[ids]`` dequantizes just the rows of ``ids`` (any int array) to float32 ``[*ids.shape, H]``.
+    """
+
+    def __init__(self, tensor: GGUFTensor):
+        self.tensor = tensor
+        self.shape: tuple[int, ...] = tensor.shape
+
+    def __getitem__(self, ids: Any) -> np.ndarray:
+        ids = np.asarray(ids, np.int64)
+        rows = self.tensor.dequantize(ids.reshape(-1))
+        return rows.reshape(ids.shape + self.shape[1:])
+
+
 class LlamaWeights:
     """Weights of a Llama model with fused QKV and gate/up projections, plus RoPE tables.
 
-    ``weights="float32"``: every projection is dequantized float32 run by numpy's BLAS.
-    ``weights="int8"``: ``pagedkv_rs.QLinear``; Q4_1/Q8_0 tensors keep the file's own blocks
-    (exactly), other types are requantized to 8 bits per 32-wide block. ``"auto"`` (default) picks
-    int8 where its AVX-512 VNNI kernel runs, float32 elsewhere.
+    Built tensor by tensor from the memory-mapped file; no whole-model float32 copy exists.
+    ``weights="float32"``: every projection is dequantized straight into its fused float32 array
+    and run by numpy's BLAS. ``weights="int8"``: ``pagedkv_rs.QLinear``; Q4_1/Q8_0 tensors keep
+    the file's own blocks (exactly), other types are requantized to 8 bits per 32-wide block.
+    ``"auto"`` (default) picks int8 where its AVX-512 VNNI kernel runs, float32 elsewhere. In both
+    formats the embedding is read per token from the file's rows, and a tied ``lm_head`` (over
+    Q4_1/Q8_0 rows) is a ``QLinear`` over those same blocks when the Rust core is built.
     """
 
     def __init__(self, gguf: GGUFFile, *, rope_pairs: str = "half", weights: str = "auto"):
@@ -122,17 +142,17 @@ class LlamaWeights:
         self.rope_pairs = rope_pairs
         self.weight_format = resolve_weight_format(weights)
         self._gguf = gguf
-        self.embed: np.ndarray = gguf.tensors["token_embd.weight"]  # [V, H]
-        self.lm_head = self._linear(["token_embd.weight" if cfg.tie_embeddings else "output.weight"])
-        self.final_norm: np.ndarray = gguf.tensors["output_norm.weight"]
+        t = gguf.tensors
+        self.embed = Embedding(t["token_embd.weight"])  # [V, H]
+        self.lm_head = self._lm_head()
+        self.final_norm: np.ndarray = self._vector("output_norm.weight")
         self.layers: list[dict[str, Any]] = []
         for i in range(cfg.num_layers):
             b = f"blk.{i}."
-            t = gguf.tensors
             self.layers.append(
                 {
-                    "attn_norm": t[b + "attn_norm.weight"],
-                    "ffn_norm": t[b + "ffn_norm.weight"],
+                    "attn_norm": self._vector(b + "attn_norm.weight"),
+                    "ffn_norm": self._vector(b + "ffn_norm.weight"),
                     # out features: Hq D query, Hkv D key, Hkv D value
                     "wqkv": self._linear([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]),
                     "wo": self._linear([b + "attn_output.weight"]),
@@ -148,35 +168,71 @@ class LlamaWeights:
         self.cos: np.ndarray = np.cos(ang).astype(np.float32)  # [max_len, D/2]
         self.sin: np.ndarray = np.sin(ang).astype(np.float32)
 
-    def _rows(self, name: str, table: dict[str, np.ndarray]) -> np.ndarray:
-        """Rows ``[out, ...]`` of a tensor (float or raw blocks), Q/K rows in rotate-half order if asked."""
-        w = table[name]
+    def _vector(self, name: str) -> np.ndarray:
+        """A 1-D float32 tensor (norm weights): a view of the file when stored as F32."""
+        t = self._gguf.tensors[name]
+        if t.type == "F32":
+            return t.data.view(np.float32)
+        return t.dequantize()
+
+    def _rows(self, name: str) -> np.ndarray:
+        """Stored rows ``uint8 [out, row_bytes]`` of a tensor, Q/K rows in rotate-half order if asked."""
+        w = self._gguf.tensors[name].data
         if self.rope_pairs == "half" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = self.config.num_heads if name.endswith("attn_q.weight") else self.config.num_kv_heads
             w = unpermute_rope_rows(w, heads)
         return w
 
-    def _linear(self, names: list[str]) -> Any:
+    def _lm_head(self) -> Any:
+        cfg, g = self.config, self._gguf
+        name = "token_embd.weight" if cfg.tie_embeddings else "output.weight"
+        t = g.tensors[name]
+        if self.weight_format == "float32" and not (cfg.tie_embeddings and t.type in RAW_TYPES and _has_qlinear()):
+            return self._linear([name])
+        return self._linear([name], int8=True)
+
+    def _linear(self, names: list[str], *, int8: Optional[bool] = None) -> Any:
         """One linear layer whose output features are the named ``[out, in]`` tensors' rows, in order."""
         g = self._gguf
-        if self.weight_format == "float32":
-            rows = [self._rows(n, g.tensors) for n in names]
-            if len(rows) == 1 and names[0] == "token_embd.weight":
-                return FloatLinear(rows[0].T)  # tied: a transposed view, no copy
-            return FloatLinear(np.ascontiguousarray(np.concatenate(rows).T))
+        ts = [g.tensors[n] for n in names]
+        shape = (sum(t.shape[0] for t in ts), ts[0].shape[1])
+        kinds = {t.type for t in ts}
+        if not (self.weight_format == "int8" if int8 is None else int8):
+            w = self._dequantize(names, shape)
+            g.release(*names)
+            return FloatLinear(w.T)  # x @ w.T: one sgemm on the transposed view, no copy
         from pagedkv_rs import _core
 
-        k = g.tensors[names[0]].shape[1]
-        kinds = {g.tensor_types[n] for n in names}
-        if len(kinds) == 1 and all(n in g.raw for n in names):
-            raw = np.concatenate([self._rows(n, g.raw) for n in names])
-            return Int8Linear(_core.QLinear.from_gguf(raw, kinds.pop(), k))
-        rows = np.concatenate([self._rows(n, g.tensors) for n in names])
-        return Int8Linear(_core.QLinear.from_float(np.ascontiguousarray(rows, np.float32)))
+        if len(kinds) == 1 and kinds <= set(RAW_TYPES):
+            raw = np.concatenate([self._rows(n) for n in names]) if len(names) > 1 else self._rows(names[0])
+            q = _core.QLinear.from_gguf(np.ascontiguousarray(raw), kinds.pop(), shape[1])
+        else:
+            q = _core.QLinear.from_float(self._dequantize(names, shape))
+        g.release(*names)
+        return Int8Linear(q)
+
+    def _dequantize(self, names: list[str], shape: tuple[int, int]) -> np.ndarray:
+        """float32 ``[out, in]`` of the named tensors stacked, each decoded straight into its rows."""
+        w = np.empty(shape, np.float32)
+        at = 0
+        for n in names:
+            t = self._gguf.tensors[n]
+            rows = GGUFTensor(t.path, n, t.type, t.shape, self._rows(n))
+            rows.dequantize(out=w[at : at + t.shape[0]])
+            at += t.shape[0]
+        return w
 
     @classmethod
     def load(cls, path: Any = None, *, rope_pairs: str = "half", weights: str = "auto") -> LlamaWeights:
         return cls(path if isinstance(path, GGUFFile) else load_gguf(path), rope_pairs=rope_pairs, weights=weights)
+
+
+def _has_qlinear() -> bool:
+    try:
+        from pagedkv_rs import _core
+    except ImportError:
+        return False
+    return hasattr(_core, "QLinear")
 
 
 # ---- per-token math shared by both forwards -------------------------------------------------
