@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[list[str]] = None, out: TextIO = sys.stdout) -> int:
+def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
+    out = sys.stdout if out is None else out  # looked up per call: pytest's capsys swaps sys.stdout
     args = build_parser().parse_args(argv)
     from pagedkv_rs.cli.args import llm_from_args
     from pagedkv_rs.engine.request import SamplingParams

@@ -2,10 +2,10 @@
 
 Each run is a fresh ``pagedkv generate`` process (``python -m pagedkv_rs.cli.main generate``: greedy,
 ``--ignore-eos`` so the answer is exactly ``--max-tokens`` long) started by this one; wall time is
-spawn to exit, peak RSS the child's own ``ru_maxrss`` from ``os.wait4`` (what ``/usr/bin/time -v``
-reports as "Maximum resident set size"). Reported per weight format: median, min and max over
-``--runs`` runs, against the targets (1.0 s, 300 MB for the bundled model) and the general bound
-``file size + KV pool + 150 MB``.
+spawn to exit, peak RSS the child's own maximum resident set size (``/usr/bin/time``'s ``%M``, or
+``ru_maxrss`` from ``os.wait4`` where there is no ``/usr/bin/time``). Reported per weight format:
+median, min and max over ``--runs`` runs, against the targets (1.0 s, 300 MB for the bundled model)
+and the general bound ``file size + KV pool + 150 MB``.
 """
 
 from __future__ import annotations
@@ -55,9 +55,12 @@ def command(model: Optional[str], weights: str, max_tokens: int, prompt: str) ->
 
 def run_once(cmd: list[str]) -> dict[str, Any]:
     """Spawn ``cmd``; its wall time (s), peak RSS (bytes), exit code and the ``--stats`` line."""
+    # A child's ru_maxrss starts at the high-water mark of the process that exec'd it, i.e. of this
+    # (maybe large) one; /usr/bin/time is small and reports its own child's figure, so prefer it.
+    timer = ["/usr/bin/time", "-f", "PAGEDKV_MAXRSS_KB=%M"] if os.path.exists("/usr/bin/time") else []
     with tempfile.TemporaryFile() as errf:
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf)
+        p = subprocess.Popen(timer + cmd, stdout=subprocess.PIPE, stderr=errf)
         assert p.stdout is not None
         out = p.stdout.read()
         p.stdout.close()
@@ -67,9 +70,10 @@ def run_once(cmd: list[str]) -> dict[str, Any]:
         errf.seek(0)
         err = errf.read().decode(errors="replace")
     stats = next((ln for ln in err.splitlines() if ln.startswith("[")), "")
+    m = re.search(r"PAGEDKV_MAXRSS_KB=(\d+)", err)
     return {
         "wall_s": wall,
-        "peak_rss": ru.ru_maxrss * 1024,  # Linux reports KiB
+        "peak_rss": int(m.group(1) if m else ru.ru_maxrss) * 1024,  # Linux reports KiB
         "returncode": p.returncode,
         "stats": stats,
         "stderr": err[-2000:],
