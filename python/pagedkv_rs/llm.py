@@ -22,7 +22,7 @@ except ImportError as e:
 
 from pagedkv_rs.engine import LLMEngine, RequestStream
 from pagedkv_rs.engine.request import RequestOutput, SamplingParams
-from pagedkv_rs.models.gguf_loader import load_gguf
+from pagedkv_rs.models.gguf_loader import GGUFFile, load_gguf
 from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, eos_ids_from_metadata
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
 
@@ -78,11 +78,13 @@ class _TextDecoder:
 class LLM:
     """An offline engine over one GGUF model.
 
-    ``model``: path of a Llama-architecture GGUF file, or ``None`` for the bundled SmolLM2-135M.
+    ``model``: path of a Llama-architecture GGUF file (or one opened by ``load_gguf``), or ``None`` for
+    the bundled SmolLM2-135M.
     ``kv_dtype``: "float16" (default), "float32" or "bfloat16". The KV pool is ``num_blocks`` blocks
     of ``block_size`` tokens, or as many as fit in ``kv_memory`` (bytes or "512MiB"; default 512 MiB).
     ``weights``: "auto" (default: int8 blocks where the AVX-512 VNNI kernel runs, else float32),
     "int8" or "float32" (see ``pagedkv_rs.models.llama.LlamaWeights``).
+    ``tokenizer``: this model's ``GGUFTokenizer`` when the caller already built one (default: built here).
     ``backend``: allocator backend, "auto" | "rust" | "python". Other keyword arguments go to the
     scheduler (``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
     ``preemption_mode``, ``policy``...).
@@ -90,7 +92,7 @@ class LLM:
 
     def __init__(
         self,
-        model: Optional[str] = None,
+        model: Union[str, GGUFFile, None] = None,
         *,
         kv_dtype: str = "float16",
         num_blocks: Optional[int] = None,
@@ -100,11 +102,12 @@ class LLM:
         weights: str = "auto",
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        tokenizer: Optional[GGUFTokenizer] = None,
         **scheduler_kwargs: Any,
     ) -> None:
-        g = load_gguf(model)
+        g = model if isinstance(model, GGUFFile) else load_gguf(model)
         self.model_path = g.path
-        self.tokenizer = GGUFTokenizer(g.metadata, path=g.path)
+        self.tokenizer = tokenizer if tokenizer is not None else GGUFTokenizer(g.metadata, path=g.path)
         self.model = LlamaModel(LlamaWeights(g, weights=weights), eos_token_ids=eos_ids_from_metadata(g.metadata))
         self.weight_format: str = self.model.weights.weight_format
         del g

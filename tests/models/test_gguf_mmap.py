@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 
 import numpy as np
@@ -120,15 +121,15 @@ def test_weights_keep_no_float32_embedding(bundled, fmt):
     assert isinstance(w.lm_head, Int8Linear)  # tied Q8_0 rows: a QLinear over the file's blocks
     kind = FloatLinear if fmt == "float32" else Int8Linear
     assert all(isinstance(layer[k], kind) for layer in w.layers for k in ("wqkv", "wo", "wgu", "wdown"))
-    floats = sum(layer[k].w_t.nbytes for layer in w.layers for k in ("wqkv", "wo", "wgu", "wdown")) if (
-        fmt == "float32"
-    ) else 0
-    assert floats in (0, 4 * 30 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536))
+    if fmt == "float32":  # exactly the projections' float32, nothing for embedding or lm_head
+        floats = sum(layer[k].w_t.nbytes for layer in w.layers for k in ("wqkv", "wo", "wgu", "wdown"))
+        assert floats == 4 * 30 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536)
     assert _base(w.final_norm) is _base(bundled.tensors["output_norm.weight"].data)  # an F32 view, no copy
 
 
 def _corrupt(tmp_path, name: str, edit) -> str:
-    data = bytearray(open(bundled_model_path(), "rb").read())
+    with open(bundled_model_path(), "rb") as f:
+        data = bytearray(f.read())
     edit(data)
     p = tmp_path / name
     p.write_bytes(bytes(data))
@@ -142,7 +143,7 @@ def _tensor_info_offset(data: bytes, name: str) -> int:
 
 
 def test_truncated_tensor_data_names_the_tensor(tmp_path):
-    size = len(open(bundled_model_path(), "rb").read())
+    size = os.path.getsize(bundled_model_path())
     p = _corrupt(tmp_path, "short.gguf", lambda d: d.__delitem__(slice(size - 1000, size)))
     with pytest.raises(GGUFError, match=r"short\.gguf: corrupt or truncated GGUF file \(tensor '[^']+' needs bytes"):
         load_gguf(p)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Any, Optional, TextIO
 
 __all__ = ["main", "build_parser"]
 
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.1, help="1 = off (default 1.1)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="generate all --max-tokens tokens (benchmarks)")
     add_llm_args(p)
     p.add_argument("--stats", action="store_true", help="print throughput and cache stats to stderr")
     return p
@@ -43,7 +44,8 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
     from pagedkv_rs.cli.args import llm_from_args
     from pagedkv_rs.engine.request import SamplingParams
     from pagedkv_rs.errors import PagedKVError
-    from pagedkv_rs.models.tokenizer import IncrementalDecoder
+    from pagedkv_rs.models.gguf_loader import load_gguf
+    from pagedkv_rs.models.tokenizer import GGUFTokenizer, IncrementalDecoder
 
     try:
         params = SamplingParams(
@@ -55,21 +57,19 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
             repetition_penalty=args.repetition_penalty,
             stop=args.stop,
             seed=args.seed,
+            ignore_eos=args.ignore_eos,
         )
-        llm = llm_from_args(args)
+        g = load_gguf(args.model)
+        tok = GGUFTokenizer(g.metadata, path=g.path)
+        prompts = _prompt_ids(args, tok)
+        if args.num_blocks is None and args.kv_memory is None:
+            # a pool just big enough for these prompts and their answers, not the 512 MiB default
+            args.num_blocks = sum(-(-(len(p) + args.max_tokens) // args.block_size) for p in prompts)
+        args.model = g
+        llm = llm_from_args(args, tokenizer=tok)
     except (PagedKVError, ValueError, TypeError, ImportError) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return 2
-    tok = llm.get_tokenizer()
-    prompts: list = []
-    for text in args.prompts:
-        if args.raw:
-            prompts.append(text)
-        else:
-            msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                {"role": "user", "content": text}
-            ]
-            prompts.append(tok.apply_chat_template(msgs))
     t0 = time.perf_counter()
     n_out = 0
     try:
@@ -100,13 +100,24 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
     if args.stats:
         dt = time.perf_counter() - t0
         s = llm.stats()
+        kv_blocks = llm.engine.kv_caches[0][0].shape[0]
+        kv_bytes = sum(k.nbytes + v.nbytes for k, v in llm.engine.kv_caches)
         print(
             f"[{len(prompts)} requests, {n_out} tokens in {dt:.2f} s: {n_out / dt:.1f} tok/s; "
-            f"kv {args.kv_dtype}, {s['kernels']} kernels, {s['backend']} allocator; "
+            f"kv {args.kv_dtype}, pool {kv_blocks} blocks = {kv_bytes / (1 << 20):.1f} MiB, "
+            f"{s['kernels']} kernels, {s['backend']} allocator, {llm.weight_format} weights; "
             f"prefix hit rate {s['prefix_hit_rate']:.0%}]",
             file=sys.stderr,
         )
     return 0
+
+
+def _prompt_ids(args: argparse.Namespace, tok: Any) -> list[list[int]]:
+    """The prompts' token ids: raw text, or in the chat template."""
+    if args.raw:
+        return [tok.encode(t) for t in args.prompts]
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    return [tok.apply_chat_template(system + [{"role": "user", "content": t}]) for t in args.prompts]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The ``pagedkv`` command: ``generate``, ``bench alloc|kernel|e2e``, ``simulate``, ``info``."""
+"""The ``pagedkv`` command: ``generate``, ``bench alloc|kernel|linear|e2e|load``, ``simulate``, ``info``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ commands:
   bench kernel            paged-attention kernel vs memory bandwidth and numpy
   bench linear            int8 QLinear vs numpy float32 sgemm on SmolLM2's layer shapes
   bench e2e               end-to-end serving benchmark (requests/s, tokens/s, TTFT, TPOT)
+  bench load              process start to a 32-token answer: wall time and peak RSS per weight format
   bench serve             benchmark any OpenAI-compatible server over HTTP (same table as bench e2e)
   serve                   OpenAI-compatible HTTP server (needs the serve extra)
   simulate                replay a synthetic trace to size a KV cache (paged vs contiguous)
@@ -27,6 +28,7 @@ COMMANDS = {
     ("bench", "kernel"): "pagedkv_rs.cli.bench.kernel",
     ("bench", "linear"): "pagedkv_rs.cli.bench.linear",
     ("bench", "e2e"): "pagedkv_rs.cli.bench.e2e",
+    ("bench", "load"): "pagedkv_rs.cli.bench.load",
     ("bench", "serve"): "pagedkv_rs.cli.bench.serve",
     ("serve",): "pagedkv_rs.cli.serve",
     ("simulate",): "pagedkv_rs.cli.simulate",
