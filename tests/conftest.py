@@ -20,6 +20,10 @@ if _backend._core is None:
         f"({_backend.CORE_IMPORT_ERROR}). Build it into this environment: "
         "`pip install maturin && maturin develop --release` (or `pip install .`)."
     )
+try:  # an invalid or unsupported PAGEDKV_ISA (e.g. avx512 on an AVX2-only CPU) is reported here, once
+    ISAS = pagedkv_rs.kernel_info()["isas"]
+except ValueError as e:
+    raise pytest.UsageError(f"cannot set up the kernel session: {e}") from e
 
 
 def pytest_addoption(parser):
@@ -35,7 +39,6 @@ def pytest_configure(config):
             pagedkv_rs.set_isa(isa)
         if threads is not None:
             pagedkv_rs.set_num_threads(threads)
-        pagedkv_rs.kernel_info()  # an invalid PAGEDKV_ISA fails here, once, not in every kernel test
     except ValueError as e:
         raise pytest.UsageError(f"cannot set up the kernel session: {e}") from e
 
@@ -54,7 +57,7 @@ def backend(request):
     return pagedkv_rs.backend(request.param)
 
 
-@pytest.fixture(params=pagedkv_rs.kernel_info()["isas"])
+@pytest.fixture(params=ISAS)
 def isa(request):
     """Force one ISA this CPU runs ("scalar", then e.g. "avx2"); afterwards the setting before it comes back."""
     with forced_isa(request.param):

@@ -569,10 +569,11 @@ def test_engine_end_to_end_on_the_numpy_reference_kernels(backend):
     """The same greedy tokens with every kernel from kernels.reference (the pure-Python install's path)."""
     ps = prompts(21, 3, 3, 12)
     want = [alone(p) for p in ps]  # Rust kernels
+    prev = kernels.kernel_source()
     kernels.set_kernel_source("reference")
     try:
         assert kernels.kernel_source() == "reference"
         got = engine(backend, num_blocks=24, block_size=4).generate(ps, GREEDY)
     finally:
-        kernels.set_kernel_source("auto")
+        kernels.set_kernel_source(prev)
     assert [o.token_ids for o in got] == want

@@ -106,15 +106,16 @@ def test_bad_input_is_a_clear_exception():
 def test_kernel_source_switches_at_run_time():
     from pagedkv_rs import kernels
 
-    assert kernels.kernel_source() == "rust"
+    prev = kernels.kernel_source()
     kernels.set_kernel_source("reference")
     try:
         assert kernels.kernel_source() == "reference"
         x = np.ones((2, 4), np.float32)
         np.testing.assert_allclose(kernels.rms_norm(x, np.ones(4, np.float32), 0.0), 1.0)
-    finally:
         kernels.set_kernel_source("auto")
-    assert kernels.kernel_source() == "rust"
+        assert kernels.kernel_source() == "rust"
+    finally:
+        kernels.set_kernel_source(prev)
     with pytest.raises(ValueError, match="unknown kernel source 'avx2'"):
         kernels.set_kernel_source("avx2")
 

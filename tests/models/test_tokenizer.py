@@ -8,10 +8,11 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedkv_rs.models.tokenizer import GGUFTokenizer, IncrementalDecoder
+from session import scaled
 
 SAMPLES = [
     "Hello, world!",
@@ -84,7 +85,7 @@ def _representable(tok: GGUFTokenizer, ch: str) -> bool:
     return all(tok.token_to_id(BYTE_CHARS[b]) is not None for b in ch.encode("utf-8"))
 
 
-@settings(max_examples=200, deadline=None)
+@scaled(200)
 @given(st.data())
 def test_round_trip_any_text(tok, data):
     # 21 rare bytes (C0, C1, F1-FF, a few controls) have no vocabulary entry; like the model's own
