@@ -236,7 +236,7 @@ ATTN_ERRORS = {
     "out_aliases_q": (ValueError, r"^out must not share memory with q$"),
     "out_aliases_cache": (ValueError, r"^out must not share memory with k_cache$"),
     "out_noncontig": (ValueError, r"^out must be C-contiguous"),
-    "scale_nan": (ValueError, r"^scale must be finite in float32, got (NaN|inf|-inf|1e\+?300)$"),
+    "scale_nan": (ValueError, r"^scale must be finite in float32, got (NaN|inf|-inf|1e\+?300|10{300})$"),
     "window_bad": (ValueError, r"^sliding_window must be >= 1, got -?\d+$"),
     "soft_cap_bad": (ValueError, r"^soft_cap must be a finite float32 > 0, got "),
 }
