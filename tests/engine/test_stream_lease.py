@@ -88,8 +88,9 @@ def test_a_full_buffer_past_the_idle_timeout_aborts_and_frees(backend):
     other = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     try:
         m.armed = True
-        s = e.submit([5, 6, 7], LONG)
-        reader = e.submit([9, 10], other)
+        with e._lock:  # both queued before the loop schedules its first step (it needs this lock)
+            s = e.submit([5, 6, 7], LONG)
+            reader = e.submit([9, 10], other)
         got = []
         for _ in range(4):  # four steps: three outputs for the idle stream, the buffer is full after the third
             m.steps.release()
