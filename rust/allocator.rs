@@ -186,6 +186,8 @@ pub struct AllocStats {
     pub live_blocks: usize,
     pub usage: f64,
     pub evictions: u64,
+    /// Blocks handed out by `allocate` (and the allocations inside block tables) since creation.
+    pub block_allocations: u64,
 }
 
 /// `ceil(num_tokens / block_size)`.
@@ -230,6 +232,7 @@ pub struct BlockAllocator {
     index: MixMap<u128, u32>,
     num_cached: usize,
     evictions: u64,
+    allocations: u64,
 }
 
 impl BlockAllocator {
@@ -286,6 +289,7 @@ impl BlockAllocator {
             index: MixMap::default(),
             num_cached: 0,
             evictions: 0,
+            allocations: 0,
         })
     }
 
@@ -341,6 +345,7 @@ impl BlockAllocator {
             live_blocks: self.num_live_blocks(),
             usage: self.usage(),
             evictions: self.evictions,
+            block_allocations: self.allocations,
         }
     }
 
@@ -417,6 +422,7 @@ impl BlockAllocator {
     /// Take `k` blocks off the free list into `out`; the caller checked availability.
     pub(crate) fn take(&mut self, k: usize, out: &mut Vec<u32>) {
         debug_assert!(k <= self.num_on_list, "I1 take more than the free list holds");
+        self.allocations += k as u64;
         for _ in 0..k {
             let b = self.pop();
             if self.keys.has(b) {

@@ -103,6 +103,7 @@ fn alloc_stats<'py>(py: Python<'py>, s: &allocator::AllocStats) -> PyResult<Boun
     d.set_item("live_blocks", s.live_blocks)?;
     d.set_item("usage", s.usage)?;
     d.set_item("evictions", s.evictions)?;
+    d.set_item("block_allocations", s.block_allocations)?;
     Ok(d)
 }
 

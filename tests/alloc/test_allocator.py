@@ -192,6 +192,7 @@ def test_cache_lookup_and_lazy_lru_eviction(backend):
     assert a.free_order() == [b1, b2]
     assert a.allocate(1) == [b1]  # the least recently freed goes first, evicting its hash
     assert a.stats()["evictions"] == 1
+    assert a.stats()["block_allocations"] == 4  # 3 + 1; incref of a cached block is not one
     assert a.lookup(h0, [3, 4]) is None and a.block_hash(b1) is None
     a.check_invariants()
 

@@ -125,12 +125,26 @@ def test_eviction_lru_and_counter(backend):
         compute_all(m, [sid])
         m.free(sid)
     assert m.stats()["evictions"] == 2  # seq 2 reused seq 0's blocks
+    assert m.stats()["block_allocations"] == 6  # every block taken off the free list, evicting or not
     assert m.free_order() == [3, 2, 0, 1] and m.num_cached_blocks == 4
     m.allocate(10, [50, 51, 52])  # 3 fresh blocks: evicts seq 1's two and seq 2's tail block
     assert m.stats()["evictions"] == 5
     m.free(10)
     assert m.allocate(11, [12, 99]) == 1  # seq 2's first block survived
+    assert m.stats()["block_allocations"] == 10  # the prefix hit took a cached block back: not an allocation
     assert m.allocate(12, [11, 99]) == 0
+    m.check_invariants()
+
+
+def test_block_allocations_count_appends_and_copy_on_write(backend):
+    m = backend.KVCacheManager(8, 2)
+    m.allocate(0, [1, 2, 3])  # 2 blocks
+    m.append(0, [4, 5])  # fills block 2, opens block 3
+    assert m.stats()["block_allocations"] == 3
+    m.fork(0, 1)  # shares all three: no allocation
+    assert m.stats()["block_allocations"] == 3
+    assert len(m.append(1, [6])) == 1  # the shared half-full tail is copied on write
+    assert m.stats()["block_allocations"] == 4
     m.check_invariants()
 
 
@@ -327,6 +341,7 @@ def test_stats_keys(backend):
         "live_blocks",
         "usage",
         "evictions",
+        "block_allocations",
         "prefix_query_tokens",
         "prefix_hit_tokens",
     }

@@ -26,6 +26,7 @@ NAMES = [
     "prefix_cache_queries_total",
     "prefix_cache_hits_total",
     "kv_block_evictions_total",
+    "kv_block_allocations_total",
     "request_aborted_total",
     "time_to_first_token_seconds_bucket",
     "inter_token_latency_seconds_bucket",
@@ -82,9 +83,12 @@ def test_serve_cli_options():
             "9",
             "--kv-dtype",
             "float32",
+            "--policy",
+            "priority",
         ]
     )
     assert (args.port, args.api_key, args.max_queued_requests, args.request_timeout) == (0, "k", 3, 9.0)
+    assert (args.policy, args.preemption_mode) == ("priority", "recompute")
     assert cli.COMMANDS[("serve",)] == "pagedkv_rs.cli.serve"
     with pytest.raises(SystemExit):
         cli_serve.build_parser().parse_args(["--num-blocks", "4", "--kv-memory", "1G"])

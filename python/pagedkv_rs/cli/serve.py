@@ -11,6 +11,7 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedkv_rs.cli.args import add_llm_args
+    from pagedkv_rs.engine.scheduler import POLICIES, PREEMPTION_MODES
 
     p = argparse.ArgumentParser(prog="pagedkv serve", description=__doc__.splitlines()[0])
     add_llm_args(p)
@@ -42,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="fcfs",
+        help="scheduling order: fcfs (default) or priority (the request's 'priority' field, lower first)",
+    )
+    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -62,6 +70,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            policy=args.policy,
+            preemption_mode=args.preemption_mode,
         )
         app = build_app(
             llm,

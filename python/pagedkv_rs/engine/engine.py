@@ -723,6 +723,12 @@ class LLMEngine:
                 if e is not self._handled_error:  # not a model error already given to its step's requests
                     self._fail_all(e)
 
+    @property
+    def is_running(self) -> bool:
+        """Whether the background loop thread is alive (``start()`` called and not shut down)."""
+        t = self._thread
+        return t is not None and t.is_alive()
+
     def shutdown(self, abort: bool = True) -> None:
         """Stop the background loop; abort what is left unless ``abort=False``."""
         with self._wake:
@@ -743,6 +749,11 @@ class LLMEngine:
         self.shutdown()
 
     # --------------------------------------------------------------------- stats
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Scheduler stats and KV-manager stats, read together under the engine lock (cheap: for scrapes)."""
+        with self._lock:
+            return self.scheduler.stats(), self.kv_manager.stats()
+
     def stats(self) -> dict[str, Any]:
         """Scheduler and KV stats, running counters, and latencies (seconds; bounded, see ``metrics``).
 
@@ -755,6 +766,7 @@ class LLMEngine:
             s["prefix_cache_queries"] = int(kv.get("prefix_query_tokens", 0))
             s["prefix_cache_hits"] = int(kv.get("prefix_hit_tokens", 0))
             s["kv_block_evictions"] = int(kv.get("evictions", 0))
+            s["kv_block_allocations"] = int(kv.get("block_allocations", 0))
             s.update(self.metrics.summary())
             s["backend"] = self.backend
             s["kernels"] = kernels.kernel_source()

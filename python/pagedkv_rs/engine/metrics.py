@@ -44,9 +44,17 @@ LATENCY_BUCKETS = (
     640.0,
     2560.0,
 )
+# vLLM's ITL edges start at 10 ms; a CPU decode step is often shorter, so finer edges come first
 ITL_BUCKETS = (
+    0.0025,
+    0.005,
+    0.0075,
     0.01,
+    0.015,
+    0.02,
     0.025,
+    0.03,
+    0.04,
     0.05,
     0.075,
     0.1,
@@ -127,7 +135,7 @@ class EngineMetrics:
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
         self.queue_time = Histogram(LATENCY_BUCKETS)
-        self.step_time = Histogram(LATENCY_BUCKETS)
+        self.step_time = Histogram(ITL_BUCKETS)
         self.prompt_len = Histogram(TOKEN_BUCKETS)
         self.generation_len = Histogram(TOKEN_BUCKETS)
         self.recent_ttft: deque[float] = deque(maxlen=window)

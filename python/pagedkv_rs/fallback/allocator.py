@@ -98,6 +98,7 @@ class BlockAllocator:
         self._index: dict[int, int] = {}
         self._num_cached = 0
         self._evictions = 0
+        self._allocations = 0
 
     # ----------------------------------------------------------------- properties
     @property
@@ -185,6 +186,7 @@ class BlockAllocator:
             return self._allocate(k)
 
     def _allocate(self, k: int) -> list[int]:
+        self._allocations += k
         out = []
         for _ in range(k):
             b = self._pop()
@@ -316,7 +318,7 @@ class BlockAllocator:
             return dropped
 
     def stats(self) -> dict[str, Union[int, float]]:
-        """Block counts and eviction count."""
+        """Block counts, eviction and allocation counts."""
         with self._lock:
             return {
                 "num_blocks": self._num_blocks,
@@ -326,6 +328,7 @@ class BlockAllocator:
                 "live_blocks": self.num_live_blocks,
                 "usage": self.usage,
                 "evictions": self._evictions,
+                "block_allocations": self._allocations,
             }
 
     def check_invariants(self) -> None:

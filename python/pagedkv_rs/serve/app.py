@@ -82,8 +82,7 @@ class _State:
         self.created = int(time.time())
 
     def engine_alive(self) -> bool:
-        t = getattr(self.engine, "_thread", None)
-        return t is not None and t.is_alive()
+        return bool(self.engine.is_running)
 
 
 class _Job:

@@ -17,35 +17,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..engine.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS
+
 __all__ = ["ServerMetrics", "ABORT_CAUSES", "instrument_steps", "CONTENT_TYPE"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ABORT_CAUSES = ("client_disconnect", "lease_expired", "timeout", "rejected", "shutdown", "error")
 disable_created_metrics()  # as vLLM does: no *_created series beside each counter and histogram
-_LATENCY = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-)
-_ITL = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
 class _EngineCollector(Collector):
@@ -57,9 +35,7 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         eng = self._engine
-        with eng._lock:  # one consistent snapshot; held for microseconds
-            s = eng.scheduler.stats()
-            kv = eng.kv_manager.stats()
+        s, kv = eng.snapshot()  # one consistent snapshot under the engine lock, held for microseconds
         lab, val = list(self._labels), list(self._labels.values())
 
         def gauge(name: str, doc: str, value: float) -> Metric:
@@ -87,8 +63,7 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache", kv.get("prefix_hit_tokens", 0))
         yield counter("kv_block_evictions", "Cached free blocks reused for new content", kv.get("evictions", 0))
         yield counter("engine_steps", "Engine steps (forward passes)", s["num_steps"])
-        if "block_allocations" in kv:
-            yield counter("kv_block_allocations", "Blocks taken from the pool", kv["block_allocations"])
+        yield counter("kv_block_allocations", "Blocks taken off the free list", kv["block_allocations"])
 
 
 class ServerMetrics:
@@ -117,13 +92,13 @@ class ServerMetrics:
             self._aborted.labels(model_name, cause)
         for reason in ("stop", "length"):
             self._success.labels(model_name, reason)
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token", _LATENCY)
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens", _ITL)
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish", _LATENCY)
-        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled", _LATENCY)
-        self.step = hist("engine_step_seconds", "Duration of one engine step", _ITL)
-        self.req_prompt = hist("request_prompt_tokens", "Prompt tokens per request", _TOKENS)
-        self.req_generation = hist("request_generation_tokens", "Generated tokens per request", _TOKENS)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS)
+        self.step = hist("engine_step_seconds", "Duration of one engine step", ITL_BUCKETS)
+        self.req_prompt = hist("request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
+        self.req_generation = hist("request_generation_tokens", "Generated tokens per request", TOKEN_BUCKETS)
 
     def aborted(self, cause: str) -> None:
         self._aborted.labels(self._name, cause).inc()
