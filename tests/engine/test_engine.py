@@ -517,8 +517,8 @@ def test_context_manager_shuts_the_loop_down_and_aborts(backend):
     long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     with engine(backend) as e:
         s = e.submit([5, 6, 7], long)
-        assert e._thread is not None and e._thread.is_alive()
-    assert e._thread is None
+        assert e.is_running
+    assert not e.is_running
     assert s.result(timeout=10).finish_reason == "abort"
     assert_clean(e)
 
@@ -530,7 +530,7 @@ def test_stream_result_times_out_while_the_step_is_stuck(backend):
     s = e.submit([5, 6, 7], GREEDY)
     try:
         assert m.entered.wait(10)
-        with pytest.raises(TimeoutError, match=r"request 'req-0': no output within [0-9.e-]+ s"):
+        with pytest.raises(TimeoutError, match=r"request 'req-0': not finished within 0.05 s"):
             s.result(timeout=0.05)
     finally:
         m.gate = False

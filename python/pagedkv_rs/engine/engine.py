@@ -144,10 +144,13 @@ class RequestStream:
             loop, event = self._loop, self._event
         self._notify(loop, event)
 
-    def _take(self, timeout: Optional[float] = None) -> Union[RequestOutput, BaseException]:
+    def _take(
+        self, timeout: Optional[float] = None, asked: Optional[float] = None
+    ) -> Union[RequestOutput, BaseException]:
+        """The next item; ``asked``: the caller's whole timeout, for the message (``timeout`` is what is left)."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._items, timeout):
-                raise TimeoutError(f"request {self.request_id!r}: no output within {timeout} s")
+                raise TimeoutError(f"request {self.request_id!r}: not finished within {asked or timeout} s")
             self.full_since = None
             return self._items.popleft()
 
@@ -204,7 +207,7 @@ class RequestStream:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            item = self._take(left)
+            item = self._take(left, timeout)
             if isinstance(item, BaseException):
                 raise item
             if item.finished:
