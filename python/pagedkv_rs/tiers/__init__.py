@@ -80,11 +80,9 @@ def _redact(spec: str) -> str:
     """The spec without its query string and credentials (secrets never reach messages or labels)."""
     base = spec.split("?", 1)[0]
     if "://" in base:
-        u = urllib.parse.urlsplit(base)
-        host = u.hostname or ""
-        if u.port is not None:
-            host += f":{u.port}"
-        return urllib.parse.urlunsplit((u.scheme, host, u.path, "", ""))
+        scheme, _, rest = base.partition("://")
+        netloc, slash, path = rest.partition("/")
+        return f"{scheme}://{netloc.rsplit('@', 1)[-1]}{slash}{path}"
     return base
 
 
