@@ -47,6 +47,29 @@ def test_greedy_tokens_identical_with_and_without_tiers(backend, tmp_path):
     assert st["bytes_read"] > 0 and st["lookup_seconds"]["count"] == st["lookups"]
 
 
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_half_precision_caches_round_trip_bit_for_bit(tmp_path, kv_dtype):
+    spec = f"disk:{tmp_path}/kv"
+    w = make_engine([spec], kv_dtype=kv_dtype)
+    want, _ = run(w)
+    w.shutdown()
+    r = make_engine([spec], kv_dtype=kv_dtype)
+    got, cached = run(r)
+    assert got == want and cached[0] >= len(PREFIX)
+    # the prefix's blocks hold the same bytes in the writer's and the reader's pools
+    ids_w = [b for b in range(w.kv_manager.num_blocks) if w.kv_manager.block_hash(b) is not None]
+    hashes_r = {r.kv_manager.block_hash(b): b for b in range(r.kv_manager.num_blocks)}
+    same = 0
+    for b in ids_w:
+        h = w.kv_manager.block_hash(b)
+        if h in hashes_r:
+            rb = hashes_r[h]
+            assert w.kv_caches[0][0][b].tobytes() == r.kv_caches[0][0][rb].tobytes()
+            assert w.kv_caches[-1][1][b].tobytes() == r.kv_caches[-1][1][rb].tobytes()
+            same += 1
+    assert same >= len(PREFIX) // 16
+
+
 def test_pool_eviction_refilled_from_tier(backend, tmp_path):
     """A pool too small to keep the prefix: later requests load it back from the tier."""
     eng = make_engine([f"disk:{tmp_path}/kv"], backend=backend, num_blocks=12, max_num_seqs=1)

@@ -1,4 +1,4 @@
-"""The ``pagedkv`` command: ``generate``, ``serve``, ``bench alloc|kernel|linear|e2e|load|serve|tiers``, ``simulate``, ``info``."""
+"""The ``pagedkv`` command: ``generate``, ``serve``, ``bench alloc|kernel|linear|e2e|load|serve|tiers``, ``info``..."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Disk tier: one directory of plain files, one record per file, bounded by size with LRU eviction.
 
-Layout: ``<dir>/<key[:2]>/<key>.kvb``; writes go to ``<dir>/tmp/<key>.<pid>.<n>.tmp`` and are renamed
-into place, so a reader sees a whole file or none. A file torn by a crash (power loss without
-``fsync=1``) or truncated is a record that fails its checksum: a miss, counted, and the file is removed.
+Layout: ``<dir>/<the key's last two hex digits>/<key>.kvb`` (256 subdirectories); writes go to
+``<dir>/tmp/<key>.<pid>.<n>.tmp`` and are renamed into place, so a reader sees a whole file or none.
+A file torn by a crash (power loss without ``fsync=1``) or truncated is a record that fails its
+checksum: a miss, counted, and the file is removed.
 Temporary files left by a killed writer (``kill -9`` mid-write) are removed at the next start.
 
 fsync policy: ``fsync=0`` (default) never fsyncs: a process crash (``kill -9``) loses nothing that was
@@ -56,7 +57,7 @@ class DiskTier(Tier):
         self._scan()
 
     def _file(self, key: str) -> str:
-        return os.path.join(self.path, key[:2], key + SUFFIX)
+        return os.path.join(self.path, key[-2:], key + SUFFIX)
 
     def _scan(self) -> None:
         """Index the files already there (oldest mtime first); remove temporaries of dead writers."""

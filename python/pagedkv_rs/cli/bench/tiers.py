@@ -118,7 +118,9 @@ def _free_port() -> int:
 def _start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
     exe = shutil.which("redis-server")
     if exe is None:
-        raise SystemExit("pagedkv bench tiers: redis-server not found (apt-get install -y redis-server) or pass --redis")
+        raise SystemExit(
+            "pagedkv bench tiers: redis-server not found (apt-get install -y redis-server) or pass --redis"
+        )
     port = _free_port()
     args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
