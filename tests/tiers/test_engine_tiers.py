@@ -123,14 +123,21 @@ def test_two_processes_share_through_redis(redis_server, backend):
 
 
 def test_killing_redis_mid_run_costs_only_speed(redis_server):
-    eng = make_engine([redis_server.url + "?timeout=0.5"])
     base = make_engine()
-    want, _ = run(base)
-    assert run(eng)[0] == want
-    eng.kv_tiers.flush()
-    redis_server.stop()
+    long = SamplingParams(max_tokens=40, temperature=0.0)
+    batch = [PREFIX + [i] for i in range(4)] + prompts()
+    want = [o.outputs[0].token_ids for o in base.generate(batch, long)]
+    eng = make_engine([redis_server.url + "?timeout=0.5"])
+    streams = [eng.submit(p, long) for p in batch]  # the background loop runs them
+    first = iter(streams[0])
+    next(first)  # a first token is out: the run is under way
+    redis_server.stop()  # mid-run: blocks completed from here on cannot be stored
+    *_, last = first
+    got = [last.outputs[0].token_ids] + [s.result(timeout=120).outputs[0].token_ids for s in streams[1:]]
+    eng.shutdown()
+    assert got == want
     fresh = make_engine([redis_server.url + "?timeout=0.5"])
-    assert run(fresh)[0] == want  # lookups and stores fail: the requests compute and finish
+    assert run(fresh)[0] == run(base)[0]  # lookups and stores fail: the requests compute and finish
     fresh.kv_tiers.flush()
     st = tier_stats(fresh)
     assert st["errors"] >= 1 and st["hit_blocks"] == 0
@@ -146,6 +153,8 @@ def test_killing_redis_mid_run_costs_only_speed(redis_server):
     else:
         pytest.fail(f"the Redis tier never reconnected: {tier_stats(fresh)}")
     assert tier._r.dbsize() > 0
+    again = make_engine([redis_server.url])
+    assert run(again, [PREFIX + [9]])[1] == [len(PREFIX)]  # and serves hits again
 
 
 @pytest.mark.parametrize(

@@ -234,7 +234,9 @@ class LLMEngine:
     """Continuous batching with a paged KV cache over any ``Model``.
 
     ``stream_buffer`` (outputs) and ``stream_idle_timeout`` (seconds) set the lease of
-    ``submit()`` streams (see the module docstring).
+    ``submit()`` streams (see the module docstring). ``kv_tiers``: tier specs (or ``Tier`` objects)
+    below the pool, in lookup order (``pagedkv_rs.tiers``; the model needs a ``kv_fingerprint()``),
+    ``kv_tier_secret`` their MAC key, ``kv_tier_deadline`` the seconds one admission lookup may take.
     """
 
     def __init__(
