@@ -138,6 +138,8 @@ def write_blocks(
             raise ValueError(f"{name} must be {list(want)} (len(block_ids), num_kv_heads, block_size, head_dim)")
     if np.any((ids < 0) | (ids >= nb)):
         raise ValueError(f"block ids must be in [0, {nb})")
+    if any(np.may_share_memory(src, c) for src in (k_blocks, v_blocks) for c in (k_cache, v_cache)):
+        raise ValueError("k_blocks and v_blocks must not share memory with the caches")
     for j, b in enumerate(ids):
         k_cache[b] = k_blocks[j]
         v_cache[b] = v_blocks[j]
