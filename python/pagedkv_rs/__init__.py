@@ -99,6 +99,7 @@ if _core is not None:  # the kernel functions exist only in the compiled core
         set_isa,
         set_num_threads,
         silu_and_mul,
+        write_blocks,
         write_kv,
     )
     from pagedkv_rs.kernels import set_kernel_backend  # deprecated spelling of set_isa
@@ -107,6 +108,7 @@ if _core is not None:  # the kernel functions exist only in the compiled core
         "new_kv_cache",
         "write_kv",
         "copy_blocks",
+        "write_blocks",
         "paged_attention",
         "set_isa",
         "get_isa",

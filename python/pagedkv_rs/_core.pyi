@@ -28,6 +28,7 @@ __all__ = [
     "set_kernel_backend",
     "set_num_threads",
     "silu_and_mul",
+    "write_blocks",
     "write_kv",
 ]
 
@@ -151,6 +152,13 @@ def new_kv_cache(
 def write_kv(k_cache: _Cache, v_cache: _Cache, key: _F32, value: _F32, slot_mapping: npt.NDArray[np.int64]) -> None: ...
 def copy_blocks(
     k_cache: _Cache, v_cache: _Cache, pairs: Union[npt.NDArray[np.int64], Sequence[tuple[int, int]]]
+) -> None: ...
+def write_blocks(
+    k_cache: _Cache,
+    v_cache: _Cache,
+    block_ids: Union[npt.NDArray[np.int64], Sequence[int]],
+    k_blocks: _Cache,
+    v_blocks: _Cache,
 ) -> None: ...
 def paged_attention(
     q: _F32,

@@ -7,7 +7,6 @@ paged KV cache, one ``write_kv`` + one varlen ``paged_attention`` per layer and 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
@@ -25,6 +24,7 @@ from pagedkv_rs.engine.request import RequestOutput, SamplingParams
 from pagedkv_rs.models.gguf_loader import GGUFFile, load_gguf
 from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, eos_ids_from_metadata
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
+from pagedkv_rs.units import parse_memory
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "parse_memory"]
 
@@ -32,34 +32,6 @@ DEFAULT_KV_MEMORY = 512 << 20  # bytes of KV cache when neither num_blocks nor k
 
 Prompt = Union[str, Sequence[int]]
 Conversation = Sequence[Mapping[str, Any]]
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 10**3,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 10**6,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 10**9,
-    "gib": 1 << 30,
-}
-
-
-def parse_memory(value: Union[int, str]) -> int:
-    """Bytes from an int or a string like ``"512MiB"``, ``"1.5G"``, ``"300MB"``."""
-    if isinstance(value, int):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"kv_memory must be bytes or a size like '512MiB' or '2G', got {value!r}")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise ValueError(f"kv_memory must be positive, got {value!r}")
-    return n
 
 
 class _TextDecoder:
@@ -85,6 +57,8 @@ class LLM:
     ``weights``: "auto" (default: int8 blocks where the AVX-512 VNNI kernel runs, else float32),
     "int8" or "float32" (see ``pagedkv_rs.models.llama.LlamaWeights``).
     ``tokenizer``: this model's ``GGUFTokenizer`` when the caller already built one (default: built here).
+    ``kv_tiers``: KV tiers below the pool, in lookup order (``["disk:/var/cache/pagedkv?size=8GiB",
+    "redis://127.0.0.1:6379/0"]``, see ``pagedkv_rs.tiers``); ``kv_tier_secret`` MACs their entries.
     ``backend``: allocator backend, "auto" | "rust" | "python". Other keyword arguments go to the
     scheduler (``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
     ``preemption_mode``, ``policy``...).
@@ -103,6 +77,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         tokenizer: Optional[GGUFTokenizer] = None,
+        kv_tiers: Optional[Sequence[str]] = None,
+        kv_tier_secret: Optional[Union[str, bytes]] = None,
         **scheduler_kwargs: Any,
     ) -> None:
         g = model if isinstance(model, GGUFFile) else load_gguf(model)
@@ -128,6 +104,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             tokenizer=_TextDecoder(self.tokenizer),
             seed=seed,
+            kv_tiers=kv_tiers,
+            kv_tier_secret=kv_tier_secret,
             **scheduler_kwargs,
         )
 
@@ -137,12 +115,16 @@ class LLM:
 
     def generate(
         self,
-        prompts: Union[Prompt, Sequence[Prompt]],
+        prompts: Union[Prompt, Mapping[str, Any], Sequence[Union[Prompt, Mapping[str, Any]]]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         use_tqdm: Optional[bool] = None,
     ) -> list[RequestOutput]:
-        """Complete raw prompts (text or token-id lists), batched continuously; outputs in prompt order."""
+        """Complete raw prompts, batched continuously; outputs in prompt order.
+
+        A prompt is text, a token-id list, or vLLM's dict ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
+        with an optional ``"cache_salt"`` (prefix-cache and KV-tier isolation between tenants).
+        """
         return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat(
@@ -166,6 +148,7 @@ class LLM:
         return self.engine.stats()
 
     def shutdown(self) -> None:
+        """Stop the engine's loop and flush what the KV tiers still have to write."""
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:

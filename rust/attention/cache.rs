@@ -1,9 +1,10 @@
-//! Cache writes: scatter this step's K/V into their slots (`write_kv`) and whole-block copies
-//! (`copy_blocks`, copy-on-write forks). Layout as in `mod.rs`; every index is checked first.
+//! Cache writes: scatter this step's K/V into their slots (`write_kv`), whole-block copies
+//! (`copy_blocks`, copy-on-write forks) and whole-block writes from outside the pool
+//! (`write_blocks`, blocks loaded from a KV tier). Layout as in `mod.rs`; every index is checked first.
 
 use half::slice::HalfFloatSliceExt;
 
-use super::{CacheShape, KvMut};
+use super::{CacheShape, Kv, KvMut};
 use crate::error::{Error, Result};
 
 fn check_cache_pair(k: &KvMut, v: &KvMut, shape: &CacheShape) -> Result<usize> {
@@ -105,6 +106,61 @@ pub fn copy_blocks<'a>(mut k: KvMut<'a>, mut v: KvMut<'a>, shape: CacheShape, pa
             KvMut::F32(c) => copy(c, pairs, n),
             KvMut::F16(c) => copy(c, pairs, n),
             KvMut::Bf16(c) => copy(c, pairs, n),
+        }
+    }
+    Ok(())
+}
+
+/// Write whole blocks from outside the pool: `src_k`/`src_v` `[n, num_kv_heads, block_size, head_dim]`
+/// (the caches' element type, bit for bit) into blocks `ids` `[n]`, applied in order.
+pub fn write_blocks<'a>(
+    mut k: KvMut<'a>,
+    mut v: KvMut<'a>,
+    shape: CacheShape,
+    ids: &[i64],
+    src_k: Kv<'_>,
+    src_v: Kv<'_>,
+) -> Result<()> {
+    check_cache_pair(&k, &v, &shape)?;
+    if ids.is_empty() && src_k.is_empty() && src_v.is_empty() {
+        return Ok(()); // nothing to write (an empty view carries no element type to compare)
+    }
+    let n = shape.block_numel();
+    for (name, src) in [("k_blocks", &src_k), ("v_blocks", &src_v)] {
+        if src.dtype() != k.dtype() {
+            return Err(Error::Invalid(format!(
+                "{name} is {} but the caches are {}",
+                src.dtype().name(),
+                k.dtype().name()
+            )));
+        }
+        if src.len() != ids.len() * n {
+            return Err(Error::Invalid(format!(
+                "{name} must hold {} blocks of {n} elements ({} elements), got {}",
+                ids.len(),
+                ids.len() * n,
+                src.len()
+            )));
+        }
+    }
+    let nb = shape.num_blocks as i64;
+    if let Some((j, &id)) = ids.iter().enumerate().find(|(_, &id)| id < 0 || id >= nb) {
+        return Err(Error::Invalid(format!(
+            "block_ids[{j}] = {id} is not a block id in [0, {nb})"
+        )));
+    }
+    fn put<T: Copy>(c: &mut [T], src: &[T], ids: &[i64], n: usize) {
+        for (j, &id) in ids.iter().enumerate() {
+            let d = id as usize;
+            c[d * n..(d + 1) * n].copy_from_slice(&src[j * n..(j + 1) * n]);
+        }
+    }
+    for (cache, src) in [(&mut k, src_k), (&mut v, src_v)] {
+        match (cache, src) {
+            (KvMut::F32(c), Kv::F32(s)) => put(c, s, ids, n),
+            (KvMut::F16(c), Kv::F16(s)) => put(c, s, ids, n),
+            (KvMut::Bf16(c), Kv::Bf16(s)) => put(c, s, ids, n),
+            _ => unreachable!("element types checked above"),
         }
     }
     Ok(())

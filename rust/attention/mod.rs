@@ -9,7 +9,7 @@
 //!
 //! The ISA setting and the thread pool live in `runtime`; `runtime::available_isas()` is what
 //! this CPU runs, and the tests run every one of them against the reference. `plan.rs` splits a
-//! batch into work units and merges split ones; `cache.rs` writes and copies cache blocks.
+//! batch into work units and merges split ones; `cache.rs` writes, copies and loads cache blocks.
 //!
 //! Layout: `k_cache`, `v_cache` are each `[num_blocks, num_kv_heads, block_size, head_dim]`,
 //! row-major. A block is one contiguous stretch; each (block, kv_head) is a contiguous
@@ -40,7 +40,7 @@ pub mod x86;
 
 use half::{bf16, f16};
 
-pub use cache::{copy_blocks, write_kv};
+pub use cache::{copy_blocks, write_blocks, write_kv};
 pub(crate) use plan::Unit;
 use plan::{plan, run};
 

@@ -230,6 +230,40 @@ fn write_then_copy_round_trip() {
 }
 
 #[test]
+fn write_blocks_puts_whole_blocks_in_order() {
+    let shape = CacheShape {
+        num_blocks: 4,
+        num_kv_heads: 2,
+        block_size: 3,
+        head_dim: 8,
+    };
+    let (n, bn) = (shape.numel().unwrap(), shape.block_numel());
+    let (mut k, mut v) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+    let sk: Vec<f32> = (0..2 * bn).map(|x| x as f32).collect();
+    let sv: Vec<f32> = sk.iter().map(|x| -x).collect();
+    write_blocks(
+        KvMut::F32(&mut k),
+        KvMut::F32(&mut v),
+        shape,
+        &[3, 1],
+        Kv::F32(&sk),
+        Kv::F32(&sv),
+    )
+    .unwrap();
+    assert_eq!(k[3 * bn..4 * bn], sk[..bn]);
+    assert_eq!(v[bn..2 * bn], sv[bn..]);
+    assert!(k[..bn].iter().chain(&k[2 * bn..3 * bn]).all(|x| x.is_nan()));
+    let go = |ids: &[i64], sk: Kv, k: &mut [f32], v: &mut [f32]| {
+        write_blocks(KvMut::F32(k), KvMut::F32(v), shape, ids, sk, Kv::F32(&sv))
+    };
+    assert!(go(&[0, 4], Kv::F32(&sk), &mut k, &mut v).is_err()); // block id out of range
+    assert!(go(&[0, -1], Kv::F32(&sk), &mut k, &mut v).is_err());
+    assert!(go(&[0], Kv::F32(&sk), &mut k, &mut v).is_err()); // 2 blocks of data for 1 id
+    let half = vec![f16::ZERO; 2 * bn];
+    assert!(go(&[0, 1], Kv::F16(&half), &mut k, &mut v).is_err()); // dtype
+}
+
+#[test]
 fn validate_rejects_bad_tables() {
     let shape = CacheShape {
         num_blocks: 2,

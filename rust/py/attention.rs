@@ -1,4 +1,4 @@
-//! Attention kernels and the KV cache: `new_kv_cache`, `write_kv`, `copy_blocks`, `paged_attention`.
+//! Attention kernels and the KV cache: `new_kv_cache`, `write_kv`, `copy_blocks`, `write_blocks`, `paged_attention`.
 
 use numpy::{PyArray, PyArrayDyn, PyArrayMethods, PyUntypedArray};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use super::args::dim;
-use super::arrays::{cache_pair, cache_pair_mut, kv, kv_mut, readonly, slice_of, typed};
+use super::arrays::{cache, cache_pair, cache_pair_mut, kv, kv_mut, readonly, slice_of, typed};
 use crate::attention::{self as att, Batch, Params};
 
 /// Zeroed `(k_cache, v_cache)`, each `[num_blocks, num_kv_heads, block_size, head_dim]`,
@@ -131,6 +131,68 @@ pub fn copy_blocks(
     // SAFETY: as in `write_kv`; `flat` is owned.
     let (km, vm) = unsafe { (kv_mut(&kr, dt, numel), kv_mut(&vr, dt, numel)) };
     py.detach(|| att::copy_blocks(km, vm, shape, &flat))
+        .map_err(PyErr::from)
+}
+
+/// Write whole blocks into both caches: `k_blocks`/`v_blocks` `[n, num_kv_heads, block_size, head_dim]`
+/// of the caches' dtype go to blocks `block_ids` (int64 `[n]` or a sequence of ints), in order.
+#[pyfunction]
+pub fn write_blocks(
+    py: Python<'_>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
+    block_ids: &Bound<'_, PyAny>,
+    k_blocks: &Bound<'_, PyAny>,
+    v_blocks: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let (kr, vr, dt, shape) = cache_pair_mut(k_cache, v_cache)?;
+    let ids: Vec<i64> = if block_ids.cast::<PyUntypedArray>().is_ok() {
+        let ir = typed::<i64>(block_ids, "block_ids", 1, "int64")?;
+        slice_of(&readonly::<i64>(&ir, "block_ids")?, "block_ids")?.to_vec()
+    } else {
+        block_ids
+            .extract()
+            .map_err(|_| PyTypeError::new_err("block_ids must be an int64 array [n] or a sequence of ints"))?
+    };
+    let (skr, skd) = cache(k_blocks, "k_blocks")?;
+    let (svr, svd) = cache(v_blocks, "v_blocks")?;
+    let want = [ids.len(), shape.num_kv_heads, shape.block_size, shape.head_dim];
+    for (r, d, name) in [(&skr, skd, "k_blocks"), (&svr, svd, "v_blocks")] {
+        if d != dt {
+            return Err(PyTypeError::new_err(format!(
+                "{name} is {} but the caches are {}",
+                d.name(),
+                dt.name()
+            )));
+        }
+        if r.shape != want {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be {want:?} (len(block_ids), num_kv_heads, block_size, head_dim), got {:?}",
+                r.shape
+            )));
+        }
+        if r.overlaps(&kr) || r.overlaps(&vr) {
+            return Err(PyValueError::new_err(format!(
+                "{name} must not share memory with the caches"
+            )));
+        }
+    }
+    let numel = shape.numel().map_err(PyErr::from)?;
+    let src_numel = ids.len() * shape.block_numel();
+    // SAFETY: both caches passed `cache_pair` (C-contiguous, aligned, `numel` items, disjoint)
+    // and are writeable; the sources passed `cache` with the caches' dtype and exactly
+    // `src_numel` items, and share no memory with the caches (checked above). The Bound arrays
+    // outlive the call; as for every kernel that releases the GIL, the caller must not mutate
+    // them from another thread meanwhile.
+    let (km, vm, ks, vs) = unsafe {
+        (
+            kv_mut(&kr, dt, numel),
+            kv_mut(&vr, dt, numel),
+            kv(&skr, dt, src_numel),
+            kv(&svr, dt, src_numel),
+        )
+    };
+    py.detach(|| att::write_blocks(km, vm, shape, &ids, ks, vs))
         .map_err(PyErr::from)
 }
 

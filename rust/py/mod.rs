@@ -6,7 +6,7 @@
 //! | args.rs       | int / token / sequence-id argument parsing (the fallback's checks)    |
 //! | alloc.rs      | `BlockAllocator`, `KVCacheManager`                                    |
 //! | arrays.rs     | numpy array views and their validation                                |
-//! | attention.rs  | `new_kv_cache`, `write_kv`, `copy_blocks`, `paged_attention`          |
+//! | attention.rs  | `new_kv_cache`, `write_kv`, `copy_blocks`, `write_blocks`, `paged_attention` |
 //! | linear.rs     | `QLinear`, `dequantize_gguf`, `rms_norm`, `silu_and_mul`              |
 //! | runtime.rs    | ISA and threads (`set_isa`, `kernel_info`, ...), probes, build info   |
 //!
@@ -30,7 +30,7 @@ use pyo3::prelude::*;
 use crate::error::Error;
 
 pub use alloc::{BlockAllocator, KVCacheManager};
-pub use attention::{copy_blocks, new_kv_cache, paged_attention, write_kv};
+pub use attention::{copy_blocks, new_kv_cache, paged_attention, write_blocks, write_kv};
 pub use linear::{dequantize_gguf, rms_norm, silu_and_mul, QLinear};
 pub use runtime::{
     build_profile, core_version, fma_peak, get_isa, get_num_threads, kernel_info, memory_bandwidth, set_isa,

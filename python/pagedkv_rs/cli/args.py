@@ -1,4 +1,4 @@
-"""The model and KV-cache options of every command that builds an ``LLM`` (generate, bench e2e)."""
+"""The model and KV-cache options of every command that builds an ``LLM`` (generate, serve, bench e2e)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,21 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
         help="int8: the GGUF's 8/4-bit blocks run by pagedkv_rs.QLinear; float32: dequantized, numpy BLAS; "
         "auto (default): int8 where the AVX-512 VNNI kernel runs",
     )
+    p.add_argument(
+        "--kv-tier",
+        action="append",
+        default=None,
+        metavar="SPEC",
+        dest="kv_tiers",
+        help="a KV tier below the pool, looked up in the order given (repeatable): "
+        "disk:/path?size=8GiB or redis://host:port/db[?prefix=..&ttl=S]",
+    )
+    p.add_argument(
+        "--kv-tier-secret",
+        default=None,
+        metavar="SECRET",
+        help="MAC key of the tiers' entries: without it nobody can inject K/V through a shared store",
+    )
 
 
 def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
@@ -43,5 +58,7 @@ def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
         block_size=args.block_size,
         backend=args.backend,
         weights=args.weights,
+        kv_tiers=args.kv_tiers,
+        kv_tier_secret=args.kv_tier_secret,
         **engine_kwargs,
     )

@@ -1,4 +1,4 @@
-"""The ``pagedkv`` command: ``generate``, ``bench alloc|kernel|linear|e2e|load``, ``simulate``, ``info``."""
+"""The ``pagedkv`` command: ``generate``, ``serve``, ``bench alloc|kernel|linear|e2e|load|serve|tiers``, ``info``..."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ commands:
   bench e2e               end-to-end serving benchmark (requests/s, tokens/s, TTFT, TPOT)
   bench load              process start to a 32-token answer: wall time and peak RSS per weight format
   bench serve             benchmark any OpenAI-compatible server over HTTP (same table as bench e2e)
+  bench tiers             TTFT of a long prefix: cold, in the pool, only on disk, only in Redis
   serve                   OpenAI-compatible HTTP server (needs the serve extra)
   simulate                replay a synthetic trace to size a KV cache (paged vs contiguous)
   info                    backend, build profile and CPU features
@@ -30,6 +31,7 @@ COMMANDS = {
     ("bench", "e2e"): "pagedkv_rs.cli.bench.e2e",
     ("bench", "load"): "pagedkv_rs.cli.bench.load",
     ("bench", "serve"): "pagedkv_rs.cli.bench.serve",
+    ("bench", "tiers"): "pagedkv_rs.cli.bench.tiers",
     ("serve",): "pagedkv_rs.cli.serve",
     ("simulate",): "pagedkv_rs.cli.simulate",
 }

@@ -34,8 +34,8 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, Optional, Protocol, Union, runtime_checkable
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
 
@@ -55,6 +55,9 @@ from pagedkv_rs.engine.request import (
 )
 from pagedkv_rs.engine.sampling import sample, top_logprobs
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedkv_rs.tiers import KVTiers
 
 __all__ = ["Model", "LLMEngine", "RequestStream"]
 
@@ -234,7 +237,9 @@ class LLMEngine:
     """Continuous batching with a paged KV cache over any ``Model``.
 
     ``stream_buffer`` (outputs) and ``stream_idle_timeout`` (seconds) set the lease of
-    ``submit()`` streams (see the module docstring).
+    ``submit()`` streams (see the module docstring). ``kv_tiers``: tier specs (or ``Tier`` objects)
+    below the pool, in lookup order (``pagedkv_rs.tiers``; the model needs a ``kv_fingerprint()``),
+    ``kv_tier_secret`` their MAC key, ``kv_tier_deadline`` the seconds one admission lookup may take.
     """
 
     def __init__(
@@ -251,6 +256,9 @@ class LLMEngine:
         seed: int = 0,
         stream_buffer: int = 64,
         stream_idle_timeout: float = 30.0,
+        kv_tiers: Optional[Sequence[Any]] = None,
+        kv_tier_secret: Optional[Union[str, bytes]] = None,
+        kv_tier_deadline: float = 0.5,
         **scheduler_kwargs: Any,
     ) -> None:
         if not isinstance(model, Model):
@@ -281,6 +289,10 @@ class LLMEngine:
             for _ in range(model.num_layers)
         ]
         self._host: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.kv_tiers: Optional[KVTiers] = None
+        if kv_tiers:
+            self.kv_tiers = _make_tiers(model, self.kv_caches, block_size, kv_tiers, kv_tier_secret, kv_tier_deadline)
+            self.scheduler.tier_loader = self._tier_load
         self._streams: dict[str, RequestStream] = {}
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
@@ -442,6 +454,8 @@ class LLMEngine:
                 self._fail_step(so, e)
                 raise
             with self._lock:
+                if self.kv_tiers is not None:
+                    self._tier_store(so)
                 changed = self.scheduler.update_from_output(so, tokens.tolist())
                 failed: dict[str, BaseException] = {}
                 if lp is not None or prompt_lp is not None:
@@ -583,6 +597,60 @@ class LLMEngine:
                     )
                 )
 
+    def _tier_load(self, req: Request, cached: int) -> int:
+        """Admission: load the blocks after the pool's prefix hit from the KV tiers; returns computed tokens."""
+        from pagedkv_rs.tiers import chain_hashes, salt_digest  # not at module level: tiers import engine.metrics
+
+        tiers = self.kv_tiers
+        bs = self.kv_manager.block_size
+        toks = req.all_token_ids
+        first, last = cached // bs, (len(toks) - 1) // bs  # a hit leaves at least one token to compute (I6)
+        if tiers is None or last <= first or req.params.prompt_logprobs is not None:
+            return cached
+        try:
+            hashes = chain_hashes(toks[: last * bs], bs, req.cache_salt, req.block_hashes)
+            parent = hashes[first - 1] if first else bytes(16)
+            got = tiers.lookup(hashes[first:last], parent, toks[first * bs : last * bs], salt_digest(req.cache_salt))
+            if not got:
+                return cached
+            ids = self.kv_manager.block_table(req.seq_id)[first : first + len(got)]
+            tiers.load_into(self.kv_caches, ids, got)
+        except Exception:  # a tier never fails a request: compute instead
+            for m in tiers.metrics:
+                m.add(errors=1)
+            return cached
+        n = len(got) * bs
+        self.kv_manager.prepare_batch([req.seq_id], [n])  # the loaded KV counts as computed; registers the blocks
+        return cached + n
+
+    def _tier_store(self, so: SchedulerOutput) -> None:
+        """Write-through: queue the blocks this step completed for the KV tiers (copied out now)."""
+        from pagedkv_rs.tiers import chain_hashes, salt_digest
+
+        tiers = self.kv_tiers
+        assert tiers is not None
+        bs = self.kv_manager.block_size
+        try:
+            for req, n in zip(so.requests, so.num_scheduled_tokens):
+                c = req.num_computed_tokens
+                lo, hi = (c - n) // bs, c // bs
+                if hi <= lo or req.status is not RequestStatus.RUNNING or req.params.prompt_logprobs is not None:
+                    continue
+                toks = req.all_token_ids
+                hashes = chain_hashes(toks[: hi * bs], bs, req.cache_salt, req.block_hashes)
+                table = self.kv_manager.block_table(req.seq_id)
+                tiers.store(
+                    self.kv_caches,
+                    table[lo:hi],
+                    hashes[lo:hi],
+                    [hashes[j - 1] if j else bytes(16) for j in range(lo, hi)],
+                    [toks[j * bs : (j + 1) * bs] for j in range(lo, hi)],
+                    salt_digest(req.cache_salt),
+                )
+        except Exception:  # never fail a step for a tier
+            for m in tiers.metrics:
+                m.add(errors=1)
+
     def _apply_memory_ops(self, so: SchedulerOutput) -> None:
         """Swap-out, then swap-in, then copy-on-write copies, in every layer (before the forward)."""
         for s in so.swap_out:
@@ -637,24 +705,29 @@ class LLMEngine:
     # ------------------------------------------------------------- conveniences
     def generate(
         self,
-        prompts: Union[Prompt, Sequence[Prompt]],
+        prompts: Union[Prompt, Mapping[str, Any], Sequence[Union[Prompt, Mapping[str, Any]]]],
         params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         use_tqdm: Optional[bool] = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion (stepping here, or alongside the background loop); outputs in order."""
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
-        plist_in: list[Prompt] = [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(plist_in)
-        if len(plist) != len(plist_in):
-            raise ValueError(f"{len(plist_in)} prompts but {len(plist)} SamplingParams")
-        for p, sp in zip(plist_in, plist):  # every prompt is checked before any is queued
-            self._check(None, p, sp, None, None)
+        """Run prompts to completion (stepping here, or alongside the background loop); outputs in order.
+
+        A prompt is text, token ids, or vLLM's dict ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
+        with an optional ``"cache_salt"``.
+        """
+        single = isinstance(prompts, (str, Mapping)) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+        items = [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
+        pairs = [_prompt_and_salt(p) for p in items]
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(pairs)
+        if len(plist) != len(pairs):
+            raise ValueError(f"{len(pairs)} prompts but {len(plist)} SamplingParams")
+        for (p, salt), sp in zip(pairs, plist):  # every prompt is checked before any is queued
+            self._check(None, p, sp, None, salt)
         with self._lock:
             streams = []
             try:
-                for p, sp in zip(plist_in, plist):
-                    req = self._add(None, p, sp, None, None, stream=True)
+                for (p, salt), sp in zip(pairs, plist):
+                    req = self._add(None, p, sp, None, salt, stream=True)
                     req.final_only = True
                     streams.append(self._streams[req.request_id])
             except BaseException:
@@ -744,6 +817,8 @@ class LLMEngine:
             with self._lock:
                 for rid in list(self.scheduler.requests):
                     self._abort(rid, "shutdown")
+        if self.kv_tiers is not None:
+            self.kv_tiers.flush()
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -773,12 +848,52 @@ class LLMEngine:
             s.update(self.metrics.summary())
             s["backend"] = self.backend
             s["kernels"] = kernels.kernel_source()
+            if self.kv_tiers is not None:
+                s["kv_tiers"] = self.kv_tiers.stats()
             return s
+
+
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
+
+def _prompt_and_salt(p: Any) -> tuple[Any, Any]:
+    """(prompt, cache_salt) of a prompt or of vLLM's prompt dict."""
+    if not isinstance(p, Mapping):
+        return p, None
+    extra = set(p) - _PROMPT_KEYS
+    if extra:
+        raise InvalidRequestError(f"prompt dict: unknown keys {sorted(extra)} (expected {sorted(_PROMPT_KEYS)})")
+    if ("prompt" in p) == ("prompt_token_ids" in p):
+        raise InvalidRequestError('a prompt dict needs exactly one of "prompt" (text) and "prompt_token_ids"')
+    if "prompt" in p and not isinstance(p["prompt"], str):
+        raise TypeError(f'prompt dict: "prompt" must be a str, got {type(p["prompt"]).__name__}')
+    body = p["prompt"] if "prompt" in p else p["prompt_token_ids"]
+    if "prompt_token_ids" in p and isinstance(body, str):
+        raise TypeError('prompt dict: "prompt_token_ids" must be a list of ints, got str')
+    return body, p.get("cache_salt")
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
     enc = tokenizer.encode(text)
     return list(getattr(enc, "ids", enc))
+
+
+def _make_tiers(
+    model: Any,
+    kv_caches: list[tuple[np.ndarray, np.ndarray]],
+    block_size: int,
+    specs: Sequence[Any],
+    secret: Optional[Union[str, bytes]],
+    deadline: float,
+) -> KVTiers:
+    """Parse the tier specs (or take ``Tier`` objects) and fingerprint the model for them."""
+    from pagedkv_rs.tiers import BlockLayout, KVTiers, Tier, model_fingerprint, parse_tier
+
+    if isinstance(specs, (str, bytes)):
+        raise TypeError("kv_tiers must be a list of tier specs, e.g. ['disk:/var/cache/pagedkv?size=8GiB']")
+    tiers = [s if isinstance(s, Tier) else parse_tier(s, secret=secret) for s in specs]
+    layout = BlockLayout(model.num_layers, model.num_kv_heads, block_size, model.head_dim, kv_caches[0][0].dtype)
+    return KVTiers(tiers, layout, model_fingerprint(model, layout), deadline=deadline)
 
 
 def _manager_class(backend: Any) -> Any:

@@ -275,6 +275,7 @@ class Request:
         "logprobs",
         "prompt_logprobs",
         "abort_cause",
+        "block_hashes",
     )
 
     def __init__(
@@ -322,6 +323,7 @@ class Request:
             [None] if params.prompt_logprobs is not None else None
         )
         self.abort_cause: Optional[str] = None
+        self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (KV tiers; filled lazily)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.engine.request import (
@@ -178,8 +178,11 @@ class Scheduler:
         eos_token_ids: Sequence[int] = (),
         max_model_len: Optional[int] = None,
         vocab_size: Optional[int] = None,
+        tier_loader: Optional[Callable[[Request, int], int]] = None,
     ) -> None:
         self.kv = kv_manager
+        # KV tiers: (request, pool-cached tokens) -> computed tokens after loading the blocks that follow
+        self.tier_loader = tier_loader
         self.vocab_size = MAX_TOKEN_ID + 1 if vocab_size is None else int(vocab_size)
         self.config = config or SchedulerConfig()
         self.block_size = int(kv_manager.block_size)
@@ -574,6 +577,8 @@ class Scheduler:
                 break  # a whole prompt must fit the rest of this step; alone it may exceed the budget
             self.waiting.pop()
             cached = self.kv.allocate(req.seq_id, toks, req.kv_salt)
+            if self.tier_loader is not None:
+                cached = self.tier_loader(req, cached)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = cached
             req.num_kv_tokens = len(toks)

@@ -1,7 +1,7 @@
 """The kernel functions the engine and models call: the one public kernel path.
 
-``write_kv``, ``paged_attention``, ``copy_blocks``, ``new_kv_cache``, ``rms_norm`` and ``silu_and_mul``
-come from the compiled core when it is built, else from the float64 numpy reference
+``write_kv``, ``paged_attention``, ``copy_blocks``, ``write_blocks``, ``new_kv_cache``, ``rms_norm`` and
+``silu_and_mul`` come from the compiled core when it is built, else from the float64 numpy reference
 (``pagedkv_rs.kernels.reference``, also ``pagedkv_rs.reference``), which has the same signatures.
 
 The kernel source is read once at import from ``PAGEDKV_KERNEL=auto|rust|reference`` (``auto``: Rust
@@ -26,6 +26,7 @@ __all__ = [
     "write_kv",
     "paged_attention",
     "copy_blocks",
+    "write_blocks",
     "new_kv_cache",
     "rms_norm",
     "silu_and_mul",
@@ -42,7 +43,7 @@ _LEGACY_ISAS = ("scalar", "avx2", "avx512", "neon")  # deprecated PAGEDKV_KERNEL
 # `import pagedkv_rs.reference` keeps working: the spec's home before kernels/ existed.
 sys.modules.setdefault("pagedkv_rs.reference", reference)
 
-_impl: types.ModuleType = reference  # the module the six kernel functions dispatch to
+_impl: types.ModuleType = reference  # the module the kernel functions dispatch to
 
 
 def set_kernel_source(name: str) -> None:
@@ -105,6 +106,11 @@ def paged_attention(*args: Any, **kwargs: Any) -> Any:
 def copy_blocks(*args: Any, **kwargs: Any) -> None:
     """Whole-block (src, dst) copies in both caches."""
     return _impl.copy_blocks(*args, **kwargs)
+
+
+def write_blocks(*args: Any, **kwargs: Any) -> None:
+    """Whole blocks from outside the pool (a KV tier) into both caches (see ``reference.write_blocks``)."""
+    return _impl.write_blocks(*args, **kwargs)
 
 
 def new_kv_cache(*args: Any, **kwargs: Any) -> Any:

@@ -1,7 +1,7 @@
 """Plain numpy reference of the paged KV-cache kernels: the executable spec of the Rust ones.
 
 Same names, signatures and semantics as ``pagedkv_rs.new_kv_cache / write_kv / copy_blocks /
-paged_attention``; attention is computed in float64 and returned as float32. It gathers, per
+write_blocks / paged_attention``; attention is computed in float64 and returned as float32. It gathers, per
 sequence, exactly its ``seq_len`` cached tokens through its block table (never a slot beyond),
 so a cache whose unused slots hold NaN still gives finite results.
 
@@ -31,6 +31,7 @@ __all__ = [
     "new_kv_cache",
     "write_kv",
     "copy_blocks",
+    "write_blocks",
     "paged_attention",
     "cache_dtype",
     "quantize_activations",
@@ -115,6 +116,33 @@ def copy_blocks(k_cache: np.ndarray, v_cache: np.ndarray, pairs: Any) -> None:
     for src, dst in p:
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]
+
+
+def write_blocks(
+    k_cache: np.ndarray, v_cache: np.ndarray, block_ids: Any, k_blocks: np.ndarray, v_blocks: np.ndarray
+) -> None:
+    """Write ``k_blocks``/``v_blocks`` ``[n, num_kv_heads, block_size, head_dim]`` (the caches' dtype) into
+    blocks ``block_ids`` ``[n]``, in order."""
+    _check_caches(k_cache, v_cache)
+    if not (k_cache.flags.writeable and v_cache.flags.writeable):
+        raise ValueError("k_cache and v_cache must be writeable")
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    nb = k_cache.shape[0]
+    want = (len(ids), *k_cache.shape[1:])
+    for name, src in (("k_blocks", k_blocks), ("v_blocks", v_blocks)):
+        if not isinstance(src, np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray, got {type(src).__name__}")
+        if src.dtype != k_cache.dtype:
+            raise TypeError(f"{name} is {src.dtype} but the caches are {k_cache.dtype}")
+        if src.shape != want:
+            raise ValueError(f"{name} must be {list(want)} (len(block_ids), num_kv_heads, block_size, head_dim)")
+    if np.any((ids < 0) | (ids >= nb)):
+        raise ValueError(f"block ids must be in [0, {nb})")
+    if any(np.may_share_memory(src, c) for src in (k_blocks, v_blocks) for c in (k_cache, v_cache)):
+        raise ValueError("k_blocks and v_blocks must not share memory with the caches")
+    for j, b in enumerate(ids):
+        k_cache[b] = k_blocks[j]
+        v_cache[b] = v_blocks[j]
 
 
 def paged_attention(

@@ -48,6 +48,10 @@ class TinyModel:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
+        self._config = (
+            f"tiny:layers={num_layers};hidden={hidden_size};heads={num_heads};kv_heads={num_kv_heads};"
+            f"vocab={vocab_size};ffn={intermediate_size};rope_theta={rope_theta!r};seed={seed}"
+        )
         rng = np.random.default_rng(seed)
         h, d, f = hidden_size, self.head_dim, intermediate_size
 
@@ -72,6 +76,10 @@ class TinyModel:
         self.final_norm = 1.0 + 0.1 * rng.standard_normal(h)
         self.lm_head = w(h, vocab_size)
         self.inv_freq = rope_theta ** (-np.arange(0, d, 2) / d)  # [d/2]
+
+    def kv_fingerprint(self) -> str:
+        """What the K/V depend on: the config and the seed of the random weights (for the KV tiers)."""
+        return self._config
 
     def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         # x [T, heads, d]: rotate-half RoPE at each row's position

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..engine.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS
@@ -66,12 +66,51 @@ class _EngineCollector(Collector):
         yield counter("kv_block_allocations", "Blocks taken off the free list", kv["block_allocations"])
 
 
+class _TierCollector(Collector):
+    """Per KV tier (label ``tier``: the spec without options or credentials): counters and lookup latency."""
+
+    COUNTERS = (
+        ("lookups", "Batched tier lookups at admission"),
+        ("hit_blocks", "Blocks loaded from the tier"),
+        ("hit_tokens", "Prompt tokens loaded from the tier"),
+        ("miss_blocks", "Blocks asked of the tier and not served by it"),
+        ("verify_failures", "Tier records that failed verification (used as misses)"),
+        ("errors", "Tier operations that failed (connection, timeout, I/O)"),
+        ("timeouts", "Lookups cut short by their deadline"),
+        ("stored_blocks", "Blocks handed to the tier's writer and written"),
+        ("store_drops", "Blocks not stored: writer queue full or the write failed"),
+        ("bytes_read", "Record bytes read from the tier"),
+        ("bytes_written", "Record bytes written to the tier"),
+    )
+
+    def __init__(self, tiers: Any, model_name: str) -> None:
+        self._tiers = tiers
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._tiers.stats()
+        labels = ["model_name", "tier"]
+        for key, doc in self.COUNTERS:
+            c = CounterMetricFamily(f"pagedkv:kv_tier_{key}", doc, labels=labels)
+            for name, st in stats.items():
+                c.add_metric([self._model, name], st[key])
+            yield c
+        h = HistogramMetricFamily("pagedkv:kv_tier_lookup_seconds", "Duration of one tier lookup", labels=labels)
+        for name, st in stats.items():
+            hist = st["lookup_seconds"]
+            buckets = [("+Inf" if le == float("inf") else repr(float(le)), n) for le, n in hist["buckets"]]
+            h.add_metric([self._model, name], buckets, hist["sum"])
+        yield h
+
+
 class ServerMetrics:
     """Every metric the server exposes, in its own registry."""
 
     def __init__(self, engine: Any, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(engine, model_name))
+        if getattr(engine, "kv_tiers", None) is not None:
+            self.registry.register(_TierCollector(engine.kv_tiers, model_name))
         r, lab = self.registry, ["model_name"]
         self._name = model_name
 

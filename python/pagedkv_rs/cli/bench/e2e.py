@@ -255,7 +255,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         res["profile_s"] = profile_breakdown(pstats.Stats(prof), total)
     else:
         res = run_benchmark(llm, reqs, progress=not args.no_progress)
-    res["config"] = {k: v for k, v in vars(args).items() if k not in ("json",)}
+    llm.shutdown()  # flushes what the KV tiers still have to write
+    res["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "kv_tier_secret")}
+    if llm.engine.kv_tiers is not None:
+        res["kv_tiers"] = llm.engine.kv_tiers.stats()
     print(format_report(res))
     if "profile_s" in res:
         total = sum(res["profile_s"].values())
