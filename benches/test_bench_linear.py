@@ -36,12 +36,11 @@ CASES = [
 def test_linear(benchmark, shape, impl):
     benchmark.group = f"linear {shape.name} N={shape.n} K={shape.k}"
     benchmark.extra_info["ops"] = shape.ops
-    fq, ff = build(shape)
     if impl == "float32":
-        fn = ff
+        fn = build(shape)[1]
     else:
         kind, build_name = impl.split("-", 1)
-        fn = build_q4(shape) if kind == "q4" else fq
+        fn = build_q4(shape) if kind == "q4" else build(shape)[0]
         prev = pagedkv_rs.get_isa()
         pagedkv_rs.set_isa(_BUILDS[build_name])
     try:
