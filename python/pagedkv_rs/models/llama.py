@@ -65,8 +65,8 @@ WEIGHT_FORMATS = ("auto", "int8", "float32")
 
 
 # The QLinear builds that beat numpy's float32 sgemm end to end on SmolLM2: AVX-512 VNNI, and the
-# AVX2 vpmaddubsw tile (Zen 3, PAGEDKV_ISA=avx2: ~2-3x output tok/s at 1 sequence, ~1.8x at 8, about
-# even at 32, where the 512-token prefill chunks run slower than sgemm). The scalar tile is far slower.
+# AVX2 vpmaddubsw tile (Zen 3, PAGEDKV_ISA=avx2: ~2.5x output tok/s at 1 sequence, ~1.9x at 8, ~1.2x
+# at 32, where the 512-token prefill chunks run slower than sgemm). The scalar tile is far slower.
 FAST_LINEAR_ISAS = ("avx512vnni", "avx2")
 
 
