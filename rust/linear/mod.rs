@@ -1,10 +1,13 @@
 //! Block-quantized linear layers: `y[M, N] = x[M, K] · Wᵀ` with W held as 8-bit codes (no pyo3).
 //!
-//! | variant    | file   | used when (`variant` maps the ISA from `runtime` onto a build)          |
-//! |------------|--------|------------------------------------------------------------------------|
-//! | scalar     | mod.rs | ISA `scalar` (`set_isa("scalar")`, `PAGEDKV_ISA=scalar`) or `neon`, or no AVX2 |
-//! | avx2+fma   | mod.rs | the portable tile built for AVX2 + FMA: ISA `avx2`, or `avx512` without VNNI |
-//! | avx512vnni | x86.rs | ISA `avx512` on a CPU with AVX-512 F + BW + VNNI (`runtime::avx512_vnni`) |
+//! | variant    | file    | used when (`variant` maps the ISA from `runtime` onto a build)                 |
+//! |------------|---------|--------------------------------------------------------------------------------|
+//! | scalar     | mod.rs  | ISA `scalar` (`set_isa("scalar")`, `PAGEDKV_ISA=scalar`) or `neon`, or no AVX2 |
+//! | avx2       | avx2.rs | `vpmaddubsw` + `vpmaddwd` tile: ISA `avx2`, or `avx512` without VNNI          |
+//! | avx512vnni | x86.rs  | ISA `avx512` on a CPU with AVX-512 F + BW + VNNI (`runtime::avx512_vnni`)      |
+//!
+//! Every variant gives the same bits (cargo tests and tests/kernels/test_qlinear.py compare them);
+//! all of them against a float64 sum over the unpacked weights within 1e-5 relative.
 //!
 //! Weights: each row n of W is cut into K/32 blocks; block b holds 32 unsigned codes `c` and two
 //! f32 numbers `d`, `m` with `w = d·c + m`. GGUF Q4_1 blocks (`c` in 0..=15) and Q8_0 blocks
@@ -28,9 +31,13 @@
 //!
 //! Packed layout (what the SIMD kernel streams): output rows in panels of 16 (the last padded
 //! with zero rows); a panel's codes are K/4 groups of 64 bytes = 16 rows × 4 consecutive k, so
-//! one 64-byte load feeds one `vpdpbusd` for 16 outputs; its scales are, per block, 16 `d` then
-//! 16 `m`. Work is split over columns only (pairs of panels), never over K.
+//! one 64-byte load feeds one `vpdpbusd` for 16 outputs (or, split in two, two `vpmaddubsw` for 8
+//! each); its scales are, per block, 16 `d` then 16 `m`. At build the weight also records whether
+//! every code fits 4 bits (`nibbles`), which selects the AVX2 tile's exact mode (`avx2.rs`).
+//! Work is split over columns only (pairs of panels), never over K.
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 pub mod gguf;
 #[cfg(test)]
 mod tests;
@@ -48,8 +55,8 @@ pub const QBLOCK: usize = 32;
 pub const PANEL: usize = 16;
 
 /// The build that runs for `isa` (the kernel ISA setting applies here too): `Avx512` is the VNNI
-/// tile when the CPU has AVX-512 VNNI, else the AVX2 + FMA build; `Avx2` that build when the CPU
-/// has it; `Scalar` and `Neon` the scalar tile.
+/// tile when the CPU has AVX-512 VNNI, else the AVX2 tile; `Avx2` that tile when the CPU has AVX2
+/// and FMA; `Scalar` and `Neon` the scalar tile.
 pub fn variant(isa: Isa) -> Isa {
     match isa {
         Isa::Avx512 if runtime::avx512_vnni() => Isa::Avx512,
@@ -62,7 +69,7 @@ pub fn variant(isa: Isa) -> Isa {
 pub fn variant_name(isa: Isa) -> &'static str {
     match variant(isa) {
         Isa::Avx512 => "avx512vnni",
-        Isa::Avx2 => "avx2+fma",
+        Isa::Avx2 => "avx2",
         _ => "scalar",
     }
 }
@@ -86,6 +93,8 @@ pub struct QWeight {
     codes: Vec<u8>,
     /// `panels * (k / QBLOCK) * 2 * PANEL` floats.
     scales: Vec<f32>,
+    /// Every code is <= 15 (GGUF Q4_1): the AVX2 tile's single-`vpmaddubsw` mode is exact.
+    nibbles: bool,
 }
 
 impl QWeight {
@@ -139,6 +148,7 @@ impl QWeight {
         Ok(QWeight {
             n,
             k,
+            nibbles: codes.iter().all(|&c| c <= 15),
             codes: pc,
             scales: ps,
         })
@@ -347,11 +357,8 @@ struct Args<'a> {
 }
 
 /// Portable tile: rows `r0..r0+mr`, panel `p` (the same float operations in the same order as
-/// the VNNI kernel). Compiled twice: plain (`Isa::Scalar`) and with AVX2 + FMA enabled
-/// (`Isa::Avx2`), where `mul_add` is one instruction instead of a libm call and the integer dots
-/// auto-vectorize. Both give the same bits.
-#[inline(always)]
-fn tile_portable(a: &Args, r0: usize, mr: usize, p: usize) {
+/// the SIMD tiles; `mul_add` is a correctly rounded libm `fmaf` here).
+fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
     let (k, nb, n) = (a.w.k, a.w.blocks(), a.w.n);
     let codes = &a.w.codes[p * k * PANEL..][..k * PANEL];
     let scales = &a.w.scales[p * nb * 2 * PANEL..][..nb * 2 * PANEL];
@@ -390,19 +397,7 @@ fn tile_portable(a: &Args, r0: usize, mr: usize, p: usize) {
     }
 }
 
-fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
-    tile_portable(a, r0, mr, p)
-}
-
-/// # Safety
-/// The CPU has AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2(a: &Args, r0: usize, mr: usize, p: usize) {
-    tile_portable(a, r0, mr, p)
-}
-
-/// Rows per tile of the SIMD kernel (each row is two digit streams).
+/// Rows per tile of the SIMD tiles (each row is two digit streams).
 const MR: usize = 2;
 /// Panels per job (columns per job = JOB_PANELS * PANEL).
 const JOB_PANELS: usize = 2;
@@ -465,13 +460,18 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
     Ok(())
 }
 
-/// `quantize_acts`, with AVX-512 where the CPU has it (identical results).
+/// `quantize_acts`, with AVX-512 or AVX2 where the CPU has it (identical results).
 fn quantize_fast(x: &[f32], m: usize, k: usize) -> QActs {
     #[cfg(target_arch = "x86_64")]
     if Isa::Avx512.available() {
         let mut a = QActs::zeroed(m, k);
         // SAFETY: AVX-512 F/BW detected (`Isa::Avx512` includes them); x[..m*k] and the buffers are sized for m rows.
         unsafe { x86::quantize(&x[..m * k], &mut a) };
+        return a;
+    } else if Isa::Avx2.available() {
+        let mut a = QActs::zeroed(m, k);
+        // SAFETY: AVX2 and FMA detected (`Isa::Avx2` includes them); x[..m*k] and the buffers are sized for m rows.
+        unsafe { avx2::quantize(&x[..m * k], &mut a) };
         return a;
     }
     quantize_acts(x, m, k)
@@ -514,12 +514,10 @@ fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
-            for r0 in (0..m).step_by(MR) {
-                for p in p0..p0 + np {
-                    // SAFETY: `variant` gives Avx2 only when AVX2 and FMA are detected.
-                    unsafe { tile_avx2(a, r0, MR.min(m - r0), p) };
-                }
-            }
+            // SAFETY: `variant` gives Avx2 only when AVX2 and FMA are detected; the tile bounds
+            // are within the activations, weights and output sized by `linear_with`; `nibbles`
+            // was computed from the weight's own codes.
+            unsafe { avx2::job(a, m, p0, np) }
         }
         _ => {
             for r0 in (0..m).step_by(MR) {

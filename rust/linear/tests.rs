@@ -122,13 +122,22 @@ fn simd_quantization_equals_scalar() {
         *v = (i as f32 - 16.0) * 0.5 * 127.0 / 8.0; // block 6: exact .5 ties after scaling
     }
     let a = quantize_acts(&x, 4, k);
-    let b = quantize_fast(&x, 4, k);
-    assert_eq!(a.hi, b.hi);
-    assert_eq!(a.lo, b.lo);
+    let mut simd = vec![("fast", quantize_fast(&x, 4, k))];
+    #[cfg(target_arch = "x86_64")]
+    if Isa::Avx2.available() {
+        let mut b = QActs::zeroed(4, k);
+        // SAFETY: AVX2 and FMA detected; x and b are sized for 4 rows of k.
+        unsafe { avx2::quantize(&x, &mut b) };
+        simd.push(("avx2", b));
+    }
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&a.s_hi), bits(&b.s_hi));
-    assert_eq!(bits(&a.s_lo), bits(&b.s_lo));
-    assert_eq!(bits(&a.qs), bits(&b.qs));
+    for (name, b) in simd {
+        assert_eq!(a.hi, b.hi, "{name}");
+        assert_eq!(a.lo, b.lo, "{name}");
+        assert_eq!(bits(&a.s_hi), bits(&b.s_hi), "{name}");
+        assert_eq!(bits(&a.s_lo), bits(&b.s_lo), "{name}");
+        assert_eq!(bits(&a.qs), bits(&b.qs), "{name}");
+    }
 }
 
 #[test]
@@ -207,4 +216,87 @@ fn nan_in_a_row_poisons_only_that_row() {
         out[..2].iter().all(|v| v.is_finite()) && out[2..].iter().all(|v| v.is_nan()),
         "{out:?}"
     );
+}
+
+/// Activations whose two digits sit at the edge: per block one element at the block's max (h = ±127,
+/// l = 0), the rest at ±(126 + 1/4) of it (h = ±126, l = ±127), signs at random.
+fn edge_acts(r: &mut Rng, m: usize, k: usize) -> Vec<f32> {
+    let mut x = vec![0f32; m * k];
+    for (i, blk) in x.chunks_exact_mut(QBLOCK).enumerate() {
+        let scale = [1.0f32, 0.5, 2.0][i % 3];
+        for v in blk.iter_mut() {
+            let sign = if r.below(2) == 0 { 1.0 } else { -1.0 };
+            *v = sign * 126.25 * scale;
+        }
+        blk[r.below(QBLOCK)] = 127.0 * scale;
+    }
+    x
+}
+
+#[test]
+fn saturation_edges_give_the_scalar_bits() {
+    let mut r = Rng(0xed6e);
+    let a = quantize_acts(&edge_acts(&mut r, 1, 64), 1, 64);
+    assert!(
+        a.hi.iter().all(|&h| h.unsigned_abs() >= 126)
+            && a.lo.iter().filter(|&&l| l.unsigned_abs() == 127).count() >= 60
+    );
+    for (case, top) in [0u8, 15, 255, 255].into_iter().enumerate() {
+        let (n, k, m) = (37, 32 * 5, 5);
+        // Codes at 0 and at `top` (and, in the last case, any byte): with 255, a pair of
+        // products reaches 2·255·127 = 64770, past i16.
+        let codes: Vec<u8> = (0..n * k)
+            .map(|_| match (case, r.below(3)) {
+                (3, 2) => r.below(256) as u8,
+                (_, 0) => 0,
+                _ => top,
+            })
+            .collect();
+        let d: Vec<f32> = (0..n * k / QBLOCK).map(|_| 0.01 + r.uniform().abs() * 0.01).collect();
+        let mm: Vec<f32> = d.iter().map(|&v| -v * top as f32 / 2.0).collect();
+        let w = QWeight::from_parts(n, k, &codes, &d, &mm).unwrap();
+        assert_eq!(w.nibbles, top <= 15, "case {case}");
+        let x = edge_acts(&mut r, m, k);
+        let mut ys = vec![f32::NAN; m * n];
+        linear_with(Isa::Scalar, &x, m, &w, &mut ys).unwrap();
+        let yr = reference(&x, m, &w);
+        // The offsets m cancel most of each sum: the tolerance is relative to the largest output.
+        let big = yr.iter().fold(1f64, |a, v| a.max(v.abs()));
+        for (i, (&a, &b)) in ys.iter().zip(&yr).enumerate() {
+            assert!((a as f64 - b).abs() <= 1e-5 * big, "case {case} elem {i}: {a} vs {b}");
+        }
+        for isa in crate::runtime::available_isas() {
+            let mut yv = vec![f32::NAN; m * n];
+            linear_with(isa, &x, m, &w, &mut yv).unwrap();
+            assert_eq!(
+                ys.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                yv.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{isa:?} case {case}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_code_15_and_digit_127_fills_the_i16_sums_exactly() {
+    // The nibble mode's worst case: 8 groups × 2 products of 15·127 in one i16 lane = 30480.
+    let (n, k) = (16, 64);
+    let w = QWeight::from_parts(n, k, &vec![15; n * k], &vec![1.0; n * 2], &vec![0.0; n * 2]).unwrap();
+    assert!(w.nibbles);
+    for sign in [1i8, -1] {
+        let x = vec![sign as f32; 2 * k];
+        let a = quantize_acts(&x, 2, k);
+        assert!(a.hi.iter().all(|&h| h == 127 * sign));
+        let mut ys = vec![f32::NAN; 2 * n];
+        linear_with(Isa::Scalar, &x, 2, &w, &mut ys).unwrap();
+        assert!(
+            ys.iter().all(|&v| (v - sign as f32 * 15.0 * k as f32).abs() < 1e-3),
+            "{ys:?}"
+        );
+        for isa in crate::runtime::available_isas() {
+            let mut y = vec![f32::NAN; 2 * n];
+            linear_with(isa, &x, 2, &w, &mut y).unwrap();
+            assert_eq!(y, ys, "{isa:?}");
+        }
+    }
 }

@@ -14,8 +14,8 @@ from pagedkv_rs.kernels import reference
 from session import forced_isa, scaled
 
 # Every ISA this CPU runs ("scalar", then e.g. "avx2"). QLinear maps them onto its builds: scalar and
-# neon onto the scalar tile, avx2 onto AVX2+FMA, avx512 onto AVX-512 VNNI where the CPU has VNNI and
-# onto AVX2+FMA where it does not; so several ISAs can share one build.
+# neon onto the scalar tile, avx2 onto the AVX2 (vpmaddubsw) tile, avx512 onto AVX-512 VNNI where the
+# CPU has VNNI and onto the AVX2 tile where it does not; so several ISAs can share one build.
 ISAS = pagedkv_rs.kernel_info()["isas"]
 
 
@@ -42,7 +42,7 @@ def _dequant(q):
 def test_isa_names():
     info = pagedkv_rs.kernel_info()
     vnni = info["detected_linear_isa"] == "avx512vnni"
-    want = {"scalar": "scalar", "neon": "scalar", "avx2": "avx2+fma", "avx512": "avx512vnni" if vnni else "avx2+fma"}
+    want = {"scalar": "scalar", "neon": "scalar", "avx2": "avx2", "avx512": "avx512vnni" if vnni else "avx2"}
     assert {isa: want[isa] for isa in ISAS} == BUILDS
     assert info["detected_linear_isa"] == BUILDS[ISAS[-1]]
 
@@ -51,9 +51,10 @@ def test_isa_names():
     "m,n,k",
     [(1, 1, 32), (2, 5, 64), (3, 16, 96), (4, 17, 32), (5, 33, 160), (9, 100, 256), (33, 48, 576), (64, 31, 128)],
 )
-def test_matches_reference(isa, m, n, k):
+@pytest.mark.parametrize("kind", ["float", "q4"])
+def test_matches_reference(isa, m, n, k, kind):
     rng = np.random.default_rng(m * 1000 + n * 10 + k)
-    q = QLinear.from_float(_weights(rng, n, k))
+    q = QLinear.from_float(_weights(rng, n, k)) if kind == "float" else _q4(rng, n, k)
     x = (rng.standard_normal((m, k)) * 2).astype(np.float32)
     got = q(x)
     assert got.shape == (m, n) and got.dtype == np.float32
@@ -61,10 +62,17 @@ def test_matches_reference(isa, m, n, k):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
+def _q4(rng, n, k):
+    """4-bit codes, as GGUF Q4_1 weights hold them."""
+    d = (rng.random((n, k // 32)) * 0.02).astype(np.float32)
+    return QLinear.from_parts(rng.integers(0, 16, (n, k), dtype=np.uint8), d, (-8 * d).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["float", "q4"])
 @pytest.mark.parametrize("build", list(SIMD_BUILDS))
-def test_every_simd_build_gives_the_scalar_bits(build):
+def test_every_simd_build_gives_the_scalar_bits(build, kind):
     rng = np.random.default_rng(3)
-    q = QLinear.from_float(_weights(rng, 70, 192))
+    q = QLinear.from_float(_weights(rng, 70, 192)) if kind == "float" else _q4(rng, 70, 192)
     x = rng.standard_normal((37, 192)).astype(np.float32)
     x[4, 10] = 500.0  # an outlier block
     with forced_isa("scalar"):
@@ -73,6 +81,47 @@ def test_every_simd_build_gives_the_scalar_bits(build):
         assert pagedkv_rs.kernel_info()["linear_isa"] == build
         got = q(x)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _edge_acts(rng, m, k):
+    """Digits at the edge: per block one element at the block's max (hi = ±127, lo = 0), the rest
+    ±(126 + 1/4) of it (hi = ±126, lo = ±127), signs at random; block scales 1, 1/2, 2."""
+    x = rng.choice([-126.25, 126.25], (m, k // 32, 32)) * np.array([1.0, 0.5, 2.0])[np.arange(k // 32) % 3, None]
+    x[np.arange(m)[:, None], np.arange(k // 32), rng.integers(0, 32, (m, k // 32))] = (
+        127 * np.array([1.0, 0.5, 2.0])[np.arange(k // 32) % 3]
+    )
+    return x.reshape(m, k).astype(np.float32)
+
+
+# The AVX2 tile's two exact modes: every code <= 15 (one vpmaddubsw, i16 sums over a block) and
+# any code (nibble split); 255 x 127 x 2 overflows i16, so a plain vpmaddubsw would saturate there.
+@pytest.mark.parametrize("codes", ["0/15", "15", "0/255", "255", "any"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_saturation_edges_match_reference_and_scalar(isa, codes, m):
+    rng = np.random.default_rng(12 + m)
+    n, k = 37, 32 * 5  # a partial last panel (37 = 2 x 16 + 5)
+    top = 15 if "15" in codes else 255
+    c = {
+        "0/15": rng.choice(np.array([0, 15], np.uint8), (n, k)),
+        "15": np.full((n, k), 15, np.uint8),
+        "0/255": rng.choice(np.array([0, 255], np.uint8), (n, k)),
+        "255": np.full((n, k), 255, np.uint8),
+        "any": rng.integers(0, 256, (n, k), dtype=np.uint8),
+    }[codes]
+    d = (0.01 + 0.01 * rng.random((n, k // 32))).astype(np.float32)
+    q = QLinear.from_parts(c, d, (-d * top / 2).astype(np.float32))
+    x = _edge_acts(rng, m, k)
+    hi, lo, *_ = reference.quantize_activations(x)
+    assert np.abs(hi).min() >= 126 and (np.abs(lo) == 127).mean() > 0.9
+    # Rows before and after the output stay NaN: nothing is written outside [m, n].
+    buf = np.full((m + 2, n), np.nan, np.float32)
+    got = q(x, out=buf[1 : m + 1])
+    assert np.isnan(buf[[0, -1]]).all() and np.isfinite(got).all()
+    want = reference.qlinear(x, *q.unpack())
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    with forced_isa("scalar"):
+        scalar = q(x)
+    np.testing.assert_array_equal(got.view(np.uint32), scalar.view(np.uint32))
 
 
 def test_rows_do_not_depend_on_the_batch():
@@ -216,11 +265,12 @@ def test_the_gil_is_released_during_a_call(isa_name):
     kb=st.integers(1, 6),
     seed=st.integers(0, 2**32 - 1),
     scale=st.sampled_from([1e-3, 1.0, 1e3]),
+    q4=st.booleans(),
 )
-def test_fuzz_against_reference(m, n, kb, seed, scale):
+def test_fuzz_against_reference(m, n, kb, seed, scale, q4):
     rng = np.random.default_rng(seed)
     k = 32 * kb
-    q = QLinear.from_float(_weights(rng, n, k))
+    q = _q4(rng, n, k) if q4 else QLinear.from_float(_weights(rng, n, k))
     x = (rng.standard_normal((m, k)) * scale).astype(np.float32)
     want = reference.qlinear(x, *q.unpack())
     np.testing.assert_allclose(q(x), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()) + 1e-30)

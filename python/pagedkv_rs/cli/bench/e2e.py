@@ -7,8 +7,8 @@ after an optional shared prefix, outputs of exactly their length (``ignore_eos``
 arrive at t=0. ``--profile`` splits the wall time into weight matmuls, attention, KV writes,
 other model math, sampling and scheduling.
 
-Weight matmuls run in ``pagedkv_rs.QLinear`` (``--weights int8``, the default where AVX-512 VNNI
-exists) on the kernel thread pool, or in numpy's OpenBLAS (``--weights float32``). OpenBLAS's
+Weight matmuls run in ``pagedkv_rs.QLinear`` (``--weights int8``, the default where its AVX-512 VNNI
+or AVX2 tile runs) on the kernel thread pool, or in numpy's OpenBLAS (``--weights float32``). OpenBLAS's
 threads spin-wait between calls; on a machine whose cores are busy with other work they stall
 (measured here: 13-17 output tok/s with 2 threads vs 73 with ``OPENBLAS_NUM_THREADS=1``).
 """

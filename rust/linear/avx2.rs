@@ -1,0 +1,214 @@
+//! AVX2 tile of the block-quantized linear layer (layout and formula: `mod.rs`), for x86-64 CPUs
+//! without AVX-512 VNNI: `vpmaddubsw` + `vpmaddwd`, as llama.cpp's AVX2 dot products do.
+//!
+//! | mode   | chosen at `QWeight` build when     | per 4-k group and 8-row code vector, per row and digit         |
+//! |--------|------------------------------------|----------------------------------------------------------------|
+//! | nibble | every code <= 15 (GGUF Q4_1)       | one `vpmaddubsw`, summed in i16 over the whole 32-block        |
+//! | wide   | any code (Q8_0, requantized float) | codes split `c = 16·hi + lo`: two `vpmaddubsw`, each as above  |
+//!
+//! Layout: the packed one as it is (no copy of its own). A 64-byte group (16 rows × 4 consecutive
+//! k) is two 32-byte vectors of 8 rows; each 32-bit lane holds one row's 4 codes and meets a
+//! broadcast of the activation row's 4 digit bytes. `vpmaddubsw` (u8 × i8, adjacent products
+//! summed into i16 with signed saturation) is exact while no sum leaves i16: with 4-bit codes a
+//! pair is at most 2·15·127 = 3810 in magnitude and the 8 groups of a block sum to at most 30480
+//! < 32767, so the i16 sums are kept over the block. An 8-bit code would saturate a single pair
+//! (2·255·127 = 64770), hence the split: both halves are 4-bit codes and
+//! `Σ c·x = 16·Σ hi·x + Σ lo·x`. Per block `vpmaddwd` with ones (16s for the high half) sums a
+//! lane's two i16 into the exact i32 dot of its row, then the same three FMAs as the scalar
+//! path in its order: the scalar bits exactly (tests compare them, with codes at 0, 15 and 255
+//! and digits at ±127). Tile: R rows (2, 1 for `wide`) × one panel of 16 columns; the i16 sums
+//! (8 for R = 2, nibble) stay in the 16 ymm registers.
+
+use std::arch::x86_64::*;
+
+use super::{Args, MR, PANEL, QBLOCK};
+
+/// All row tiles of panels `p0..p0+np`.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `a` describes activations of `m` rows and an output of `m × n`
+/// floats; `p0 + np <= panels`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
+    let wide = !a.w.nibbles;
+    let mut r0 = 0;
+    while r0 < m {
+        let mr = if wide { 1 } else { MR.min(m - r0) };
+        for p in p0..p0 + np {
+            // SAFETY: forwarded from the caller; rows r0..r0+mr are inside the activations and
+            // panel p exists.
+            unsafe {
+                match (wide, mr) {
+                    (false, 2) => tile::<2, false>(a, r0, p),
+                    (false, _) => tile::<1, false>(a, r0, p),
+                    (true, _) => tile::<1, true>(a, r0, p),
+                }
+            }
+        }
+        r0 += mr;
+    }
+}
+
+/// One tile: rows `r0..r0+R` times panel `p`; `WIDE`: codes up to 255 (nibble split).
+///
+/// # Safety
+/// As for `job`; rows `r0..r0+R` are inside the activations, panel `p` exists, and with
+/// `WIDE = false` every code of the weight is <= 15.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize) {
+    let (k, n) = (a.w.k, a.w.n);
+    let nb = k / QBLOCK;
+    // SAFETY: panel p exists: k*PANEL codes and nb*2*PANEL scales from these offsets.
+    let (codes, scales) = unsafe {
+        (
+            a.w.codes.as_ptr().add(p * k * PANEL),
+            a.w.scales.as_ptr().add(p * nb * 2 * PANEL),
+        )
+    };
+    let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
+    let ones = _mm256_set1_epi16(1);
+    let sixteens = _mm256_set1_epi16(16);
+    let low4 = _mm256_set1_epi8(0x0f);
+    let zero = _mm256_setzero_si256();
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    for b in 0..nb {
+        // i16 pair sums [row][digit][8-row vector]: of the codes (nibble mode) or of their low
+        // halves, and of their high halves (wide mode only).
+        let mut lo = [[[zero; 2]; 2]; R];
+        let mut hi = [[[zero; 2]; 2]; R];
+        for g in 0..QBLOCK / 4 {
+            let kk = b * QBLOCK + g * 4;
+            let mut cl = [zero; 2];
+            let mut ch = [zero; 2];
+            for v in 0..2 {
+                // SAFETY: kk*PANEL + 64 <= k*PANEL: the group's two 32-byte vectors in panel p.
+                let c = unsafe { _mm256_loadu_si256(codes.add(kk * PANEL + v * 32) as *const __m256i) };
+                if WIDE {
+                    cl[v] = _mm256_and_si256(c, low4);
+                    ch[v] = _mm256_and_si256(_mm256_srli_epi16::<4>(c), low4);
+                } else {
+                    cl[v] = c;
+                }
+            }
+            for r in 0..R {
+                for (digit, xq) in [xh, xl].into_iter().enumerate() {
+                    // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
+                    let x4 = unsafe { std::ptr::read_unaligned(xq.add((r0 + r) * k + kk) as *const i32) };
+                    let xv = _mm256_set1_epi32(x4);
+                    for v in 0..2 {
+                        lo[r][digit][v] = _mm256_add_epi16(lo[r][digit][v], _mm256_maddubs_epi16(cl[v], xv));
+                        if WIDE {
+                            hi[r][digit][v] = _mm256_add_epi16(hi[r][digit][v], _mm256_maddubs_epi16(ch[v], xv));
+                        }
+                    }
+                }
+            }
+        }
+        for v in 0..2 {
+            // SAFETY: block b of panel p: 16 `d` then 16 `m`; vector v is 8 of each.
+            let (dv, mv) = unsafe {
+                let sp = scales.add(b * 2 * PANEL + v * 8);
+                (_mm256_loadu_ps(sp), _mm256_loadu_ps(sp.add(PANEL)))
+            };
+            for r in 0..R {
+                let dot = |digit: usize| {
+                    let mut d = _mm256_madd_epi16(lo[r][digit][v], ones);
+                    if WIDE {
+                        d = _mm256_add_epi32(_mm256_madd_epi16(hi[r][digit][v], sixteens), d);
+                    }
+                    _mm256_cvtepi32_ps(d)
+                };
+                let rb = (r0 + r) * nb + b;
+                let sh = _mm256_set1_ps(a.acts.s_hi[rb]);
+                let sl = _mm256_set1_ps(a.acts.s_lo[rb]);
+                let qs = _mm256_set1_ps(a.acts.qs[rb]);
+                acc[r][v] = _mm256_fmadd_ps(dot(0), _mm256_mul_ps(dv, sh), acc[r][v]);
+                acc[r][v] = _mm256_fmadd_ps(dot(1), _mm256_mul_ps(dv, sl), acc[r][v]);
+                acc[r][v] = _mm256_fmadd_ps(mv, qs, acc[r][v]);
+            }
+        }
+    }
+    let col = p * PANEL;
+    let valid = PANEL.min(n - col);
+    for (r, row) in acc.iter().enumerate() {
+        let mut buf = [0f32; PANEL];
+        // SAFETY: buf holds 16 floats: two unaligned 8-float stores.
+        unsafe {
+            _mm256_storeu_ps(buf.as_mut_ptr(), row[0]);
+            _mm256_storeu_ps(buf.as_mut_ptr().add(8), row[1]);
+        }
+        // SAFETY: row r0+r < m, columns col..col+valid < n of the [m, n] output; this job alone
+        // writes these columns.
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a.out.add((r0 + r) * n + col), valid) };
+    }
+}
+
+/// `quantize_acts` for whole rows with AVX2 (same operations, same results bit for bit).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `x` holds `a.hi.len()` floats, a multiple of 32, and the scale
+/// vectors hold one entry per 32.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn quantize(x: &[f32], a: &mut super::QActs) {
+    for (i, blk) in x.chunks_exact(QBLOCK).enumerate() {
+        // SAFETY: blk has 32 floats.
+        let v: [__m256; 4] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(blk.as_ptr().add(8 * j)) });
+        let (sh, sum_h, h) = digit(v);
+        let s = _mm256_set1_ps(sh);
+        let (sl, sum_l, l) = if sh.is_nan() {
+            (f32::NAN, 0, [_mm256_setzero_si256(); 4])
+        } else {
+            // v - s·h, rounded after the product as the scalar path does (no contraction).
+            digit(std::array::from_fn(|j| {
+                _mm256_sub_ps(v[j], _mm256_mul_ps(s, _mm256_cvtepi32_ps(h[j])))
+            }))
+        };
+        for (dst, q) in [(&mut a.hi, h), (&mut a.lo, l)] {
+            // i32 -> i16 -> i8 with saturation (values are in -127..=127), then the lanes back in order.
+            let q16 = [_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])];
+            let q8 = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(q16[0], q16[1]),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+            );
+            // SAFETY: block i has 32 digits in each buffer.
+            unsafe { _mm256_storeu_si256(dst.as_mut_ptr().add(i * QBLOCK) as *mut __m256i, q8) };
+        }
+        a.s_hi[i] = sh;
+        a.s_lo[i] = sl;
+        a.qs[i] = sh * sum_h as f32 + sl * sum_l as f32;
+    }
+}
+
+/// One digit of a 32-float block: `(s, Σq, q)` as `quantize_block` computes them.
+#[target_feature(enable = "avx2,fma")]
+fn digit(v: [__m256; 4]) -> (f32, i32, [__m256i; 4]) {
+    let zero = [_mm256_setzero_si256(); 4];
+    let unord = |a: __m256| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(a, a));
+    if v.iter().any(|&a| unord(a) != 0) {
+        return (f32::NAN, 0, zero);
+    }
+    let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let m = v.map(|a| _mm256_and_ps(a, abs_mask));
+    let m = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<0b01>(m, m)));
+    if amax.is_infinite() {
+        return (f32::NAN, 0, zero);
+    }
+    if amax < f32::MIN_POSITIVE {
+        return (0.0, 0, zero);
+    }
+    let inv = _mm256_set1_ps(127.0 / amax);
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    // Nearest-even rounding, as `round_half_even` in mod.rs (|v·inv| <= ~127 < 2^22).
+    let q = v.map(|a| {
+        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(a, inv));
+        _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+    });
+    let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b0100_1110>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b1011_0001>(s));
+    (amax / 127.0, _mm_cvtsi128_si32(s), q)
+}
