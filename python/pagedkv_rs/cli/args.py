@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from pagedkv_rs.models.llama import WEIGHT_FORMATS
+from pagedkv_rs.models.llama import MODEL_IMPLS, WEIGHT_FORMATS
 
 if TYPE_CHECKING:
     from pagedkv_rs.llm import LLM
@@ -29,6 +29,13 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
         help="int8: the GGUF's 8/4-bit blocks run by pagedkv_rs.QLinear; float32: dequantized, numpy BLAS; "
         "auto (default): int8 where the AVX-512 VNNI kernel runs",
     )
+    p.add_argument(
+        "--model-impl",
+        choices=MODEL_IMPLS,
+        default="auto",
+        help="fused: the whole decoder stack in one Rust call per step (int8 weights); numpy: one kernel call "
+        "per operation from Python (the readable spec); auto (default): fused when the weights allow",
+    )
 
 
 def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
@@ -43,5 +50,6 @@ def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
         block_size=args.block_size,
         backend=args.backend,
         weights=args.weights,
+        model_impl=getattr(args, "model_impl", "auto"),
         **engine_kwargs,
     )
