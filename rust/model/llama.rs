@@ -17,6 +17,7 @@
 //! rotates `(x[i], x[i + D/2])`, `Adjacent` rotates `(x[2i], x[2i + 1])`. Each product is the
 //! multiply then the subtraction/addition in f32 (no fused multiply-add), as numpy computes it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::attention::{self, Batch, CacheShape, Kv, KvMut, Params};
@@ -202,12 +203,16 @@ impl Decoder {
     /// Run every layer over the step: `x [T, H]` is the embedded tokens on entry and the residual
     /// stream after the last layer (before the final norm) on return. `caches` are one
     /// `(k_cache, v_cache)` per layer, all of `shape`.
+    ///
+    /// `spin`: the other kernel threads spin (running any job the step hands out) for the whole
+    /// call instead of parking between its ~10 products per layer (see `with_spinning_workers`).
     pub fn forward_hidden(
         &self,
         x: &mut [f32],
         batch: &StepBatch,
         caches: &mut [(KvMut, KvMut)],
         shape: CacheShape,
+        spin: bool,
     ) -> Result<()> {
         let t = batch.positions.len();
         self.check(x, batch, caches.len(), shape)?;
@@ -219,7 +224,13 @@ impl Decoder {
         if t == 0 {
             return Ok(());
         }
-        runtime::pool()?.install(|| self.run(x, batch, caches, shape, q))
+        runtime::pool()?.install(|| {
+            if spin {
+                with_spinning_workers(|| self.run(x, batch, caches, shape, q))
+            } else {
+                self.run(x, batch, caches, shape, q)
+            }
+        })
     }
 
     fn check(&self, x: &[f32], b: &StepBatch, num_caches: usize, shape: CacheShape) -> Result<()> {
@@ -334,6 +345,40 @@ impl Decoder {
             *a += c;
         }
         Ok(())
+    }
+}
+
+/// Run `f` on the current pool thread while every other thread of the pool spins in
+/// `rayon::yield_now` (executing whatever jobs `f`'s parallel loops hand out) instead of going to
+/// sleep between them: a parked rayon worker takes tens of microseconds to wake, and a decode
+/// step of a small model is a few hundred products of 10-30 us each.
+///
+/// A spinner that lands on the calling thread itself (it pops one from its own deque while it
+/// waits inside a join) returns at once, so `f` always finishes and sets the flag.
+fn with_spinning_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let others = rayon::current_num_threads().saturating_sub(1);
+    let owner = rayon::current_thread_index();
+    if others == 0 || owner.is_none() {
+        return f();
+    }
+    let done = AtomicBool::new(false);
+    let mut out = None;
+    rayon::scope(|s| {
+        for _ in 0..others {
+            s.spawn(|_| {
+                while rayon::current_thread_index() != owner && !done.load(Ordering::Acquire) {
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+        }
+        out = Some(f());
+        done.store(true, Ordering::Release);
+    });
+    match out {
+        Some(r) => r,
+        None => unreachable!("the scope body ran"),
     }
 }
 

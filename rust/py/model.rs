@@ -142,12 +142,17 @@ impl LlamaDecoder {
     /// `slot_mapping` (int64 `[T]`), `block_tables` (int32 `[B, max_blocks]`), `seq_lens` (int32
     /// `[B]`), `query_start_loc` (int32 `[B+1]`), as `prepare_batch` builds them; `kv_caches` one
     /// `(k_cache, v_cache)` per layer, all of one shape and dtype. The GIL is released.
+    /// `spin`: the kernel threads spin for the call instead of parking between products (off by
+    /// default: on a loaded 2-core VM it measured 2x slower, the spinners taking the cores the
+    /// kernels need).
+    #[pyo3(signature = (x, batch, kv_caches, *, spin = false))]
     fn forward_hidden<'py>(
         &self,
         py: Python<'py>,
         x: &Bound<'py, PyAny>,
         batch: &Bound<'py, PyAny>,
         kv_caches: &Bound<'py, PyAny>,
+        spin: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let xr = typed::<f32>(x, "x", 2, "float32")?;
         if xr.shape[1] != self.inner.hidden_size() {
@@ -301,7 +306,7 @@ impl LlamaDecoder {
             .map(|kv| unsafe { (kv_mut(&kv[0], dt, numel), kv_mut(&kv[1], dt, numel)) })
             .collect();
         let dec = &self.inner;
-        py.detach(|| dec.forward_hidden(xs, &step, &mut caches, shape))
+        py.detach(|| dec.forward_hidden(xs, &step, &mut caches, shape, spin))
             .map_err(PyErr::from)?;
         drop(xg);
         Ok(x.clone())

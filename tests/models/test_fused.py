@@ -279,3 +279,20 @@ def test_smollm2_fused_through_the_engine(smol_int8, chat_prompts, tok):
         got[impl] = [o.token_ids for o in outs]
     assert got["fused"] == got["numpy"]
     assert tok.decode(got["fused"][0], skip_special_tokens=True).startswith("The capital of France is")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_spinning_workers_give_the_same_bits(tiny, threads):
+    prev = pagedkv_rs.get_num_threads()
+    try:
+        pagedkv_rs.set_num_threads(threads)
+        outs = []
+        for spin in (False, True):
+            caches = tiny.model.new_kv_caches(8, 4, "float32")
+            outs.append((tiny.dec.forward_hidden(tiny.x.copy(), tiny.batch, caches, spin=spin), caches))
+        np.testing.assert_array_equal(outs[0][0], outs[1][0])
+        for (k0, v0), (k1, v1) in zip(outs[0][1], outs[1][1]):
+            np.testing.assert_array_equal(k0, k1)
+            np.testing.assert_array_equal(v0, v1)
+    finally:
+        pagedkv_rs.set_num_threads(prev)

@@ -97,6 +97,14 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
+def _fmean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
 def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: bool = True) -> dict[str, Any]:
     """Drive the engine step by step; per-token timestamps give TTFT/TPOT/ITL."""
     from pagedkv_rs.engine.request import SamplingParams
@@ -145,11 +153,11 @@ def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: 
         "request_throughput": len(ids) / duration,
         "output_throughput": n_out / duration,
         "total_token_throughput": (n_in + n_out) / duration,
-        **{f"{k}_ttft_ms": f(ttft) for k, f in (("mean", statistics.fmean), ("median", statistics.median))},
+        **{f"{k}_ttft_ms": f(ttft) for k, f in (("mean", _fmean), ("median", _median))},
         "p99_ttft_ms": _pct(ttft, 99),
-        **{f"{k}_tpot_ms": f(tpot) for k, f in (("mean", statistics.fmean), ("median", statistics.median))},
+        **{f"{k}_tpot_ms": f(tpot) for k, f in (("mean", _fmean), ("median", _median))},
         "p99_tpot_ms": _pct(tpot, 99),
-        **{f"{k}_itl_ms": f(itl) for k, f in (("mean", statistics.fmean), ("median", statistics.median))},
+        **{f"{k}_itl_ms": f(itl) for k, f in (("mean", _fmean), ("median", _median))},
         "p99_itl_ms": _pct(itl, 99),
         "peak_kv_usage": max(usage, default=0.0),
         "mean_kv_usage": statistics.fmean(usage) if usage else 0.0,
