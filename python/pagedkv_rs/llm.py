@@ -84,8 +84,8 @@ class LLM:
     of ``block_size`` tokens, or as many as fit in ``kv_memory`` (bytes or "512MiB"; default 512 MiB).
     ``weights``: "auto" (default: int8 blocks where the AVX-512 VNNI kernel runs, else float32),
     "int8" or "float32" (see ``pagedkv_rs.models.llama.LlamaWeights``).
-    ``model_impl``: "auto" (default: the fused Rust decoder when the weights allow it), "fused" or
-    "numpy" (see ``pagedkv_rs.models.llama.LlamaModel``).
+    ``model_impl``: "auto" (default: the fused Rust decoder when the weights allow it), "fused" (with
+    ``weights="auto"``: int8) or "numpy" (see ``pagedkv_rs.models.llama.LlamaModel``).
     ``tokenizer``: this model's ``GGUFTokenizer`` when the caller already built one (default: built here).
     ``backend``: allocator backend, "auto" | "rust" | "python". Other keyword arguments go to the
     scheduler (``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
@@ -111,6 +111,8 @@ class LLM:
         g = model if isinstance(model, GGUFFile) else load_gguf(model)
         self.model_path = g.path
         self.tokenizer = tokenizer if tokenizer is not None else GGUFTokenizer(g.metadata, path=g.path)
+        if model_impl == "fused" and weights == "auto":
+            weights = "int8"  # what the fused decoder runs
         self.model = LlamaModel(
             LlamaWeights(g, weights=weights), eos_token_ids=eos_ids_from_metadata(g.metadata), impl=model_impl
         )

@@ -296,3 +296,30 @@ def test_spinning_workers_give_the_same_bits(tiny, threads):
             np.testing.assert_array_equal(v0, v1)
     finally:
         pagedkv_rs.set_num_threads(prev)
+
+
+def test_bench_e2e_table_smoke(capsys):
+    from pagedkv_rs.cli.bench.e2e import main
+
+    argv = ["--table", "--table-seqs", "1,2", "--prefill-len", "8", "--input-len", "4", "--output-len", "2"]
+    argv += ["--range-ratio", "0", "--kv-memory", "8MiB", "--table-impls", "numpy:int8,fused"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "numpy/int8" in out and "fused/int8" in out and "fused/int8 / numpy/int8" in out
+    for row in ("1 seq ", "2 seqs", "prefill 8"):
+        assert row in out
+    with pytest.raises(SystemExit, match="IMPL"):
+        main(["--table", "--table-impls", "torch"])
+
+
+def test_generate_cli_model_impl(capsys):
+    from pagedkv_rs.cli.generate import main
+    from pagedkv_rs.llm import LLM
+
+    argv = ["What is the capital of France?", "--max-tokens", "8", "--kv-memory", "8MiB", "--temperature", "0"]
+    assert main(argv + ["--model-impl", "fused", "--repetition-penalty", "1"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    llm = LLM(model_impl="fused", kv_memory="4MiB")  # weights="auto" with fused: int8
+    assert (llm.model.impl, llm.weight_format) == ("fused", "int8")
+    with pytest.raises(ValueError, match="impl='fused' is not available"):
+        LLM(model_impl="fused", weights="float32", kv_memory="4MiB")
