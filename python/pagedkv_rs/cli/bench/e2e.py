@@ -322,7 +322,7 @@ def run_table(args: argparse.Namespace) -> dict[str, Any]:
 def format_table(t: dict[str, Any], args: argparse.Namespace) -> str:
     """One row per workload, one column per implementation, then each column's ratio to the first."""
     names = t["columns"]
-    head = f"{'':<14}" + "".join(f"{n:>24}" for n in names) + "".join(f"{n + ' / ' + names[0]:>22}" for n in names[1:])
+    head = f"{'':<14}" + "".join(f"{n:>32}" for n in names) + "".join(f"{n + ' / ' + names[0]:>30}" for n in names[1:])
     title = (
         f" bench e2e: input {args.input_len}, output {args.output_len}, range {args.range_ratio}, "
         f"median of {t['rounds']} round(s) "
@@ -337,7 +337,7 @@ def format_table(t: dict[str, Any], args: argparse.Namespace) -> str:
             vals = [c["output_throughput"] for c in cs]
             txt = [f"{c['output_throughput']:.1f} tok/s (TPOT {c['median_tpot_ms']:.2f} ms)" for c in cs]
         ratios = [f"{v / vals[0]:.2f}x" if vals[0] else "n/a" for v in vals[1:]]
-        lines.append(f"{row['row']:<14}" + "".join(f"{x:>24}" for x in txt) + "".join(f"{r:>22}" for r in ratios))
+        lines.append(f"{row['row']:<14}" + "".join(f"{x:>32}" for x in txt) + "".join(f"{r:>30}" for r in ratios))
     lines.append("=" * len(head))
     lines.append(f"kernels: {t['kernels']}; output tok/s of the decode rows, prompt tok/s of the prefill row")
     return "\n".join(lines)
