@@ -8,6 +8,7 @@ pub mod attention;
 pub mod block_table;
 pub mod error;
 pub mod linear;
+pub mod model;
 pub mod ops;
 pub mod probe;
 #[cfg(feature = "python")]
@@ -38,4 +39,8 @@ mod _core {
     // Block-quantized linear layers and the row-wise ops around them.
     #[pymodule_export]
     use super::py::{dequantize_gguf, rms_norm, silu_and_mul, QLinear};
+
+    // The fused decoder stack: every layer of one engine step in one call.
+    #[pymodule_export]
+    use super::py::LlamaDecoder;
 }

@@ -12,6 +12,7 @@ __all__ = [
     "BlockAllocator",
     "QLinear",
     "KVCacheManager",
+    "LlamaDecoder",
     "build_profile",
     "copy_blocks",
     "core_version",
@@ -209,3 +210,35 @@ def rms_norm(
     x: _F32, weight: _F32, eps: float, *, residual: Optional[_F32] = None, out: Optional[_F32] = None
 ) -> _F32: ...
 def silu_and_mul(gate_up: _F32, *, out: Optional[_F32] = None) -> _F32: ...
+
+# ---- the fused decoder stack (rust/model/) ----------------------------------------------------
+
+_KVPairs = Sequence[tuple[np.ndarray, np.ndarray]]
+
+@final
+class LlamaDecoder:
+    def __new__(
+        cls,
+        layers: Sequence[dict[str, Any]],
+        cos: _F32,
+        sin: _F32,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        rms_eps: float,
+        rope_mode: str = "half",
+        sliding_window: Optional[int] = None,
+    ) -> LlamaDecoder: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    def forward_hidden(self, x: _F32, batch: Any, kv_caches: _KVPairs, *, spin: bool = False) -> _F32: ...

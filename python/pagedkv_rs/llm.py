@@ -56,6 +56,8 @@ class LLM:
     of ``block_size`` tokens, or as many as fit in ``kv_memory`` (bytes or "512MiB"; default 512 MiB).
     ``weights``: "auto" (default: int8 blocks where the AVX-512 VNNI kernel runs, else float32),
     "int8" or "float32" (see ``pagedkv_rs.models.llama.LlamaWeights``).
+    ``model_impl``: "auto" (default: the fused Rust decoder when the weights allow it), "fused" (with
+    ``weights="auto"``: int8) or "numpy" (see ``pagedkv_rs.models.llama.LlamaModel``).
     ``tokenizer``: this model's ``GGUFTokenizer`` when the caller already built one (default: built here).
     ``kv_tiers``: KV tiers below the pool, in lookup order (``["disk:/var/cache/pagedkv?size=8GiB",
     "redis://127.0.0.1:6379/0"]``, see ``pagedkv_rs.tiers``); ``kv_tier_secret`` MACs their entries.
@@ -74,6 +76,7 @@ class LLM:
         block_size: int = 16,
         backend: str = "auto",
         weights: str = "auto",
+        model_impl: str = "auto",
         enable_prefix_caching: bool = True,
         seed: int = 0,
         tokenizer: Optional[GGUFTokenizer] = None,
@@ -84,7 +87,11 @@ class LLM:
         g = model if isinstance(model, GGUFFile) else load_gguf(model)
         self.model_path = g.path
         self.tokenizer = tokenizer if tokenizer is not None else GGUFTokenizer(g.metadata, path=g.path)
-        self.model = LlamaModel(LlamaWeights(g, weights=weights), eos_token_ids=eos_ids_from_metadata(g.metadata))
+        if model_impl == "fused" and weights == "auto":
+            weights = "int8"  # what the fused decoder runs
+        self.model = LlamaModel(
+            LlamaWeights(g, weights=weights), eos_token_ids=eos_ids_from_metadata(g.metadata), impl=model_impl
+        )
         self.weight_format: str = self.model.weights.weight_format
         del g
         if num_blocks is not None and kv_memory is not None:

@@ -17,6 +17,13 @@ pub struct QLinear {
     w: std::sync::Arc<lin::QWeight>,
 }
 
+impl QLinear {
+    /// The shared weights (the fused decoder holds them by reference count, not by copy).
+    pub(super) fn weight(&self) -> std::sync::Arc<lin::QWeight> {
+        self.w.clone()
+    }
+}
+
 #[pymethods]
 impl QLinear {
     /// From GGUF rows `data: uint8 [n, row_bytes]` of type `"Q4_1"` or `"Q8_0"` and width `k`.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from pagedkv_rs.models.llama import WEIGHT_FORMATS
+from pagedkv_rs.models.llama import MODEL_IMPLS, WEIGHT_FORMATS
 
 if TYPE_CHECKING:
     from pagedkv_rs.llm import LLM
@@ -27,7 +27,7 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
         choices=WEIGHT_FORMATS,
         default="auto",
         help="int8: the GGUF's 8/4-bit blocks run by pagedkv_rs.QLinear; float32: dequantized, numpy BLAS; "
-        "auto (default): int8 where the AVX-512 VNNI kernel runs",
+        "auto (default): int8 where a SIMD int8 kernel runs (AVX-512 VNNI or AVX2)",
     )
     p.add_argument(
         "--kv-tier",
@@ -43,6 +43,13 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECRET",
         help="MAC key of the tiers' entries: without it nobody can inject K/V through a shared store",
+    )
+    p.add_argument(
+        "--model-impl",
+        choices=MODEL_IMPLS,
+        default="auto",
+        help="fused: the whole decoder stack in one Rust call per step (int8 weights); numpy: one kernel call "
+        "per operation from Python (the readable spec); auto (default): fused when the weights allow",
     )
 
 
@@ -60,5 +67,6 @@ def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
         weights=args.weights,
         kv_tiers=args.kv_tiers,
         kv_tier_secret=args.kv_tier_secret,
+        model_impl=getattr(args, "model_impl", "auto"),
         **engine_kwargs,
     )

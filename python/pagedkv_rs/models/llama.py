@@ -5,6 +5,9 @@ blocks for ``pagedkv_rs.QLinear``):
 
 - :class:`LlamaModel` implements the engine's ``Model`` protocol: one ``forward`` per step for all
   scheduled tokens of all sequences, one ``write_kv`` and one varlen ``paged_attention`` per layer.
+  ``impl="numpy"`` runs it as the numpy code below (the readable spec); ``impl="fused"`` hands
+  the whole decoder stack to ``pagedkv_rs._core.LlamaDecoder``: one GIL-free Rust call per step
+  on the same kernels in the same order (int8 weights only; equal to the numpy path bit for bit).
 - :class:`DenseLlama` is a plain contiguous-KV forward for tests and baselines; it shares the
   weights and the per-token math (RMSNorm, RoPE, SwiGLU) but none of the cache or attention code.
 
@@ -36,10 +39,12 @@ __all__ = [
     "Int8Linear",
     "LlamaModel",
     "LlamaWeights",
+    "MODEL_IMPLS",
     "WEIGHT_FORMATS",
     "eos_ids_from_metadata",
     "int8_is_fast",
     "kernels",
+    "fused_unavailable",
     "resolve_weight_format",
     "unpermute_rope_rows",
 ]
@@ -62,6 +67,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 WEIGHT_FORMATS = ("auto", "int8", "float32")
+MODEL_IMPLS = ("auto", "fused", "numpy")
 
 
 # The QLinear builds that beat numpy's float32 sgemm end to end on SmolLM2: AVX-512 VNNI, and the
@@ -285,9 +291,21 @@ def _rope_mode(w: LlamaWeights) -> str:
 
 
 class LlamaModel:
-    """Llama forward over the paged KV cache; implements the engine's ``Model`` protocol."""
+    """Llama forward over the paged KV cache; implements the engine's ``Model`` protocol.
 
-    def __init__(self, weights: LlamaWeights, *, eos_token_ids: Sequence[int] = (), kernel: Any = None):
+    ``impl``: ``"fused"`` (the decoder stack in one Rust call per step; needs int8 weights and the
+    Rust kernels), ``"numpy"`` (one kernel call per operation from Python), or ``"auto"`` (default:
+    fused when the weights and kernels allow it). ``self.impl`` is the one chosen.
+    """
+
+    def __init__(
+        self,
+        weights: LlamaWeights,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        kernel: Any = None,
+        impl: str = "auto",
+    ):
         cfg = weights.config
         self.weights = weights
         self.config = cfg
@@ -302,6 +320,13 @@ class LlamaModel:
         self.kernel = kernel if kernel is not None else kernels()
         self._mode = _rope_mode(weights)
         self._fingerprint: Optional[str] = None
+        if impl not in MODEL_IMPLS:
+            raise ValueError(f"impl must be one of {MODEL_IMPLS}, got {impl!r}")
+        why = fused_unavailable(weights, self.kernel)
+        if impl == "fused" and why is not None:
+            raise ValueError(f"impl='fused' is not available: {why}")
+        self.impl: str = "numpy" if impl == "numpy" or why is not None else "fused"
+        self._decoder = _fused_decoder(weights, self._mode) if self.impl == "fused" else None
 
     def kv_fingerprint(self) -> str:
         """What the K/V depend on (for the KV tiers): SHA-256 of the GGUF file, the config, the weight
@@ -320,10 +345,10 @@ class LlamaModel:
         return self._fingerprint
 
     @classmethod
-    def load(cls, path: Any = None) -> LlamaModel:
+    def load(cls, path: Any = None, *, weights: str = "auto", impl: str = "auto") -> LlamaModel:
         """Load a GGUF path (``None``: the bundled SmolLM2) with its EOS ids."""
         g = path if isinstance(path, GGUFFile) else load_gguf(path)
-        return cls(LlamaWeights(g), eos_token_ids=eos_ids_from_metadata(g.metadata))
+        return cls(LlamaWeights(g, weights=weights), eos_token_ids=eos_ids_from_metadata(g.metadata), impl=impl)
 
     def new_kv_caches(
         self, num_blocks: int, block_size: int, dtype: Any = "float16"
@@ -359,7 +384,7 @@ class LlamaModel:
 
     def forward_hidden(self, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         """Residual stream ``[T, H]`` after the last layer (before the final norm)."""
-        cfg, w, kern = self.config, self.weights, self.kernel
+        cfg, w = self.config, self.weights
         if len(kv_caches) != cfg.num_layers:
             raise ValueError(f"need {cfg.num_layers} (k_cache, v_cache) pairs, got {len(kv_caches)}")
         ids = np.asarray(batch.input_ids, np.int64)
@@ -369,10 +394,21 @@ class LlamaModel:
             raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
         if n and (pos.min() < 0 or pos.max() >= cfg.max_model_len):
             raise ValueError(f"positions must be in [0, {cfg.max_model_len})")
+        x = np.ascontiguousarray(w.embed[ids], np.float32)  # [T, H] (a copy: the residual stream)
+        if self._decoder is not None:
+            return self._decoder.forward_hidden(x, _kernel_batch(batch, pos), kv_caches)
+        return self._forward_hidden_numpy(x, pos, batch, kv_caches)
+
+    def _forward_hidden_numpy(
+        self, x: np.ndarray, pos: np.ndarray, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]
+    ) -> np.ndarray:
+        """The numpy spec of ``forward_hidden``: x [T, H] embedded tokens -> residual stream [T, H]."""
+        cfg, w, kern = self.config, self.weights, self.kernel
+        n = x.shape[0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nq, nk = hq * d, hkv * d
         cos, sin = w.cos[pos], w.sin[pos]
-        x = w.embed[ids]  # [T, H] (a copy: the residual stream)
+        window = getattr(cfg, "sliding_window", None)  # Mistral
         attn = np.empty((n, hq, d), np.float32)
         delta: Optional[np.ndarray] = None  # the last sublayer's output, not yet added to x
         for layer, (k_cache, v_cache) in zip(w.layers, kv_caches):
@@ -382,18 +418,80 @@ class LlamaModel:
                 else rms_norm(delta, layer["attn_norm"], cfg.rms_eps, residual=x)
             )
             qkv = linear(h, layer["wqkv"])  # [T, (Hq + 2 Hkv) D]
+            if layer.get("bqkv") is not None:  # Qwen2
+                qkv += layer["bqkv"]
             q = apply_rope(qkv[:, :nq].reshape(n, hq, d), cos, sin, self._mode)
             k = apply_rope(qkv[:, nq : nq + nk].reshape(n, hkv, d), cos, sin, self._mode)
             v = np.ascontiguousarray(qkv[:, nq + nk :]).reshape(n, hkv, d)
             kern.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             kern.paged_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, out=attn
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.seq_lens,
+                batch.query_start_loc,
+                sliding_window=window,
+                out=attn,
             )
             h = rms_norm(linear(attn.reshape(n, nq), layer["wo"]), layer["ffn_norm"], cfg.rms_eps, residual=x)
             delta = swiglu_mlp(h, layer)
         if delta is not None:
             x += delta
         return x
+
+
+def fused_unavailable(weights: LlamaWeights, kernel: Any = None) -> Optional[str]:
+    """Why ``impl="fused"`` cannot run these weights (``None`` when it can)."""
+    try:
+        from pagedkv_rs import _core
+    except ImportError:
+        return "the Rust core pagedkv_rs._core is not built"
+    if not hasattr(_core, "LlamaDecoder"):
+        return "this build of pagedkv_rs._core has no LlamaDecoder"
+    source = getattr(kernel, "kernel_source", None)
+    if source is not None and source() != "rust":
+        return f"the kernel source is {source()!r} (the fused decoder runs the Rust kernels)"
+    if any(not isinstance(layer[k], Int8Linear) for layer in weights.layers for k in ("wqkv", "wo", "wgu", "wdown")):
+        return f"it runs int8 weights (QLinear), these are {weights.weight_format} (load with weights='int8')"
+    return None
+
+
+def _fused_decoder(weights: LlamaWeights, mode: str) -> Any:
+    from pagedkv_rs import _core
+
+    cfg = weights.config
+    layers = [
+        {
+            "attn_norm": np.ascontiguousarray(layer["attn_norm"], np.float32),
+            "ffn_norm": np.ascontiguousarray(layer["ffn_norm"], np.float32),
+            "bqkv": None if layer.get("bqkv") is None else np.ascontiguousarray(layer["bqkv"], np.float32),
+            **{k: layer[k].q for k in ("wqkv", "wo", "wgu", "wdown")},
+        }
+        for layer in weights.layers
+    ]
+    return _core.LlamaDecoder(
+        layers,
+        weights.cos,
+        weights.sin,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        rms_eps=cfg.rms_eps,
+        rope_mode=mode,
+        sliding_window=getattr(cfg, "sliding_window", None),
+    )
+
+
+def _kernel_batch(batch: BatchInputs, positions: np.ndarray) -> types.SimpleNamespace:
+    """The arrays ``LlamaDecoder.forward_hidden`` reads, in the dtypes it takes."""
+    c = np.ascontiguousarray
+    return types.SimpleNamespace(
+        positions=c(positions, np.int64),
+        slot_mapping=c(batch.slot_mapping, np.int64),
+        block_tables=c(batch.block_tables, np.int32),
+        seq_lens=c(batch.seq_lens, np.int32),
+        query_start_loc=c(batch.query_start_loc, np.int32),
+    )
 
 
 def eos_ids_from_metadata(meta: dict[str, Any]) -> tuple[int, ...]:

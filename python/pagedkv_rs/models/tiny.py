@@ -8,14 +8,15 @@ recompute after preemption all give the same greedy tokens); q/k/v enter the ker
 
 from __future__ import annotations
 
-from typing import Optional
+import types
+from typing import Any, Optional
 
 import numpy as np
 
 from pagedkv_rs import kernels
 from pagedkv_rs.batch import BatchInputs
 
-__all__ = ["TinyModel"]
+__all__ = ["TinyModel", "tiny_llama_weights"]
 
 
 def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float = 1e-6) -> np.ndarray:
@@ -124,3 +125,77 @@ class TinyModel:
         last = batch.query_start_loc[1:].astype(np.int64) - 1 if logits_indices is None else logits_indices  # [B]
         logits = _rms_norm(x[last], self.final_norm) @ self.lm_head
         return logits.astype(np.float32)
+
+
+def tiny_llama_weights(
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 96,
+    vocab_size: int = 128,
+    max_model_len: int = 256,
+    rope_theta: float = 10000.0,
+    rms_eps: float = 1e-5,
+    qkv_bias: bool = False,
+    sliding_window: Optional[int] = None,
+    weights: str = "int8",
+    seed: int = 0,
+) -> Any:
+    """Random ``LlamaWeights`` (no file): the paged ``LlamaModel``'s layers at a tiny size.
+
+    ``weights="int8"``: every projection a ``QLinear`` quantized from the random float32 matrix;
+    ``"float32"``: numpy ``FloatLinear``. ``qkv_bias`` adds a Qwen2-style ``layer["bqkv"]``;
+    ``sliding_window`` sets ``config.sliding_window`` (Mistral). Sizes that reach a ``QLinear`` as
+    its input width (hidden, heads*head_dim, intermediate) must be multiples of 32.
+    """
+    from pagedkv_rs import _core
+    from pagedkv_rs.models.llama import FloatLinear, Int8Linear, LlamaWeights
+
+    if weights not in ("int8", "float32"):
+        raise ValueError(f"weights must be 'int8' or 'float32', got {weights!r}")
+    rng = np.random.default_rng(seed)
+    h, f = hidden_size, intermediate_size
+    d = h // num_heads
+    nqkv = (num_heads + 2 * num_kv_heads) * d
+
+    def lin(out: int, inp: int) -> Any:
+        w = (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
+        return Int8Linear(_core.QLinear.from_float(w)) if weights == "int8" else FloatLinear(w.T)
+
+    def norm() -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+
+    w = object.__new__(LlamaWeights)  # the loader's object, filled without a GGUF file
+    w.config = types.SimpleNamespace(
+        num_layers=num_layers,
+        hidden_size=h,
+        intermediate_size=f,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=d,
+        vocab_size=vocab_size,
+        max_model_len=max_model_len,
+        rope_theta=rope_theta,
+        rms_eps=rms_eps,
+        tie_embeddings=False,
+        sliding_window=sliding_window,
+    )
+    w.path = None
+    w.rope_pairs = "half"
+    w.weight_format = weights
+    w.embed = rng.standard_normal((vocab_size, h)).astype(np.float32)
+    w.layers = []
+    for _ in range(num_layers):
+        layer = {"attn_norm": norm(), "ffn_norm": norm(), "wqkv": lin(nqkv, h), "wo": lin(h, num_heads * d)}
+        layer.update(wgu=lin(2 * f, h), wdown=lin(h, f))
+        if qkv_bias:
+            layer["bqkv"] = (0.5 * rng.standard_normal(nqkv)).astype(np.float32)
+        w.layers.append(layer)
+    w.final_norm = norm()
+    w.lm_head = lin(vocab_size, h)
+    inv_freq = 1.0 / (rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    ang = np.arange(max_model_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+    w.cos, w.sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    return w

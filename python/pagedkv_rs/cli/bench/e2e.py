@@ -7,6 +7,12 @@ after an optional shared prefix, outputs of exactly their length (``ignore_eos``
 arrive at t=0. ``--profile`` splits the wall time into weight matmuls, attention, KV writes,
 other model math, sampling and scheduling.
 
+``--table`` runs the issue-13 table instead of one run: rows of 1, 8 and 32 concurrent requests
+(``--table-seqs``) and a 512-token prefill row (``--prefill-len``), one column per model
+implementation (``--table-impls``, default ``numpy,fused``: the numpy path with ``--weights``
+beside the fused Rust decoder on int8 weights), rows and columns interleaved over ``--rounds``
+rounds and the medians printed, prefix caching off.
+
 Weight matmuls run in ``pagedkv_rs.QLinear`` (``--weights int8``, the default where its AVX-512 VNNI
 or AVX2 tile runs) on the kernel thread pool, or in numpy's OpenBLAS (``--weights float32``). OpenBLAS's
 threads spin-wait between calls; on a machine whose cores are busy with other work they stall
@@ -49,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--profile", action="store_true", help="attribute the time (cProfile)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--table", action="store_true", help="the 1/8/32-sequence + prefill table, numpy beside fused")
+    p.add_argument(
+        "--table-impls",
+        default="numpy,fused",
+        help="columns of --table: IMPL[:WEIGHTS] items (fused defaults to int8 weights, numpy to --weights)",
+    )
+    p.add_argument("--table-seqs", default="1,8,32", help="concurrent requests of the --table rows")
+    p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the --table prefill row (0: none)")
+    p.add_argument("--rounds", type=int, default=1, help="--table rounds (medians reported)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -80,6 +95,14 @@ def synthetic_requests(
 
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def _fmean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
 
 
 def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: bool = True) -> dict[str, Any]:
@@ -130,11 +153,11 @@ def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: 
         "request_throughput": len(ids) / duration,
         "output_throughput": n_out / duration,
         "total_token_throughput": (n_in + n_out) / duration,
-        **{f"{k}_ttft_ms": f(ttft) for k, f in (("mean", statistics.fmean), ("median", statistics.median))},
+        **{f"{k}_ttft_ms": f(ttft) for k, f in (("mean", _fmean), ("median", _median))},
         "p99_ttft_ms": _pct(ttft, 99),
-        **{f"{k}_tpot_ms": f(tpot) for k, f in (("mean", statistics.fmean), ("median", statistics.median))},
+        **{f"{k}_tpot_ms": f(tpot) for k, f in (("mean", _fmean), ("median", _median))},
         "p99_tpot_ms": _pct(tpot, 99),
-        **{f"{k}_itl_ms": f(itl) for k, f in (("mean", statistics.fmean), ("median", statistics.median))},
+        **{f"{k}_itl_ms": f(itl) for k, f in (("mean", _fmean), ("median", _median))},
         "p99_itl_ms": _pct(itl, 99),
         "peak_kv_usage": max(usage, default=0.0),
         "mean_kv_usage": statistics.fmean(usage) if usage else 0.0,
@@ -143,6 +166,7 @@ def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: 
         "num_steps": engine.scheduler.num_steps - steps0,
         "kernels": stats["kernels"],
         "weights": getattr(getattr(engine.model, "weights", None), "weight_format", "n/a"),
+        "model_impl": getattr(engine.model, "impl", "n/a"),
         "backend": stats["backend"],
     }
 
@@ -177,6 +201,7 @@ def format_report(r: dict[str, Any]) -> str:
         ("Engine steps:", r["num_steps"]),
         ("Kernels / allocator:", f"{r['kernels']} / {r['backend']}"),
         ("Weights:", r.get("weights", "n/a")),
+        ("Model implementation:", r.get("model_impl", "n/a")),
     ]
     lines = []
     for k, v in rows:
@@ -219,9 +244,116 @@ def profile_breakdown(stats: Any, total: float) -> dict[str, float]:
     }
 
 
+def _table_columns(spec: str, weights: str) -> list[tuple[str, str]]:
+    """``"numpy,fused:int8"`` -> ``[("numpy", weights), ("fused", "int8")]``."""
+    from pagedkv_rs.models.llama import MODEL_IMPLS, WEIGHT_FORMATS
+
+    cols = []
+    for item in spec.split(","):
+        impl, _, w = item.strip().partition(":")
+        w = w or ("int8" if impl == "fused" else weights)
+        if impl not in MODEL_IMPLS or w not in WEIGHT_FORMATS:
+            raise SystemExit(f"--table-impls: {item!r} is not IMPL[:WEIGHTS] with IMPL in {MODEL_IMPLS}")
+        cols.append((impl, w))
+    return cols
+
+
+def run_table(args: argparse.Namespace) -> dict[str, Any]:
+    """Every (row, column) of the ``--table``, interleaved over the rounds; medians per cell."""
+    from pagedkv_rs.cli.args import llm_from_args
+
+    cols = _table_columns(args.table_impls, args.weights)
+    seqs = [int(n) for n in args.table_seqs.split(",") if n.strip()]
+    llms = []
+    for impl, w in cols:
+        a = argparse.Namespace(**{**vars(args), "model_impl": impl, "weights": w})
+        llm = llm_from_args(
+            a,
+            enable_prefix_caching=False,
+            max_num_seqs=max(seqs + [args.max_num_seqs]),
+            max_num_batched_tokens=max(args.max_num_batched_tokens, args.prefill_len),
+        )
+        run_benchmark(llm, [(list(range(100, 116)), 4)], progress=False)  # warm-up
+        llms.append(llm)
+    tok = llms[0].get_tokenizer()
+    vocab, special = llms[0].model.vocab_size, sorted(tok.special_ids)
+    rows: list[tuple[str, list[tuple[list[int], int]]]] = []
+    for n in seqs:
+        reqs = synthetic_requests(
+            n, args.input_len, args.output_len, args.range_ratio, args.prefix_len, vocab, special, args.seed + n
+        )
+        rows.append((f"{n} seq" + ("s" if n > 1 else ""), reqs))
+    if args.prefill_len:
+        rows.append(
+            (
+                f"prefill {args.prefill_len}",
+                synthetic_requests(1, args.prefill_len, 1, 0.0, 0, vocab, special, args.seed),
+            )
+        )
+    cells: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for _ in range(max(1, args.rounds)):
+        for ri, (_, reqs) in enumerate(rows):
+            for ci, llm in enumerate(llms):
+                cells.setdefault((ri, ci), []).append(run_benchmark(llm, reqs, progress=False))
+    med = statistics.median
+    table = []
+    for ri, (name, _) in enumerate(rows):
+        row = {"row": name, "cells": []}
+        for ci in range(len(cols)):
+            rs = cells[(ri, ci)]
+            row["cells"].append(
+                {
+                    "output_throughput": med(r["output_throughput"] for r in rs),
+                    "median_tpot_ms": med(r["median_tpot_ms"] for r in rs),
+                    "mean_ttft_ms": med(r["mean_ttft_ms"] for r in rs),
+                    "prefill_throughput": med(r["total_input_tokens"] / (r["mean_ttft_ms"] / 1e3) for r in rs),
+                }
+            )
+        table.append(row)
+    names = [f"{llm.model.impl}/{llm.weight_format}" for llm in llms]
+    return {
+        "columns": names,
+        "rows": table,
+        "rounds": max(1, args.rounds),
+        "kernels": llms[0].engine.stats()["kernels"],
+    }
+
+
+def format_table(t: dict[str, Any], args: argparse.Namespace) -> str:
+    """One row per workload, one column per implementation, then each column's ratio to the first."""
+    names = t["columns"]
+    head = f"{'':<14}" + "".join(f"{n:>32}" for n in names) + "".join(f"{n + ' / ' + names[0]:>30}" for n in names[1:])
+    title = (
+        f" bench e2e: input {args.input_len}, output {args.output_len}, range {args.range_ratio}, "
+        f"median of {t['rounds']} round(s) "
+    )
+    lines = [f"{title:=^{len(head)}}", head, "-" * len(head)]
+    for row in t["rows"]:
+        cs = row["cells"]
+        if row["row"].startswith("prefill"):
+            vals = [c["prefill_throughput"] for c in cs]
+            txt = [f"{c['prefill_throughput']:.0f} tok/s (TTFT {c['mean_ttft_ms']:.0f} ms)" for c in cs]
+        else:
+            vals = [c["output_throughput"] for c in cs]
+            txt = [f"{c['output_throughput']:.1f} tok/s (TPOT {c['median_tpot_ms']:.2f} ms)" for c in cs]
+        ratios = [f"{v / vals[0]:.2f}x" if vals[0] else "n/a" for v in vals[1:]]
+        lines.append(f"{row['row']:<14}" + "".join(f"{x:>32}" for x in txt) + "".join(f"{r:>30}" for r in ratios))
+    lines.append("=" * len(head))
+    lines.append(f"kernels: {t['kernels']}; output tok/s of the decode rows, prompt tok/s of the prefill row")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from pagedkv_rs.cli.args import llm_from_args
+
+    if args.table:
+        t = run_table(args)
+        print(format_table(t, args))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**t, "config": {k: v for k, v in vars(args).items() if k != "json"}}, f, indent=2)
+        return 0
 
     llm = llm_from_args(
         args,

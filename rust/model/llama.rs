@@ -1,0 +1,424 @@
+//! The Llama decoder stack over the paged KV cache, for one engine step of `T` tokens.
+//!
+//! Per layer, for the step's tokens `x [T, H]` (the residual stream, updated in place):
+//!
+//! ```text
+//! h    = rms_norm(x, attn_norm)                  (fused with the previous layer's residual add)
+//! qkv  = h · Wqkvᵀ (+ bqkv)                      [T, (Hq + 2 Hkv) D]
+//! q, k = rope(q), rope(k)                        cos/sin rows at each token's position
+//! write_kv(k, v) at slot_mapping; o = paged_attention(q)           [T, Hq, D]
+//! h    = rms_norm(o · Woᵀ, ffn_norm, residual = x)                 (x += attention output)
+//! delta = silu(h · Wgateᵀ) * (h · Wupᵀ) · Wdownᵀ                    (added to x by the next norm)
+//! ```
+//!
+//! Geometry comes from the weights: `H` = the QKV input width, `D` = 2 × the RoPE table width, `F`
+//! = half of `w_gate_up`'s rows; only `Hq` and `Hkv` are given (the fused QKV rows cannot tell
+//! them apart). RoPE tables are the caller's (so any scaling lives in them); `RopeMode::Half`
+//! rotates `(x[i], x[i + D/2])`, `Adjacent` rotates `(x[2i], x[2i + 1])`. Each product is the
+//! multiply then the subtraction/addition in f32 (no fused multiply-add), as numpy computes it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use crate::attention::{self, Batch, CacheShape, Kv, KvMut, Params};
+use crate::error::{Error, Result};
+use crate::linear::{self, QWeight};
+use crate::{ops, runtime};
+
+/// Which elements RoPE rotates together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeMode {
+    /// `(x[i], x[i + D/2])` (Hugging Face's rotate-half).
+    Half,
+    /// `(x[2i], x[2i + 1])` (GGUF row order).
+    Adjacent,
+}
+
+impl RopeMode {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "half" => Ok(RopeMode::Half),
+            "adjacent" => Ok(RopeMode::Adjacent),
+            _ => Err(Error::Invalid(format!(
+                "rope_mode must be 'half' or 'adjacent', got {name:?}"
+            ))),
+        }
+    }
+}
+
+/// One decoder layer's weights.
+#[derive(Clone)]
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    /// `[(Hq + 2 Hkv) D, H]`: query, key, value rows.
+    pub wqkv: Arc<QWeight>,
+    /// `[(Hq + 2 Hkv) D]` (Qwen2), `None` for Llama.
+    pub bqkv: Option<Vec<f32>>,
+    /// `[H, Hq D]`.
+    pub wo: Arc<QWeight>,
+    pub ffn_norm: Vec<f32>,
+    /// `[2F, H]`: gate rows, then up rows.
+    pub w_gate_up: Arc<QWeight>,
+    /// `[H, F]`.
+    pub w_down: Arc<QWeight>,
+}
+
+/// The decoder stack: layers, RoPE tables and the numbers they need.
+pub struct Decoder {
+    layers: Vec<Layer>,
+    /// `[max_pos, D/2]` each.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    rope: RopeMode,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    hidden: usize,
+    ffn: usize,
+    eps: f32,
+    sliding_window: Option<usize>,
+}
+
+/// The step's batch: what `prepare_batch` returns, as the kernels take it.
+#[derive(Clone, Copy)]
+pub struct StepBatch<'a> {
+    /// `[T]` positions, `[T]` slots (-1 = do not write).
+    pub positions: &'a [i64],
+    pub slot_mapping: &'a [i64],
+    /// `[B, max_blocks]` (-1 padded), `[B]`, `[B + 1]`.
+    pub block_tables: &'a [i32],
+    pub max_blocks: usize,
+    pub seq_lens: &'a [i32],
+    pub query_start_loc: &'a [i32],
+}
+
+impl Decoder {
+    /// Check every layer's shapes against the first layer and the RoPE tables `cos`, `sin`
+    /// (`[max_pos, D/2]` flat, `half` = D/2).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        layers: Vec<Layer>,
+        cos: Vec<f32>,
+        sin: Vec<f32>,
+        half: usize,
+        rope: RopeMode,
+        num_heads: usize,
+        num_kv_heads: usize,
+        eps: f32,
+        sliding_window: Option<usize>,
+    ) -> Result<Self> {
+        let bad = |m: String| Err(Error::Invalid(m));
+        let Some(first) = layers.first() else {
+            return bad("a decoder needs at least one layer".into());
+        };
+        if half == 0 || cos.len() != sin.len() || cos.is_empty() || !cos.len().is_multiple_of(half) {
+            return bad(format!(
+                "cos and sin must be [max_len, head_dim/2] of one shape, got {} and {} values for width {half}",
+                cos.len(),
+                sin.len()
+            ));
+        }
+        if num_heads == 0 || num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
+            return bad(format!(
+                "num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
+            ));
+        }
+        if !(eps >= 0.0 && eps.is_finite()) {
+            return bad(format!("rms_eps must be finite and >= 0, got {eps}"));
+        }
+        if sliding_window == Some(0) {
+            return bad("sliding_window must be >= 1".into());
+        }
+        let (d, h) = (2 * half, first.wqkv.k());
+        let (nq, nkv) = (num_heads * d, num_kv_heads * d);
+        let ffn = first.w_gate_up.n() / 2;
+        for (i, l) in layers.iter().enumerate() {
+            let checks = [
+                ("attn_norm", (l.attn_norm.len(), 1), (h, 1)),
+                ("ffn_norm", (l.ffn_norm.len(), 1), (h, 1)),
+                ("wqkv", (l.wqkv.n(), l.wqkv.k()), (nq + 2 * nkv, h)),
+                ("wo", (l.wo.n(), l.wo.k()), (h, nq)),
+                ("w_gate_up", (l.w_gate_up.n(), l.w_gate_up.k()), (2 * ffn, h)),
+                ("w_down", (l.w_down.n(), l.w_down.k()), (h, ffn)),
+            ];
+            for (name, got, want) in checks {
+                if got != want {
+                    return bad(format!(
+                        "layer {i}: {name} is {got:?}, expected {want:?} (hidden {h}, {num_heads} query and \
+                         {num_kv_heads} KV heads of {d}, ffn {ffn}; (n, k) for weights, (len, 1) for norms)"
+                    ));
+                }
+            }
+            if let Some(b) = &l.bqkv {
+                if b.len() != nq + 2 * nkv {
+                    return bad(format!(
+                        "layer {i}: bqkv has {} values, expected {}",
+                        b.len(),
+                        nq + 2 * nkv
+                    ));
+                }
+            }
+            if ffn == 0 {
+                return bad(format!("layer {i}: w_gate_up needs an even, positive number of rows"));
+            }
+        }
+        Ok(Decoder {
+            layers,
+            cos,
+            sin,
+            rope,
+            num_heads,
+            num_kv_heads,
+            head_dim: d,
+            hidden: h,
+            ffn,
+            eps,
+            sliding_window,
+        })
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+    pub fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+    pub fn num_heads(&self) -> usize {
+        self.num_heads
+    }
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_kv_heads
+    }
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    pub fn intermediate_size(&self) -> usize {
+        self.ffn
+    }
+    /// Rows of the RoPE tables: positions must be below it.
+    pub fn max_positions(&self) -> usize {
+        self.cos.len() / (self.head_dim / 2)
+    }
+
+    /// Run every layer over the step: `x [T, H]` is the embedded tokens on entry and the residual
+    /// stream after the last layer (before the final norm) on return. `caches` are one
+    /// `(k_cache, v_cache)` per layer, all of `shape`.
+    ///
+    /// `spin`: the other kernel threads spin (running any job the step hands out) for the whole
+    /// call instead of parking between its ~10 products per layer (see `with_spinning_workers`).
+    pub fn forward_hidden(
+        &self,
+        x: &mut [f32],
+        batch: &StepBatch,
+        caches: &mut [(KvMut, KvMut)],
+        shape: CacheShape,
+        spin: bool,
+    ) -> Result<()> {
+        let t = batch.positions.len();
+        self.check(x, batch, caches.len(), shape)?;
+        // The attention inputs are checked before the first cache write, so a bad batch leaves
+        // the caches as they were.
+        let q = vec![0f32; t * self.num_heads * self.head_dim];
+        let (kc, vc) = &caches[0];
+        attention::validate(&view(kc), &view(vc), &shape, &self.attention_batch(&q, batch), q.len())?;
+        if t == 0 {
+            return Ok(());
+        }
+        runtime::pool()?.install(|| {
+            if spin {
+                with_spinning_workers(|| self.run(x, batch, caches, shape, q))
+            } else {
+                self.run(x, batch, caches, shape, q)
+            }
+        })
+    }
+
+    fn check(&self, x: &[f32], b: &StepBatch, num_caches: usize, shape: CacheShape) -> Result<()> {
+        let bad = |m: String| Err(Error::Invalid(m));
+        let t = b.positions.len();
+        if x.len() != t * self.hidden {
+            return bad(format!(
+                "x must be [{t}, {}] (one row per position), got {} values",
+                self.hidden,
+                x.len()
+            ));
+        }
+        if b.slot_mapping.len() != t {
+            return bad(format!(
+                "slot_mapping must have {t} entries (one per token), got {}",
+                b.slot_mapping.len()
+            ));
+        }
+        let max = self.max_positions();
+        if let Some((i, &p)) = b
+            .positions
+            .iter()
+            .enumerate()
+            .find(|(_, &p)| p < 0 || p as u64 >= max as u64)
+        {
+            return bad(format!(
+                "positions[{i}] = {p} is not in [0, {max}) (the RoPE tables' rows)"
+            ));
+        }
+        if num_caches != self.layers.len() {
+            return bad(format!(
+                "need {} (k_cache, v_cache) pairs, one per layer, got {num_caches}",
+                self.layers.len()
+            ));
+        }
+        if shape.num_kv_heads != self.num_kv_heads || shape.head_dim != self.head_dim {
+            return bad(format!(
+                "caches must be [num_blocks, {}, block_size, {}] (num_kv_heads, head_dim), got [{}, {}, {}, {}]",
+                self.num_kv_heads,
+                self.head_dim,
+                shape.num_blocks,
+                shape.num_kv_heads,
+                shape.block_size,
+                shape.head_dim
+            ));
+        }
+        Ok(())
+    }
+
+    fn attention_batch<'a>(&self, q: &'a [f32], b: &StepBatch<'a>) -> Batch<'a> {
+        Batch {
+            q,
+            num_q_heads: self.num_heads,
+            block_tables: b.block_tables,
+            max_blocks: b.max_blocks,
+            seq_lens: b.seq_lens,
+            query_start_loc: b.query_start_loc,
+        }
+    }
+
+    fn run(
+        &self,
+        x: &mut [f32],
+        b: &StepBatch,
+        caches: &mut [(KvMut, KvMut)],
+        shape: CacheShape,
+        mut q: Vec<f32>,
+    ) -> Result<()> {
+        let t = b.positions.len();
+        let (h, d, f) = (self.hidden, self.head_dim, self.ffn);
+        let (nq, nkv) = (self.num_heads * d, self.num_kv_heads * d);
+        let params = Params::new(d, None, self.sliding_window.map(|w| w as i64), None)?;
+        let mut hn = vec![0f32; t * h];
+        let mut qkv = vec![0f32; t * (nq + 2 * nkv)];
+        let (mut k, mut v) = (vec![0f32; t * nkv], vec![0f32; t * nkv]);
+        let mut attn = vec![0f32; t * nq];
+        let mut o = vec![0f32; t * h];
+        let mut gu = vec![0f32; t * 2 * f];
+        let mut act = vec![0f32; t * f];
+        let mut delta = vec![0f32; t * h];
+        for (i, (layer, (kc, vc))) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
+            if i == 0 {
+                ops::rms_norm(x, h, &layer.attn_norm, self.eps, None, &mut hn)?;
+            } else {
+                ops::rms_norm(&delta, h, &layer.attn_norm, self.eps, Some(x), &mut hn)?;
+            }
+            linear::linear(&hn, t, &layer.wqkv, &mut qkv)?;
+            if let Some(bias) = &layer.bqkv {
+                for row in qkv.chunks_exact_mut(nq + 2 * nkv) {
+                    for (a, &c) in row.iter_mut().zip(bias) {
+                        *a += c;
+                    }
+                }
+            }
+            for (r, row) in qkv.chunks_exact(nq + 2 * nkv).enumerate() {
+                let p = b.positions[r] as usize;
+                let (c, s) = (&self.cos[p * d / 2..][..d / 2], &self.sin[p * d / 2..][..d / 2]);
+                rope_heads(&row[..nq], &mut q[r * nq..][..nq], d, c, s, self.rope);
+                rope_heads(&row[nq..nq + nkv], &mut k[r * nkv..][..nkv], d, c, s, self.rope);
+                v[r * nkv..][..nkv].copy_from_slice(&row[nq + nkv..]);
+            }
+            attention::write_kv(reborrow(kc), reborrow(vc), shape, &k, &v, b.slot_mapping)?;
+            let batch = self.attention_batch(&q, b);
+            attention::paged_attention(view(kc), view(vc), shape, batch, params, &mut attn)?;
+            linear::linear(&attn, t, &layer.wo, &mut o)?;
+            ops::rms_norm(&o, h, &layer.ffn_norm, self.eps, Some(x), &mut hn)?;
+            linear::linear(&hn, t, &layer.w_gate_up, &mut gu)?;
+            ops::silu_and_mul(&gu, f, &mut act)?;
+            linear::linear(&act, t, &layer.w_down, &mut delta)?;
+        }
+        for (a, &c) in x.iter_mut().zip(&delta) {
+            *a += c;
+        }
+        Ok(())
+    }
+}
+
+/// Run `f` on the current pool thread while every other thread of the pool spins in
+/// `rayon::yield_now` (executing whatever jobs `f`'s parallel loops hand out) instead of going to
+/// sleep between them: a parked rayon worker takes tens of microseconds to wake, and a decode
+/// step of a small model is a few hundred products of 10-30 us each.
+///
+/// A spinner that lands on the calling thread itself (it pops one from its own deque while it
+/// waits inside a join) returns at once, so `f` always finishes and sets the flag.
+fn with_spinning_workers<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let others = rayon::current_num_threads().saturating_sub(1);
+    let owner = rayon::current_thread_index();
+    if others == 0 || owner.is_none() {
+        return f();
+    }
+    let done = AtomicBool::new(false);
+    let mut out = None;
+    rayon::scope(|s| {
+        for _ in 0..others {
+            s.spawn(|_| {
+                while rayon::current_thread_index() != owner && !done.load(Ordering::Acquire) {
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+        }
+        out = Some(f());
+        done.store(true, Ordering::Release);
+    });
+    match out {
+        Some(r) => r,
+        None => unreachable!("the scope body ran"),
+    }
+}
+
+/// Rotate each `D`-wide head of `src` into `dst` by `cos`, `sin` `[D/2]`.
+#[inline]
+fn rope_heads(src: &[f32], dst: &mut [f32], d: usize, cos: &[f32], sin: &[f32], mode: RopeMode) {
+    let half = d / 2;
+    for (x, out) in src.chunks_exact(d).zip(dst.chunks_exact_mut(d)) {
+        match mode {
+            RopeMode::Half => {
+                let (x1, x2) = x.split_at(half);
+                let (o1, o2) = out.split_at_mut(half);
+                for j in 0..half {
+                    o1[j] = x1[j] * cos[j] - x2[j] * sin[j];
+                    o2[j] = x2[j] * cos[j] + x1[j] * sin[j];
+                }
+            }
+            RopeMode::Adjacent => {
+                for j in 0..half {
+                    let (a, b) = (x[2 * j], x[2 * j + 1]);
+                    out[2 * j] = a * cos[j] - b * sin[j];
+                    out[2 * j + 1] = b * cos[j] + a * sin[j];
+                }
+            }
+        }
+    }
+}
+
+fn reborrow<'a>(c: &'a mut KvMut) -> KvMut<'a> {
+    match c {
+        KvMut::F32(s) => KvMut::F32(s),
+        KvMut::F16(s) => KvMut::F16(s),
+        KvMut::Bf16(s) => KvMut::Bf16(s),
+    }
+}
+
+fn view<'a>(c: &'a KvMut) -> Kv<'a> {
+    match c {
+        KvMut::F32(s) => Kv::F32(s),
+        KvMut::F16(s) => Kv::F16(s),
+        KvMut::Bf16(s) => Kv::Bf16(s),
+    }
+}

@@ -1,0 +1,15 @@
+//! Whole-model forward passes in Rust (no pyo3): one call per engine step runs every layer.
+//!
+//! | file      | what                                                                          |
+//! |-----------|-------------------------------------------------------------------------------|
+//! | llama.rs  | `Decoder`: the Llama-architecture decoder stack (Llama, Mistral, Qwen2 biases) |
+//!
+//! The kernels are the existing ones (`ops`, `linear`, `attention`), called in the same order and
+//! on the same float32 buffers as the numpy `LlamaModel` (the readable spec): the two agree to
+//! the last bit where both use int8 weights (tests/models/test_fused.py asserts it). The whole
+//! call runs inside one `pool().install`, so the kernel threads stay in one parallel session for
+//! the step instead of being handed ~300 separate jobs from Python.
+
+pub mod llama;
+
+pub use llama::{Decoder, Layer, RopeMode, StepBatch};

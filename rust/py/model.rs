@@ -1,0 +1,326 @@
+//! The fused decoder (`LlamaDecoder`): a Llama-architecture layer stack run in one GIL-free call
+//! per engine step (see `rust/model/llama.rs`).
+
+use std::sync::Arc;
+
+use numpy::PyArrayMethods;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use super::arrays::{cache_pair_mut, kv_mut, readonly, slice_of, typed, Raw};
+use super::linear::QLinear;
+use super::type_name;
+use crate::attention::{CacheShape, DType};
+use crate::model::{Decoder, Layer, RopeMode, StepBatch};
+
+/// A Llama-architecture decoder stack over `QLinear` weights (shared, not copied).
+///
+/// `layers`: one dict per layer with `attn_norm`, `ffn_norm` (float32 `[H]`), `wqkv`, `wo`,
+/// `wgu`, `wdown` (`QLinear`), and optionally `bqkv` (float32 `[(Hq + 2 Hkv) D]` or None).
+/// `cos`, `sin`: float32 `[max_len, D/2]` RoPE tables. `rope_mode`: "half" or "adjacent".
+#[pyclass(frozen, module = "pagedkv_rs._core")]
+pub struct LlamaDecoder {
+    inner: Arc<Decoder>,
+}
+
+/// `d[key]`, `None` when missing or None.
+fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+    Ok(d.get_item(key)?.filter(|v| !v.is_none()))
+}
+
+fn vector(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<f32>> {
+    let r = typed::<f32>(obj, name, 1, "float32")?;
+    Ok(slice_of(&readonly::<f32>(&r, name)?, name)?.to_vec())
+}
+
+fn qweight(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Arc<crate::linear::QWeight>> {
+    let q = obj
+        .cast::<QLinear>()
+        .map_err(|_| PyTypeError::new_err(format!("{name} must be a QLinear, got {}", type_name(obj))))?;
+    Ok(q.get().weight())
+}
+
+fn table(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(Vec<f32>, Vec<usize>)> {
+    let r = typed::<f32>(obj, name, 2, "float32")?;
+    let v = slice_of(&readonly::<f32>(&r, name)?, name)?.to_vec();
+    Ok((v, r.shape))
+}
+
+#[pymethods]
+impl LlamaDecoder {
+    #[new]
+    #[pyo3(signature = (layers, cos, sin, *, num_heads, num_kv_heads, rms_eps, rope_mode = "half", sliding_window = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        layers: &Bound<'_, PyAny>,
+        cos: &Bound<'_, PyAny>,
+        sin: &Bound<'_, PyAny>,
+        num_heads: i64,
+        num_kv_heads: i64,
+        rms_eps: f64,
+        rope_mode: &str,
+        sliding_window: Option<i64>,
+    ) -> PyResult<Self> {
+        let seq: Vec<Bound<'_, PyAny>> = layers
+            .try_iter()
+            .map_err(|_| {
+                PyTypeError::new_err(format!("layers must be a sequence of dicts, got {}", type_name(layers)))
+            })?
+            .collect::<PyResult<_>>()?;
+        let mut out = Vec::with_capacity(seq.len());
+        for (i, l) in seq.iter().enumerate() {
+            let d = l
+                .cast::<PyDict>()
+                .map_err(|_| PyTypeError::new_err(format!("layers[{i}] must be a dict, got {}", type_name(l))))?;
+            let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+                item(d, k)?.ok_or_else(|| PyValueError::new_err(format!("layers[{i}] has no '{k}'")))
+            };
+            let name = |k: &str| format!("layers[{i}]['{k}']");
+            out.push(Layer {
+                attn_norm: vector(&get("attn_norm")?, &name("attn_norm"))?,
+                wqkv: qweight(&get("wqkv")?, &name("wqkv"))?,
+                bqkv: item(d, "bqkv")?.map(|b| vector(&b, &name("bqkv"))).transpose()?,
+                wo: qweight(&get("wo")?, &name("wo"))?,
+                ffn_norm: vector(&get("ffn_norm")?, &name("ffn_norm"))?,
+                w_gate_up: qweight(&get("wgu")?, &name("wgu"))?,
+                w_down: qweight(&get("wdown")?, &name("wdown"))?,
+            });
+        }
+        let (c, cs) = table(cos, "cos")?;
+        let (s, ss) = table(sin, "sin")?;
+        if cs != ss {
+            return Err(PyValueError::new_err(format!(
+                "cos and sin must have one shape, got {cs:?} and {ss:?}"
+            )));
+        }
+        let pos_int = |name: &str, v: i64| -> PyResult<usize> {
+            if !(1..=1 << 20).contains(&v) {
+                return Err(PyValueError::new_err(format!("{name} must be in [1, 2**20], got {v}")));
+            }
+            Ok(v as usize)
+        };
+        let (hq, hkv) = (pos_int("num_heads", num_heads)?, pos_int("num_kv_heads", num_kv_heads)?);
+        let window = sliding_window
+            .map(|w| pos_int("sliding_window", w.min(1 << 20)))
+            .transpose()?;
+        let rope = RopeMode::parse(rope_mode).map_err(PyErr::from)?;
+        let dec = py
+            .detach(|| Decoder::new(out, c, s, cs[1], rope, hq, hkv, rms_eps as f32, window))
+            .map_err(PyErr::from)?;
+        Ok(LlamaDecoder { inner: Arc::new(dec) })
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.num_layers()
+    }
+    #[getter]
+    fn hidden_size(&self) -> usize {
+        self.inner.hidden_size()
+    }
+    #[getter]
+    fn num_heads(&self) -> usize {
+        self.inner.num_heads()
+    }
+    #[getter]
+    fn num_kv_heads(&self) -> usize {
+        self.inner.num_kv_heads()
+    }
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.inner.head_dim()
+    }
+    #[getter]
+    fn intermediate_size(&self) -> usize {
+        self.inner.intermediate_size()
+    }
+
+    /// Every layer over one step: `x` float32 `[T, H]` (the embedded tokens) becomes the residual
+    /// stream after the last layer, in place, and is returned. `batch` has `positions`,
+    /// `slot_mapping` (int64 `[T]`), `block_tables` (int32 `[B, max_blocks]`), `seq_lens` (int32
+    /// `[B]`), `query_start_loc` (int32 `[B+1]`), as `prepare_batch` builds them; `kv_caches` one
+    /// `(k_cache, v_cache)` per layer, all of one shape and dtype. The GIL is released.
+    /// `spin`: the kernel threads spin for the call instead of parking between products (off by
+    /// default: on a loaded 2-core VM it measured 2x slower, the spinners taking the cores the
+    /// kernels need).
+    #[pyo3(signature = (x, batch, kv_caches, *, spin = false))]
+    fn forward_hidden<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        batch: &Bound<'py, PyAny>,
+        kv_caches: &Bound<'py, PyAny>,
+        spin: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let xr = typed::<f32>(x, "x", 2, "float32")?;
+        if xr.shape[1] != self.inner.hidden_size() {
+            return Err(PyValueError::new_err(format!(
+                "x must be [T, {}], got {:?}",
+                self.inner.hidden_size(),
+                xr.shape
+            )));
+        }
+        let field = |name: &str| -> PyResult<Bound<'py, PyAny>> {
+            batch
+                .getattr(name)
+                .map_err(|_| PyTypeError::new_err(format!("batch has no '{name}' (pass a BatchInputs)")))
+        };
+        let (pos_o, slot_o, bt_o, sl_o, qsl_o) = (
+            field("positions")?,
+            field("slot_mapping")?,
+            field("block_tables")?,
+            field("seq_lens")?,
+            field("query_start_loc")?,
+        );
+        let pos = typed::<i64>(&pos_o, "batch.positions", 1, "int64")?;
+        let slot = typed::<i64>(&slot_o, "batch.slot_mapping", 1, "int64")?;
+        let bt = typed::<i32>(&bt_o, "batch.block_tables", 2, "int32")?;
+        let sl = typed::<i32>(&sl_o, "batch.seq_lens", 1, "int32")?;
+        let qsl = typed::<i32>(&qsl_o, "batch.query_start_loc", 1, "int32")?;
+        let t = xr.shape[0];
+        if pos.shape[0] != t || slot.shape[0] != t {
+            return Err(PyValueError::new_err(format!(
+                "x has {t} rows but batch.positions / slot_mapping have {} / {}",
+                pos.shape[0], slot.shape[0]
+            )));
+        }
+        let nseq = sl.shape[0];
+        if bt.shape[0] != nseq || qsl.shape[0] != nseq + 1 {
+            return Err(PyValueError::new_err(format!(
+                "need block_tables [B, max_blocks], seq_lens [B], query_start_loc [B+1]; got {:?}, {:?}, {:?}",
+                bt.shape, sl.shape, qsl.shape
+            )));
+        }
+        // The caches: one pair per layer, all of one geometry and dtype, disjoint from each other
+        // and from every other argument.
+        let pairs: Vec<Bound<'py, PyAny>> = if let Ok(l) = kv_caches.cast::<PyList>() {
+            l.iter().collect()
+        } else if let Ok(tu) = kv_caches.cast::<PyTuple>() {
+            tu.iter().collect()
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "kv_caches must be a list of (k_cache, v_cache) pairs, got {}",
+                type_name(kv_caches)
+            )));
+        };
+        if pairs.len() != self.inner.num_layers() {
+            return Err(PyValueError::new_err(format!(
+                "need {} (k_cache, v_cache) pairs, one per layer, got {}",
+                self.inner.num_layers(),
+                pairs.len()
+            )));
+        }
+        let mut raws: Vec<Raw<'py>> = Vec::with_capacity(2 * pairs.len());
+        let mut geometry: Option<(DType, CacheShape)> = None;
+        for (i, p) in pairs.iter().enumerate() {
+            let (k, v): (Bound<'py, PyAny>, Bound<'py, PyAny>) = p.extract().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "kv_caches[{i}] must be a (k_cache, v_cache) pair, got {}",
+                    type_name(p)
+                ))
+            })?;
+            let (kr, vr, dt, shape) =
+                cache_pair_mut(&k, &v).map_err(|e| PyValueError::new_err(format!("kv_caches[{i}]: {e}")))?;
+            match geometry {
+                None => geometry = Some((dt, shape)),
+                Some(g) if g != (dt, shape) => {
+                    return Err(PyValueError::new_err(format!(
+                        "kv_caches[{i}] is {} {:?}, kv_caches[0] is {} {:?}: every layer's caches must match",
+                        dt.name(),
+                        kr.shape,
+                        g.0.name(),
+                        raws[0].shape
+                    )))
+                }
+                _ => {}
+            }
+            raws.push(kr);
+            raws.push(vr);
+        }
+        let (dt, shape) = geometry.ok_or_else(|| PyValueError::new_err("kv_caches is empty"))?;
+        for (a, ra) in raws.iter().enumerate() {
+            for rb in &raws[a + 1..] {
+                if ra.overlaps(rb) {
+                    return Err(PyValueError::new_err("kv_caches must not share memory with each other"));
+                }
+            }
+            for (r, n) in [
+                (&xr, "x"),
+                (&pos, "batch.positions"),
+                (&slot, "batch.slot_mapping"),
+                (&bt, "batch.block_tables"),
+                (&sl, "batch.seq_lens"),
+                (&qsl, "batch.query_start_loc"),
+            ] {
+                if ra.overlaps(r) {
+                    return Err(PyValueError::new_err(format!(
+                        "{n} must not share memory with kv_caches"
+                    )));
+                }
+            }
+        }
+        for (r, n) in [
+            (&pos, "batch.positions"),
+            (&slot, "batch.slot_mapping"),
+            (&bt, "batch.block_tables"),
+            (&sl, "batch.seq_lens"),
+            (&qsl, "batch.query_start_loc"),
+        ] {
+            if xr.overlaps(r) {
+                return Err(PyValueError::new_err(format!("x must not share memory with {n}")));
+            }
+        }
+        let (pg, sg, btg, slg, qslg) = (
+            readonly::<i64>(&pos, "batch.positions")?,
+            readonly::<i64>(&slot, "batch.slot_mapping")?,
+            readonly::<i32>(&bt, "batch.block_tables")?,
+            readonly::<i32>(&sl, "batch.seq_lens")?,
+            readonly::<i32>(&qsl, "batch.query_start_loc")?,
+        );
+        let step = StepBatch {
+            positions: slice_of(&pg, "batch.positions")?,
+            slot_mapping: slice_of(&sg, "batch.slot_mapping")?,
+            block_tables: slice_of(&btg, "batch.block_tables")?,
+            max_blocks: bt.shape[1],
+            seq_lens: slice_of(&slg, "batch.seq_lens")?,
+            query_start_loc: slice_of(&qslg, "batch.query_start_loc")?,
+        };
+        let mut xg = xr
+            .arr
+            .cast::<numpy::PyArrayDyn<f32>>()
+            .map_err(|_| PyTypeError::new_err("x must be float32"))?
+            .try_readwrite()
+            .map_err(|e| PyValueError::new_err(format!("x must be writeable and not borrowed elsewhere: {e}")))?;
+        let xs = xg
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(format!("x: {e}")))?;
+        let numel = shape.numel().map_err(PyErr::from)?;
+        // SAFETY: every cache passed `cache_pair_mut` (C-contiguous, aligned, `numel` items of
+        // `dt`, writeable), no two of them and no other argument share memory (checked above),
+        // and the Bound arrays in `raws` outlive the call. As with any numpy kernel that releases
+        // the GIL, the caller must not touch these arrays from another thread during the call.
+        let mut caches: Vec<_> = raws
+            .chunks_exact(2)
+            .map(|kv| unsafe { (kv_mut(&kv[0], dt, numel), kv_mut(&kv[1], dt, numel)) })
+            .collect();
+        let dec = &self.inner;
+        py.detach(|| dec.forward_hidden(xs, &step, &mut caches, shape, spin))
+            .map_err(PyErr::from)?;
+        drop(xg);
+        Ok(x.clone())
+    }
+
+    fn __repr__(&self) -> String {
+        let d = &self.inner;
+        format!(
+            "LlamaDecoder(num_layers={}, hidden_size={}, num_heads={}, num_kv_heads={}, head_dim={})",
+            d.num_layers(),
+            d.hidden_size(),
+            d.num_heads(),
+            d.num_kv_heads(),
+            d.head_dim()
+        )
+    }
+}

@@ -1,0 +1,325 @@
+"""The fused decoder (``LlamaModel(impl="fused")``, ``_core.LlamaDecoder``) against the numpy path.
+
+Both run the same kernels on the same float32 buffers in the same order, so with int8 weights their
+logits and KV caches are equal bit for bit: on random tiny layers (prefill, decode, mixed batches,
+prefix-cached sequences, chunked prefill, Qwen2 biases, a Mistral sliding window) under every ISA, and
+on the real SmolLM2 (test_llama.py holds the numpy path to the float64 dense oracle and to the
+right chat answers). Bad input is a
+TypeError/ValueError before any cache is written.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+import pagedkv_rs
+from pagedkv_rs import _core
+from pagedkv_rs.models.llama import LlamaModel, fused_unavailable
+from pagedkv_rs.models.tiny import tiny_llama_weights
+
+
+def step_both(models, mgr, caches, seqs, counts):
+    """One step of every model over the same batch; their logits [B, V] and the batch."""
+    batch = mgr.prepare_batch(seqs, counts)
+    return [m.forward(batch, c) for m, c in zip(models, caches)], batch
+
+
+def run_pair(weights, mgr, prompts, steps, *, chunk=1 << 30, kv_dtype="float16", first_id=0):
+    """numpy and fused models side by side through prefill (chunked) + decode; asserts equal every step."""
+    models = [LlamaModel(weights, impl="numpy"), LlamaModel(weights, impl="fused")]
+    assert [m.impl for m in models] == ["numpy", "fused"]
+    caches = [m.new_kv_caches(mgr.num_blocks, mgr.block_size, kv_dtype) for m in models]
+    ids = [first_id + i for i in range(len(prompts))]
+    hits = [mgr.allocate(s, p) for s, p in zip(ids, prompts)]
+    out = {s: [] for s in ids}
+    while any(len(out[s]) < steps for s in ids):
+        active = [s for s in ids if len(out[s]) < steps]
+        counts = [min(chunk, mgr.num_tokens(s) - mgr.num_computed_tokens(s)) for s in active]
+        (a, b), _ = step_both(models, mgr, caches, active, counts)
+        np.testing.assert_array_equal(a, b)
+        grow = []
+        for s, row in zip(active, a):
+            if mgr.num_computed_tokens(s) == mgr.num_tokens(s):
+                out[s].append(int(row.argmax()))
+                if len(out[s]) < steps:
+                    grow.append(s)
+        if grow:
+            pairs = mgr.append_batch(grow, [out[s][-1] for s in grow])
+            for cs in caches:
+                for k, v in cs:
+                    if pairs:
+                        pagedkv_rs.copy_blocks(k, v, pairs)
+    for (k0, v0), (k1, v1) in zip(*caches):
+        np.testing.assert_array_equal(k0, k1)
+        np.testing.assert_array_equal(v0, v1)
+    for s in ids:
+        mgr.free(s)
+    return [out[s] for s in ids], hits
+
+
+PROMPTS = [[5, 9, 17, 3, 44, 2, 8], [7, 7, 7], list(range(10, 50)), [100]]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32", "bfloat16"])
+def test_fused_equals_numpy_prefill_then_decode(backend, isa, kv_dtype):
+    w = tiny_llama_weights(seed=1)
+    mgr = backend.KVCacheManager(64, 8, enable_prefix_caching=False)
+    run_pair(w, mgr, PROMPTS, 6, kv_dtype=kv_dtype)
+
+
+def test_fused_equals_numpy_chunked_mixed_batches(backend, isa):
+    # chunk 5: long prompts prefill over several steps while short ones already decode (mixed batches)
+    w = tiny_llama_weights(seed=2, num_layers=3)
+    mgr = backend.KVCacheManager(64, 4, enable_prefix_caching=False)
+    run_pair(w, mgr, PROMPTS, 8, chunk=5)
+
+
+def test_fused_equals_numpy_prefix_cached(backend, isa):
+    w = tiny_llama_weights(seed=3)
+    mgr = backend.KVCacheManager(64, 4, enable_prefix_caching=True)
+    shared = list(range(20, 40))
+    run_pair(w, mgr, [shared + [1, 2]], 3)
+    _, hits = run_pair(w, mgr, [shared + [3], shared + [4, 5, 6]], 4, first_id=10)
+    assert all(h >= 16 for h in hits)  # the second run read the shared prefix from the cache
+
+
+def test_fused_equals_numpy_bias_and_sliding_window(backend, isa):
+    w = tiny_llama_weights(seed=4, qkv_bias=True, sliding_window=6, num_heads=2, num_kv_heads=1, hidden_size=64)
+    mgr = backend.KVCacheManager(64, 4, enable_prefix_caching=False)
+    run_pair(w, mgr, PROMPTS[:3], 5, chunk=7)
+    # The window matters: without it the logits differ.
+    nowin = tiny_llama_weights(seed=4, qkv_bias=True, num_heads=2, num_kv_heads=1, hidden_size=64)
+    m1, m2 = LlamaModel(w, impl="fused"), LlamaModel(nowin, impl="fused")
+    mgr = backend.KVCacheManager(64, 4, enable_prefix_caching=False)
+    mgr.allocate(0, PROMPTS[2])
+    batch = mgr.prepare_batch([0], [len(PROMPTS[2])])
+    a = m1.forward(batch, m1.new_kv_caches(64, 4, "float32"))
+    b = m2.forward(batch, m2.new_kv_caches(64, 4, "float32"))
+    assert np.abs(a - b).max() > 1e-3
+
+
+def test_impl_choice():
+    w8, w32 = tiny_llama_weights(), tiny_llama_weights(weights="float32")
+    assert LlamaModel(w8).impl == "fused" and LlamaModel(w32).impl == "numpy"
+    assert fused_unavailable(w8) is None and "int8" in fused_unavailable(w32)
+    with pytest.raises(ValueError, match="impl='fused' is not available: .*int8"):
+        LlamaModel(w32, impl="fused")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        LlamaModel(w8, impl="torch")
+    ref = types.SimpleNamespace(kernel_source=lambda: "reference")
+    assert "kernel source" in fused_unavailable(w8, ref)
+
+
+# ---- bad input: clear errors, never a panic, caches untouched --------------------------------
+
+
+@pytest.fixture
+def tiny():
+    w = tiny_llama_weights(seed=5)
+    model = LlamaModel(w, impl="fused")
+    mgr = pagedkv_rs.fallback.KVCacheManager(8, 4, enable_prefix_caching=False)
+    mgr.allocate(0, [1, 2, 3, 4, 5])
+    batch = mgr.prepare_batch([0], [5])
+    caches = model.new_kv_caches(8, 4, "float32")
+    x = np.ascontiguousarray(w.embed[batch.input_ids], np.float32)
+    return types.SimpleNamespace(w=w, model=model, dec=model._decoder, batch=batch, caches=caches, x=x)
+
+
+def _layers(w, **over):
+    out = []
+    for layer in w.layers:
+        d = {k: layer[k] for k in ("attn_norm", "ffn_norm")}
+        d.update({k: layer[k].q for k in ("wqkv", "wo", "wgu", "wdown")})
+        d.update(over)
+        out.append(d)
+    return out
+
+
+def test_decoder_constructor_rejects_bad_weights(tiny):
+    w = tiny.w
+    kw = dict(num_heads=4, num_kv_heads=2, rms_eps=1e-5)
+    dec = _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw)
+    assert (dec.num_layers, dec.hidden_size, dec.head_dim, dec.intermediate_size) == (2, 64, 16, 96)
+    with pytest.raises(TypeError, match=r"layers\[0\]\['wo'\] must be a QLinear"):
+        _core.LlamaDecoder(_layers(w, wo=np.zeros((64, 64), np.float32)), w.cos, w.sin, **kw)
+    with pytest.raises(ValueError, match=r"layers\[0\] has no 'wgu'"):
+        _core.LlamaDecoder([{k: v for k, v in layer.items() if k != "wgu"} for layer in _layers(w)], w.cos, w.sin, **kw)
+    with pytest.raises(TypeError, match=r"attn_norm.* must be float32"):
+        _core.LlamaDecoder(_layers(w, attn_norm=np.ones(64)), w.cos, w.sin, **kw)
+    with pytest.raises(ValueError, match="layer 0: attn_norm is"):
+        _core.LlamaDecoder(_layers(w, attn_norm=np.ones(32, np.float32)), w.cos, w.sin, **kw)
+    with pytest.raises(ValueError, match="layer 0: wqkv is"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin, num_heads=4, num_kv_heads=1, rms_eps=1e-5)
+    with pytest.raises(ValueError, match="bqkv has 3 values"):
+        _core.LlamaDecoder(_layers(w, bqkv=np.ones(3, np.float32)), w.cos, w.sin, **kw)
+    with pytest.raises(ValueError, match="positive multiple"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin, num_heads=3, num_kv_heads=2, rms_eps=1e-5)
+    with pytest.raises(ValueError, match="one shape"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin[:10], **kw)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _core.LlamaDecoder(_layers(w), np.asfortranarray(w.cos), w.sin, **kw)
+    with pytest.raises(ValueError, match="rope_mode"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin, rope_mode="spiral", **kw)
+    with pytest.raises(ValueError, match="rms_eps"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin, num_heads=4, num_kv_heads=2, rms_eps=float("nan"))
+    with pytest.raises(ValueError, match="sliding_window"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin, sliding_window=0, **kw)
+    with pytest.raises(ValueError, match="at least one layer"):
+        _core.LlamaDecoder([], w.cos, w.sin, **kw)
+    with pytest.raises(TypeError, match="sequence of dicts"):
+        _core.LlamaDecoder(3, w.cos, w.sin, **kw)
+
+
+def _with(batch, **over):
+    return types.SimpleNamespace(**{**batch.__dict__, **over})
+
+
+def test_forward_hidden_rejects_bad_input(tiny):
+    dec, b, caches, x = tiny.dec, tiny.batch, tiny.caches, tiny.x
+    before = [(k.copy(), v.copy()) for k, v in caches]
+
+    def bad(exc, match, x=x, batch=b, kv=caches):
+        with pytest.raises(exc, match=match):
+            dec.forward_hidden(x.copy() if x is tiny.x else x, batch, kv)
+
+    bad(TypeError, "x must be float32", x=x.astype(np.float64))
+    bad(ValueError, r"x must be \[T, 64\]", x=np.zeros((5, 32), np.float32))
+    bad(ValueError, "x has 4 rows", x=x[:4].copy())
+    bad(ValueError, "C-contiguous", x=np.zeros((5, 128), np.float32)[:, ::2])
+    bad(TypeError, "batch has no 'positions'", batch=object())
+    bad(TypeError, "batch.positions must be int64", batch=_with(b, positions=b.positions.astype(np.int32)))
+    bad(
+        ValueError,
+        r"positions\[1\] = 9999 is not in \[0, 256\)",
+        batch=_with(b, positions=np.array([0, 9999, 2, 3, 4])),
+    )
+    bad(ValueError, "slot_mapping", batch=_with(b, slot_mapping=np.array([0, 1, 2, 3, 10**6])))
+    bt = b.block_tables.copy()
+    bt[0, 0] = 99
+    bad(ValueError, r"block_tables\[0, 0\] = 99", batch=_with(b, block_tables=bt))
+    bad(ValueError, "query_start_loc", batch=_with(b, query_start_loc=np.array([0, 4], np.int32)))
+    bad(ValueError, r"need 2 \(k_cache, v_cache\) pairs", kv=caches[:1])
+    bad(TypeError, "list of", kv=None)
+    bad(TypeError, r"kv_caches\[1\] must be a \(k_cache, v_cache\) pair", kv=[caches[0], 5])
+    bad(ValueError, "must not share memory with each other", kv=[caches[0], caches[0]])
+    other = tiny.model.new_kv_caches(8, 4, "float16")
+    bad(ValueError, "every layer's caches must match", kv=[caches[0], other[1]])
+    small = [pagedkv_rs.new_kv_cache(8, 4, 1, 16, "float32") for _ in range(2)]
+    bad(ValueError, r"caches must be \[num_blocks, 2, block_size, 16\]", kv=small)
+    ro = [(k.copy(), v.copy()) for k, v in caches]
+    ro[1][0].flags.writeable = False
+    bad(ValueError, "writeable", kv=ro)
+    for (k0, v0), (k1, v1) in zip(before, caches):  # nothing was written by a refused call
+        np.testing.assert_array_equal(k0, k1)
+        np.testing.assert_array_equal(v0, v1)
+    out = dec.forward_hidden(x, b, caches)
+    assert out is x and np.isfinite(x).all()
+
+
+def test_forward_hidden_releases_the_gil():
+    from kernels.kernel_util import gil_released_during  # tests/kernels (tests/ is on the path)
+
+    big = tiny_llama_weights(num_layers=8, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
+    model = LlamaModel(big, impl="fused")
+    mgr = pagedkv_rs.fallback.KVCacheManager(64, 16, enable_prefix_caching=False)
+    mgr.allocate(0, list(range(1, 120)))
+    batch = mgr.prepare_batch([0], [119])
+    caches = model.new_kv_caches(64, 16, "float32")
+    x = np.ascontiguousarray(big.embed[batch.input_ids], np.float32)
+    assert gil_released_during(lambda: model._decoder.forward_hidden(x.copy(), batch, caches))
+
+
+# ---- the real SmolLM2 (int8 weights): fused == numpy bit for bit, so the same greedy tokens ----
+
+
+@pytest.fixture(scope="module")
+def smol_int8():
+    from pagedkv_rs.models.gguf_loader import load_gguf
+    from pagedkv_rs.models.llama import LlamaWeights
+
+    return LlamaWeights(load_gguf(), weights="int8")
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(tok):
+    chats = ["What is the capital of France?", "Write one sentence about the ocean.", "Name three colors."]
+    return [tok.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+
+
+def test_smollm2_fused_equals_numpy(smol_int8, chat_prompts):
+    mgr = pagedkv_rs.KVCacheManager(64, 16, enable_prefix_caching=True)
+    run_pair(smol_int8, mgr, chat_prompts[:2], 3, chunk=13)
+    _, hits = run_pair(smol_int8, mgr, chat_prompts[2:], 2, first_id=10)
+    assert hits[0] >= 16  # the shared system prompt came from the prefix cache
+
+
+def test_smollm2_fused_through_the_engine(smol_int8, chat_prompts, tok):
+    """Continuous batching with chunked prefill, prefix caching and preemption: the same greedy tokens."""
+    from pagedkv_rs.engine import LLMEngine
+    from pagedkv_rs.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    got = {}
+    for impl in ("numpy", "fused"):
+        engine = LLMEngine(
+            LlamaModel(smol_int8, eos_token_ids=(2, 0), impl=impl),
+            block_size=4,
+            kv_cache_dtype="float16",
+            enable_prefix_caching=True,
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=24,
+            num_blocks=14,
+        )
+        outs = engine.generate(chat_prompts[:2], params) + engine.generate(chat_prompts[2:], params)
+        assert engine.stats()["num_preemptions"] > 0 and outs[2].num_cached_tokens > 0
+        engine.kv_manager.check_invariants()
+        got[impl] = [o.token_ids for o in outs]
+    assert got["fused"] == got["numpy"]
+    assert tok.decode(got["fused"][0], skip_special_tokens=True).startswith("The capital of France is")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_spinning_workers_give_the_same_bits(tiny, threads):
+    prev = pagedkv_rs.get_num_threads()
+    try:
+        pagedkv_rs.set_num_threads(threads)
+        outs = []
+        for spin in (False, True):
+            caches = tiny.model.new_kv_caches(8, 4, "float32")
+            outs.append((tiny.dec.forward_hidden(tiny.x.copy(), tiny.batch, caches, spin=spin), caches))
+        np.testing.assert_array_equal(outs[0][0], outs[1][0])
+        for (k0, v0), (k1, v1) in zip(outs[0][1], outs[1][1]):
+            np.testing.assert_array_equal(k0, k1)
+            np.testing.assert_array_equal(v0, v1)
+    finally:
+        pagedkv_rs.set_num_threads(prev)
+
+
+def test_bench_e2e_table_smoke(capsys):
+    from pagedkv_rs.cli.bench.e2e import main
+
+    argv = ["--table", "--table-seqs", "1,2", "--prefill-len", "8", "--input-len", "4", "--output-len", "2"]
+    argv += ["--range-ratio", "0", "--kv-memory", "8MiB", "--table-impls", "numpy:int8,fused"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "numpy/int8" in out and "fused/int8" in out and "fused/int8 / numpy/int8" in out
+    for row in ("1 seq ", "2 seqs", "prefill 8"):
+        assert row in out
+    with pytest.raises(SystemExit, match="IMPL"):
+        main(["--table", "--table-impls", "torch"])
+
+
+def test_generate_cli_model_impl(capsys):
+    from pagedkv_rs.cli.generate import main
+    from pagedkv_rs.llm import LLM
+
+    argv = ["What is the capital of France?", "--max-tokens", "8", "--kv-memory", "8MiB", "--temperature", "0"]
+    assert main(argv + ["--model-impl", "fused", "--repetition-penalty", "1"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    llm = LLM(model_impl="fused", kv_memory="4MiB")  # weights="auto" with fused: int8
+    assert (llm.model.impl, llm.weight_format) == ("fused", "int8")
+    with pytest.raises(ValueError, match="impl='fused' is not available"):
+        LLM(model_impl="fused", weights="float32", kv_memory="4MiB")
