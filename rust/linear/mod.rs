@@ -7,9 +7,9 @@
 //! | avx512vnni | x86.rs | ISA `avx512` on a CPU with AVX-512 F + BW + VNNI (`runtime::avx512_vnni`) |
 //!
 //! Weights: each row n of W is cut into K/32 blocks; block b holds 32 unsigned codes `c` and two
-//! f32 numbers `d`, `m` with `w = d·c + m`. GGUF Q4_1 blocks (`c` in 0..=15) and Q8_0 blocks
-//! (`c = q + 128`, `m = -128·d`) map onto this exactly; float weights are quantized
-//! asymmetrically per block (`c` in 0..=255).
+//! f32 numbers `d`, `m` with `w = d·c + m`. GGUF blocks map onto this as `gguf.rs` tabulates
+//! (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K exactly, e.g. Q8_0 as `c = q + 128`, `m = -128·d`);
+//! float weights are quantized asymmetrically per block (`c` in 0..=255).
 //!
 //! Activations are quantized per row and 32-wide block in two int8 digits: `h = Q(x)` and
 //! `l = Q(x - s_h·h)`, where `Q(v)`: `a = max|v|`, `q = round_half_even(v · (127/a))` in
@@ -36,8 +36,6 @@ pub mod gguf;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
-
-use half::f16;
 
 use crate::error::{Error, Result};
 use crate::runtime::{self, Isa};
@@ -164,53 +162,49 @@ impl QWeight {
         (codes, d, m)
     }
 
-    /// From GGUF Q4_1 rows: per block `d: f16, m: f16, qs: [u8; 16]` (low nibbles are
-    /// elements 0..16, high nibbles 16..32). `raw` is `[n, k/32 * 20]` bytes.
-    pub fn from_q4_1(raw: &[u8], n: usize, k: usize) -> Result<Self> {
-        Self::from_gguf_blocks(raw, n, k, 20, |blk, c| {
-            for j in 0..16 {
-                c[j] = blk[4 + j] & 0x0f;
-                c[j + 16] = blk[4 + j] >> 4;
-            }
-            (f16_at(blk, 0), f16_at(blk, 2))
-        })
+    /// From GGUF rows `raw: [n, row_bytes]` of `ggml_type` (any of `gguf::TYPES`), `k` a
+    /// multiple of 32: the file's blocks folded onto 32-wide blocks as `gguf::to_blocks` does
+    /// (exact for Q4_0..Q8_0, Q4_K, Q5_K; see its table for Q6_K and float types).
+    pub fn from_gguf(ggml_type: &str, raw: &[u8], n: usize, k: usize) -> Result<Self> {
+        Self::from_gguf_parts(&[(ggml_type, raw, n)], k)
     }
 
-    /// From GGUF Q8_0 rows: per block `d: f16, qs: [i8; 32]`. `raw` is `[n, k/32 * 34]` bytes.
-    pub fn from_q8_0(raw: &[u8], n: usize, k: usize) -> Result<Self> {
-        Self::from_gguf_blocks(raw, n, k, 34, |blk, c| {
-            for j in 0..32 {
-                c[j] = (blk[2 + j] as i8 as i16 + 128) as u8;
-            }
-            let d = f16_at(blk, 0);
-            (d, -128.0 * d)
-        })
-    }
-
-    fn from_gguf_blocks(
-        raw: &[u8],
-        n: usize,
-        k: usize,
-        block_bytes: usize,
-        decode: impl Fn(&[u8], &mut [u8]) -> (f32, f32),
-    ) -> Result<Self> {
+    /// Rows of several GGUF tensors `(ggml_type, raw, rows)` of width `k`, stacked in order (a
+    /// fused projection whose parts may have different types, as in Q4_K_M files).
+    pub fn from_gguf_parts(parts: &[(&str, &[u8], usize)], k: usize) -> Result<Self> {
+        let n = parts.iter().try_fold(0usize, |a, p| a.checked_add(p.2));
+        let n = n.ok_or_else(|| Error::Invalid("too many rows".into()))?;
         check_dims(n, k)?;
         let nb = k / QBLOCK;
-        if raw.len() != n * nb * block_bytes {
-            return Err(Error::Invalid(format!(
-                "need {n} rows of {} bytes ({nb} blocks of {block_bytes}), got {} bytes",
-                nb * block_bytes,
-                raw.len()
-            )));
-        }
         let mut codes = vec![0u8; n * k];
         let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
-        for (i, blk) in raw.chunks_exact(block_bytes).enumerate() {
-            let (db, mb) = decode(blk, &mut codes[i * QBLOCK..][..QBLOCK]);
-            d[i] = db;
-            m[i] = mb;
+        let mut at = 0;
+        for (i, &(ty, raw, rows)) in parts.iter().enumerate() {
+            let (c, dd, mm) = (
+                &mut codes[at * k..(at + rows) * k],
+                &mut d[at * nb..(at + rows) * nb],
+                &mut m[at * nb..(at + rows) * nb],
+            );
+            gguf::to_blocks(ty, raw, rows, k, c, dd, mm).map_err(|e| {
+                Error::Invalid(if parts.len() > 1 {
+                    format!("part {i}: {e}")
+                } else {
+                    e.to_string()
+                })
+            })?;
+            at += rows;
         }
         Self::from_parts(n, k, &codes, &d, &m)
+    }
+
+    /// From GGUF Q4_1 rows (`gguf::to_blocks`). `raw` is `[n, k/32 * 20]` bytes.
+    pub fn from_q4_1(raw: &[u8], n: usize, k: usize) -> Result<Self> {
+        Self::from_gguf("Q4_1", raw, n, k)
+    }
+
+    /// From GGUF Q8_0 rows (`c = q + 128`, `m = -128·d`). `raw` is `[n, k/32 * 34]` bytes.
+    pub fn from_q8_0(raw: &[u8], n: usize, k: usize) -> Result<Self> {
+        Self::from_gguf("Q8_0", raw, n, k)
     }
 
     /// Quantize float weights `[n, k]`: per block `d = (max - min)/255`, `m = min`,
@@ -235,22 +229,10 @@ impl QWeight {
         let mut codes = vec![0u8; n * k];
         let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
         for (i, blk) in w.chunks_exact(QBLOCK).enumerate() {
-            let lo = blk.iter().copied().fold(f32::INFINITY, f32::min);
-            let hi = blk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let step = (hi - lo) / 255.0;
-            let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
-            for (c, &v) in codes[i * QBLOCK..][..QBLOCK].iter_mut().zip(blk) {
-                *c = ((v - lo) * inv).round_ties_even().clamp(0.0, 255.0) as u8;
-            }
-            d[i] = step;
-            m[i] = lo;
+            (d[i], m[i]) = gguf::quantize_asym(blk, &mut codes[i * QBLOCK..][..QBLOCK]);
         }
         Self::from_parts(n, k, &codes, &d, &m)
     }
-}
-
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
 fn check_dims(n: usize, k: usize) -> Result<()> {

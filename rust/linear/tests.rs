@@ -3,6 +3,7 @@
 use super::*;
 
 use crate::testing::Rng;
+use half::f16;
 
 fn random_weight(r: &mut Rng, n: usize, k: usize) -> QWeight {
     let w: Vec<f32> = (0..n * k).map(|_| r.uniform() * 0.1).collect();

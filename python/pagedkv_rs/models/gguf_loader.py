@@ -5,8 +5,8 @@ memory-mapped read-only; nothing is dequantized at load. Each :class:`GGUFTensor
 the file's own bytes (``data``: ``uint8 [rows, row_bytes]``) in PyTorch ``[out_features,
 in_features]`` order, exactly as stored (the Q/K row permutation of llama.cpp's converter is
 undone in ``llama.py``, not here). ``GGUFTensor.dequantize()`` makes float32 of one tensor (or
-of some of its rows) when a caller asks; ``pagedkv_rs.QLinear.from_gguf`` reads Q4_1/Q8_0 rows
-as they are. ``GGUFFile.release`` drops a tensor's pages from the process's resident set once
+of some of its rows) when a caller asks; ``pagedkv_rs.QLinear.from_gguf`` reads the stored rows of
+every supported type as they are. ``GGUFFile.release`` drops a tensor's pages from the process's resident set once
 its bytes have been copied into the layers (they stay in the page cache and fault back in).
 """
 
@@ -30,10 +30,14 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-# Tensor types whose stored blocks ``pagedkv_rs.QLinear.from_gguf`` reads directly.
-RAW_TYPES = ("Q4_1", "Q8_0")
-# Block types ``pagedkv_rs._core.dequantize_gguf`` decodes (bit for bit as ``gguf.quants``).
-RUST_DEQUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# Tensor types ``pagedkv_rs._core.dequantize_gguf`` decodes (bit for bit as ``gguf.quants``) and whose
+# stored rows ``pagedkv_rs.QLinear.from_gguf``/``stack_gguf`` read directly (exactly onto 32-wide
+# ``w = d*c + m`` blocks, except Q6_K blocks whose two halves' scales share no 8-bit grid and the float
+# types, which are requantized to 8 bits: see rust/linear/gguf.rs).
+RUST_DEQUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+RAW_TYPES = RUST_DEQUANT_TYPES
+# Types whose 32-wide blocks are exactly the file's numbers (Q6_K: where its scales allow).
+EXACT_INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
 
 # ggml type id -> (name, elements per block, bytes per block); names as ``gguf.GGMLQuantizationType``.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -137,8 +141,11 @@ class GGUFTensor:
             out[...] = data.view(np.float32).reshape(shape)
         elif self.type == "F16":
             out[...] = data.view(np.float16).reshape(shape)
-        elif self.type in RUST_DEQUANT_TYPES and len(shape) == 2 and _core_dequantize() is not None:
-            _core_dequantize()(np.ascontiguousarray(data), self.type, shape[1], out=out)
+        elif self.type in RUST_DEQUANT_TYPES and len(shape) <= 2 and _core_dequantize() is not None:
+            k = shape[-1] if shape else 1
+            _core_dequantize()(
+                np.ascontiguousarray(data).reshape(-1, data.shape[-1]), self.type, k, out=out.reshape(-1, k)
+            )
         else:
             out[...] = self._gguf_dequantize(data).reshape(shape)
         return out

@@ -126,11 +126,12 @@ class LlamaWeights:
 
     Built tensor by tensor from the memory-mapped file; no whole-model float32 copy exists.
     ``weights="float32"``: every projection is dequantized straight into its fused float32 array
-    and run by numpy's BLAS. ``weights="int8"``: ``pagedkv_rs.QLinear``; Q4_1/Q8_0 tensors keep
-    the file's own blocks (exactly), other types are requantized to 8 bits per 32-wide block.
+    and run by numpy's BLAS. ``weights="int8"``: ``pagedkv_rs.QLinear`` over the file's own blocks
+    (exactly for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K; Q6_K exactly where its scales allow, float
+    tensors and the other Q6_K blocks requantized to 8 bits per 32-wide block).
     ``"auto"`` (default) picks int8 where its AVX-512 VNNI kernel runs, float32 elsewhere. In both
-    formats the embedding is read per token from the file's rows, and a tied ``lm_head`` (over
-    Q4_1/Q8_0 rows) is a ``QLinear`` over those same blocks when the Rust core is built.
+    formats the embedding is read per token from the file's rows, and a tied ``lm_head`` is a
+    ``QLinear`` over those same blocks when the Rust core is built.
     """
 
     def __init__(self, gguf: GGUFFile, *, rope_pairs: str = "half", weights: str = "auto"):
@@ -203,9 +204,9 @@ class LlamaWeights:
             return FloatLinear(w.T)  # x @ w.T: one sgemm on the transposed view, no copy
         from pagedkv_rs import _core
 
-        if len(kinds) == 1 and kinds <= set(RAW_TYPES):
-            raw = np.concatenate([self._rows(n) for n in names]) if len(names) > 1 else self._rows(names[0])
-            q = _core.QLinear.from_gguf(np.ascontiguousarray(raw), kinds.pop(), shape[1])
+        if kinds <= set(RAW_TYPES) and shape[1] % 32 == 0:
+            parts = [(np.ascontiguousarray(self._rows(n)), g.tensors[n].type) for n in names]
+            q = _core.QLinear.stack_gguf(parts, shape[1])
         else:
             q = _core.QLinear.from_float(self._dequantize(names, shape))
         g.release(*names)
