@@ -30,6 +30,12 @@
 //! with zero rows); a panel's codes are K/4 groups of 64 bytes = 16 rows × 4 consecutive k, so
 //! one 64-byte load feeds one `vpdpbusd` for 16 outputs; its scales are, per block, 16 `d` then
 //! 16 `m`. Work is split over columns only (pairs of panels), never over K.
+//!
+//! 4-bit layout: when every code fits 4 bits (GGUF Q4_0, Q4_1, Q4_K blocks) the panel stores two
+//! 4-wide k groups in one 64-byte line, group 2q in the low nibbles and 2q+1 in the high ones,
+//! halving the bytes streamed per token (the weights then take about their GGUF file size). Only
+//! the portable tile reads it (the VNNI build runs the AVX2 tile on such weights); the integer
+//! dots and the float sums are the same, so the results are bit for bit those of the 8-bit layout.
 
 pub mod gguf;
 #[cfg(test)]
@@ -80,8 +86,10 @@ pub fn detected_isa() -> Isa {
 pub struct QWeight {
     n: usize,
     k: usize,
-    /// `panels * k * PANEL` codes.
+    /// `panels * k * PANEL` codes (`/ 2` bytes when `nibbles`).
     codes: Vec<u8>,
+    /// Two codes per byte (the 4-bit layout of the module docs).
+    nibbles: bool,
     /// `panels * (k / QBLOCK) * 2 * PANEL` floats.
     scales: Vec<f32>,
 }
@@ -95,6 +103,10 @@ impl QWeight {
     }
     pub fn nbytes(&self) -> usize {
         self.codes.len() + 4 * self.scales.len()
+    }
+    /// True when the codes are held in the 4-bit layout.
+    pub fn nibbles(&self) -> bool {
+        self.nibbles
     }
     fn blocks(&self) -> usize {
         self.k / QBLOCK
@@ -118,15 +130,29 @@ impl QWeight {
         if let Some(i) = d.iter().chain(m).position(|v| !v.is_finite()) {
             return Err(Error::Invalid(format!("scale {i} is not finite")));
         }
+        Ok(Self::pack(n, k, codes, d, m, codes.iter().all(|&c| c < 16)))
+    }
+
+    /// The packed layout of checked parts; `nibbles` only when every code is < 16.
+    fn pack(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32], nibbles: bool) -> Self {
+        let nb = k / QBLOCK;
         let panels = n.div_ceil(PANEL);
-        let mut pc = vec![0u8; panels * k * PANEL];
+        let line = if nibbles { k * PANEL / 2 } else { k * PANEL };
+        let mut pc = vec![0u8; panels * line];
         let mut ps = vec![0f32; panels * nb * 2 * PANEL];
         for row in 0..n {
             let (p, i) = (row / PANEL, row % PANEL);
             let src = &codes[row * k..][..k];
-            let dst = &mut pc[p * k * PANEL..][..k * PANEL];
+            let dst = &mut pc[p * line..][..line];
             for (g, quad) in src.chunks_exact(4).enumerate() {
-                dst[g * 4 * PANEL + i * 4..][..4].copy_from_slice(quad);
+                if nibbles {
+                    let at = &mut dst[g / 2 * 4 * PANEL + i * 4..][..4];
+                    for (b, &c) in at.iter_mut().zip(quad) {
+                        *b |= c << (4 * (g % 2));
+                    }
+                } else {
+                    dst[g * 4 * PANEL + i * 4..][..4].copy_from_slice(quad);
+                }
             }
             for b in 0..nb {
                 let s = &mut ps[(p * nb + b) * 2 * PANEL..][..2 * PANEL];
@@ -134,12 +160,13 @@ impl QWeight {
                 s[PANEL + i] = m[row * nb + b];
             }
         }
-        Ok(QWeight {
+        QWeight {
             n,
             k,
             codes: pc,
+            nibbles,
             scales: ps,
-        })
+        }
     }
 
     /// Row-major codes `[n, k]`, `d` and `m` `[n, k/32]` (the inverse of `from_parts`).
@@ -147,11 +174,19 @@ impl QWeight {
         let (n, k, nb) = (self.n, self.k, self.blocks());
         let mut codes = vec![0u8; n * k];
         let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
+        let line = if self.nibbles { k * PANEL / 2 } else { k * PANEL };
         for row in 0..n {
             let (p, i) = (row / PANEL, row % PANEL);
-            let src = &self.codes[p * k * PANEL..][..k * PANEL];
+            let src = &self.codes[p * line..][..line];
             for g in 0..k / 4 {
-                codes[row * k + g * 4..][..4].copy_from_slice(&src[g * 4 * PANEL + i * 4..][..4]);
+                let out = &mut codes[row * k + g * 4..][..4];
+                if self.nibbles {
+                    for (o, &b) in out.iter_mut().zip(&src[g / 2 * 4 * PANEL + i * 4..][..4]) {
+                        *o = (b >> (4 * (g % 2))) & 0x0f;
+                    }
+                } else {
+                    out.copy_from_slice(&src[g * 4 * PANEL + i * 4..][..4]);
+                }
             }
             for b in 0..nb {
                 let s = &self.scales[(p * nb + b) * 2 * PANEL..][..2 * PANEL];
@@ -335,7 +370,8 @@ struct Args<'a> {
 #[inline(always)]
 fn tile_portable(a: &Args, r0: usize, mr: usize, p: usize) {
     let (k, nb, n) = (a.w.k, a.w.blocks(), a.w.n);
-    let codes = &a.w.codes[p * k * PANEL..][..k * PANEL];
+    let line = if a.w.nibbles { k * PANEL / 2 } else { k * PANEL };
+    let codes = &a.w.codes[p * line..][..line];
     let scales = &a.w.scales[p * nb * 2 * PANEL..][..nb * 2 * PANEL];
     for r in r0..r0 + mr {
         let (hi, lo) = (&a.acts.hi[r * k..][..k], &a.acts.lo[r * k..][..k]);
@@ -344,13 +380,28 @@ fn tile_portable(a: &Args, r0: usize, mr: usize, p: usize) {
             // Integer dots of the panel's 16 rows with both digits, 4 k at a time as the layout
             // stores them (the loop over 64 contiguous code bytes vectorizes).
             let (mut dh, mut dl) = ([0i32; PANEL], [0i32; PANEL]);
-            for g in b * QBLOCK / 4..(b + 1) * QBLOCK / 4 {
-                let c = &codes[g * 4 * PANEL..][..4 * PANEL];
-                let (xh, xl) = (&hi[g * 4..][..4], &lo[g * 4..][..4]);
-                for i in 0..PANEL {
-                    for j in 0..4 {
-                        dh[i] += c[i * 4 + j] as i32 * xh[j] as i32;
-                        dl[i] += c[i * 4 + j] as i32 * xl[j] as i32;
+            if a.w.nibbles {
+                // One 64-byte line holds groups 2q (low nibbles) and 2q+1 (high nibbles).
+                for q in b * QBLOCK / 8..(b + 1) * QBLOCK / 8 {
+                    let c = &codes[q * 4 * PANEL..][..4 * PANEL];
+                    let (xh, xl) = (&hi[q * 8..][..8], &lo[q * 8..][..8]);
+                    for i in 0..PANEL {
+                        for j in 0..4 {
+                            let (c0, c1) = ((c[i * 4 + j] & 0x0f) as i32, (c[i * 4 + j] >> 4) as i32);
+                            dh[i] += c0 * xh[j] as i32 + c1 * xh[4 + j] as i32;
+                            dl[i] += c0 * xl[j] as i32 + c1 * xl[4 + j] as i32;
+                        }
+                    }
+                }
+            } else {
+                for g in b * QBLOCK / 4..(b + 1) * QBLOCK / 4 {
+                    let c = &codes[g * 4 * PANEL..][..4 * PANEL];
+                    let (xh, xl) = (&hi[g * 4..][..4], &lo[g * 4..][..4]);
+                    for i in 0..PANEL {
+                        for j in 0..4 {
+                            dh[i] += c[i * 4 + j] as i32 * xh[j] as i32;
+                            dl[i] += c[i * 4 + j] as i32 * xl[j] as i32;
+                        }
                     }
                 }
             }
@@ -487,7 +538,13 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
 }
 
 fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
-    match variant(isa) {
+    // The VNNI tile reads the 8-bit layout only; 4-bit weights run the AVX2 tile there.
+    let v = match variant(isa) {
+        Isa::Avx512 if a.w.nibbles && Isa::Avx2.available() => Isa::Avx2,
+        Isa::Avx512 if a.w.nibbles => Isa::Scalar,
+        v => v,
+    };
+    match v {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             // SAFETY: `variant` gives Avx512 only when AVX-512 F/BW/VNNI are detected; the tile
