@@ -78,7 +78,9 @@ def assert_same_greedy(model: LlamaModel, oracle: GGUFOracle, prompt: list[int],
 
 def _file(tmp_path_factory, variant: str, types: str) -> str:
     spec = dataclasses.replace(VARIANTS[variant], **TYPES[types])
-    return write_synthetic_gguf(tmp_path_factory.mktemp(variant) / f"{types}.gguf", spec, seed=zlib.crc32(variant.encode()) % 1000)
+    return write_synthetic_gguf(
+        tmp_path_factory.mktemp(variant) / f"{types}.gguf", spec, seed=zlib.crc32(variant.encode()) % 1000
+    )
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
