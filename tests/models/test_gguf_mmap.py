@@ -185,12 +185,13 @@ def test_weights_keep_no_float32_embedding(bundled, fmt):
     pytest.importorskip("pagedkv_rs._core")
     w = LlamaWeights(bundled, weights=fmt)
     assert isinstance(w.embed, Embedding)
-    assert isinstance(w.lm_head, Int8Linear)  # tied Q8_0 rows: a QLinear over the file's blocks
     kind = FloatLinear if fmt == "float32" else Int8Linear
+    assert isinstance(w.lm_head, kind)  # the tied head follows the weight format (int8: the file's Q8_0 blocks)
     assert all(isinstance(layer[k], kind) for layer in w.layers for k in ("wqkv", "wo", "wgu", "wdown"))
-    if fmt == "float32":  # exactly the projections' float32, nothing for embedding or lm_head
+    if fmt == "float32":  # exactly the projections' and the head's float32, nothing for the embedding
         floats = sum(layer[k].w_t.nbytes for layer in w.layers for k in ("wqkv", "wo", "wgu", "wdown"))
         assert floats == 4 * 30 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536)
+        assert w.lm_head.w_t.nbytes == 4 * 49152 * 576
     assert _base(w.final_norm) is _base(bundled.tensors["output_norm.weight"].data)  # an F32 view, no copy
 
 
