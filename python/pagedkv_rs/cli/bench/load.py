@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic-1b", action="store_true", help="measure a 1.1B random-weight GGUF written here")
     p.add_argument("--synthetic-types", choices=("q4_1", "q4_k"), default="q4_1")
     p.add_argument("--decode-seqs", type=int, action="append", default=None, help="(synthetic) default: 1 and 32")
+    p.add_argument("--decode-len", type=int, default=16, help="(synthetic) output tokens per decode run")
     p.add_argument("--keep", default=None, metavar="DIR", help="(synthetic) write the file here and keep it")
     return p
 
@@ -157,7 +158,7 @@ def synthetic_main(args: argparse.Namespace) -> int:
         )
         weights = args.weights or ["int8", "float32"]
         loads = [measure(path, w, args.max_tokens, args.runs, args.prompt) for w in weights]
-        rates = [decode_rate(path, w, n) for w in weights for n in args.decode_seqs or [1, 32]]
+        rates = [decode_rate(path, w, n, args.decode_len) for w in weights for n in args.decode_seqs or [1, 32]]
         if args.json:
             print(
                 json.dumps(
