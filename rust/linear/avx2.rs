@@ -6,8 +6,9 @@
 //! | nibble | every code <= 15 (GGUF Q4_1)       | one `vpmaddubsw`, summed in i16 over the whole 32-block        |
 //! | wide   | any code (Q8_0, requantized float) | codes split `c = 16·hi + lo`: two `vpmaddubsw`, each as above  |
 //!
-//! Layout: the packed one as it is (no copy of its own). A 64-byte group (16 rows × 4 consecutive
-//! k) is two 32-byte vectors of 8 rows; each 32-bit lane holds one row's 4 codes and meets a
+//! Layout: the packed one as it is (no copy of its own): 8-bit codes for `wide`, the 4-bit layout
+//! for `nibble` (a 64-byte line holds two groups; masking its low or high nibbles gives one group as
+//! the 8-bit layout would hold it). A 64-byte group (16 rows × 4 consecutive k) is two 32-byte vectors of 8 rows; each 32-bit lane holds one row's 4 codes and meets a
 //! broadcast of the activation row's 4 digit bytes. `vpmaddubsw` (u8 × i8, adjacent products
 //! summed into i16 with signed saturation) is exact while no sum leaves i16: with 4-bit codes a
 //! pair is at most 2·15·127 = 3810 in magnitude and the 8 groups of a block sum to at most 30480
@@ -58,10 +59,12 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
 unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize) {
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
-    // SAFETY: panel p exists: k*PANEL codes and nb*2*PANEL scales from these offsets.
+    // A panel's codes: k*PANEL bytes, or k*PANEL/2 in the 4-bit layout (WIDE is false exactly then).
+    let line = if WIDE { k * PANEL } else { k * PANEL / 2 };
+    // SAFETY: panel p exists: `line` code bytes and nb*2*PANEL scales from these offsets.
     let (codes, scales) = unsafe {
         (
-            a.w.codes.as_ptr().add(p * k * PANEL),
+            a.w.codes.as_ptr().add(p * line),
             a.w.scales.as_ptr().add(p * nb * 2 * PANEL),
         )
     };
@@ -81,13 +84,21 @@ unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize) 
             let mut cl = [zero; 2];
             let mut ch = [zero; 2];
             for v in 0..2 {
-                // SAFETY: kk*PANEL + 64 <= k*PANEL: the group's two 32-byte vectors in panel p.
-                let c = unsafe { _mm256_loadu_si256(codes.add(kk * PANEL + v * 32) as *const __m256i) };
                 if WIDE {
+                    // SAFETY: kk*PANEL + 64 <= k*PANEL: the group's two 32-byte vectors in panel p.
+                    let c = unsafe { _mm256_loadu_si256(codes.add(kk * PANEL + v * 32) as *const __m256i) };
                     cl[v] = _mm256_and_si256(c, low4);
                     ch[v] = _mm256_and_si256(_mm256_srli_epi16::<4>(c), low4);
                 } else {
-                    cl[v] = c;
+                    // 4-bit layout: 64-byte line kk/8 holds group kk/4 in its low nibbles when that
+                    // group is even, in its high nibbles when odd.
+                    // SAFETY: (kk/8)*4*PANEL + 64 <= k*PANEL/2: the line's two 32-byte vectors in panel p.
+                    let c = unsafe { _mm256_loadu_si256(codes.add(kk / 8 * 4 * PANEL + v * 32) as *const __m256i) };
+                    cl[v] = if g % 2 == 0 {
+                        _mm256_and_si256(c, low4)
+                    } else {
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(c), low4)
+                    };
                 }
             }
             for r in 0..R {

@@ -1,76 +1,222 @@
-//! GGUF block formats decoded to float32, bit for bit as `gguf.quants.dequantize` does (no pyo3).
+//! GGUF block formats: decoded to float32 bit for bit as `gguf.quants.dequantize` does, and cut
+//! into the 32-wide `w = d·c + m` blocks of `QWeight` (no pyo3).
 //!
-//! | type | block (elements / bytes) | layout                                   | value          |
-//! |------|--------------------------|------------------------------------------|----------------|
-//! | Q4_0 | 32 / 18                  | d f16, qs[16] (low nibbles 0..16, high 16..32) | d·(q - 8)      |
-//! | Q4_1 | 32 / 20                  | d f16, m f16, qs[16]                     | d·q + m        |
-//! | Q5_0 | 32 / 22                  | d f16, qh u32 (bit j = 5th bit of j), qs[16] | d·(q - 16)     |
-//! | Q5_1 | 32 / 24                  | d f16, m f16, qh u32, qs[16]             | d·q + m        |
-//! | Q8_0 | 32 / 34                  | d f16, qs i8[32]                         | d·q            |
+//! | type | block (elements / bytes) | value                                  | onto 32-wide `d·c + m`            |
+//! |------|--------------------------|----------------------------------------|-----------------------------------|
+//! | Q4_0 | 32 / 18                  | d·(q - 8)                              | exact: c = q, m = -8d             |
+//! | Q4_1 | 32 / 20                  | d·q + m                                | exact                             |
+//! | Q5_0 | 32 / 22                  | d·(q - 16)                             | exact: c = q, m = -16d            |
+//! | Q5_1 | 32 / 24                  | d·q + m                                | exact                             |
+//! | Q8_0 | 32 / 34                  | d·q (q i8)                             | exact: c = q + 128, m = -128d     |
+//! | Q4_K | 256 / 144                | (d·sc_j)·q - dmin·mn_j, 8 sub-blocks   | exact: d = d·sc_j, m = -dmin·mn_j |
+//! | Q5_K | 256 / 176                | as Q4_K with a 5th bit                 | exact                             |
+//! | Q6_K | 256 / 210                | (d·s_i)·(q - 32), 16 sub-blocks of 16  | exact when the two halves' scales |
+//! |      |                          |                                        | share one 8-bit grid, else 8-bit  |
+//! |      |                          |                                        | requantized: ≤ (max-min)/510      |
+//! | F32, F16, BF16 | 1 / 4, 2, 2    | the number                             | 8-bit requantized: ≤ (max-min)/510|
 //!
-//! Every product and sum is one f32 rounding in the order numpy evaluates `d * q + m`, so the
-//! result equals the reference exactly (the tests compare bit for bit). Rows are independent:
-//! a row of `k` weights is `k/32` consecutive blocks.
+//! Q4_K/Q5_K layout (llama.cpp `block_q4_K`): d f16, dmin f16, scales[12] (8 six-bit scale/min
+//! pairs), for Q5_K qh[32] (bit j of qh[l] = 5th bit of element l of sub-block j), qs[128]
+//! (sub-blocks 2i and 2i+1 are the low and high nibbles of qs[32i..32i+32]). Q6_K: ql[128],
+//! qh[64], scales i8[16], d f16; element e of a 128-half h: low 4 bits from nibble e/64 of
+//! ql[64h + e%64], high 2 bits from bits 2·(e/32) of qh[32h + e%32].
+//!
+//! Every product and sum is one f32 rounding in the order numpy evaluates it, so `dequantize`
+//! equals the reference exactly (the tests compare bit for bit). "Exact" in the last column
+//! means `d·c + m` is the same real number the format stores (the f32 `d` and `m` are exact
+//! products of the file's fields). Rows are independent: a row of `k` weights is `k/elements`
+//! consecutive blocks.
 
 use half::f16;
 
 use crate::error::{Error, Result};
 
-/// Elements per block of the formats above.
+/// Elements of one 32-wide `QWeight` block.
 pub const BLOCK: usize = 32;
 
-/// Bytes of one 32-element block of `ggml_type`, if this module decodes it.
-pub fn block_bytes(ggml_type: &str) -> Option<usize> {
+/// The types this module reads, as `gguf.GGMLQuantizationType` names them.
+pub const TYPES: [&str; 11] = [
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+];
+
+/// `(elements, bytes)` of one block of `ggml_type`, if this module decodes it.
+pub fn block_shape(ggml_type: &str) -> Option<(usize, usize)> {
     Some(match ggml_type {
-        "Q4_0" => 18,
-        "Q4_1" => 20,
-        "Q5_0" => 22,
-        "Q5_1" => 24,
-        "Q8_0" => 34,
+        "F32" => (1, 4),
+        "F16" | "BF16" => (1, 2),
+        "Q4_0" => (32, 18),
+        "Q4_1" => (32, 20),
+        "Q5_0" => (32, 22),
+        "Q5_1" => (32, 24),
+        "Q8_0" => (32, 34),
+        "Q4_K" => (256, 144),
+        "Q5_K" => (256, 176),
+        "Q6_K" => (256, 210),
         _ => return None,
     })
 }
 
-/// Decode `n` rows of `k` weights stored as `ggml_type` blocks (`raw`: `n * k/32 * block_bytes`
-/// bytes) into `out` (`n * k` floats).
-pub fn dequantize(ggml_type: &str, raw: &[u8], n: usize, k: usize, out: &mut [f32]) -> Result<()> {
-    let bb = block_bytes(ggml_type).ok_or_else(|| {
+/// Bytes of one row of `k` weights, after checking the type and that `k` fills whole blocks.
+pub fn row_bytes(ggml_type: &str, k: usize) -> Result<usize> {
+    let (el, bb) = block_shape(ggml_type).ok_or_else(|| {
         Error::Invalid(format!(
-            "ggml_type must be one of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, got {ggml_type:?}"
+            "ggml_type must be one of {}, got {ggml_type:?}",
+            TYPES.join(", ")
         ))
     })?;
-    if k == 0 || !k.is_multiple_of(BLOCK) {
+    if k == 0 || !k.is_multiple_of(el) {
         return Err(Error::Invalid(format!(
-            "k must be a positive multiple of {BLOCK}, got {k}"
+            "k must be a positive multiple of {el} for {ggml_type}, got {k}"
         )));
     }
-    let blocks = n * (k / BLOCK);
-    if raw.len() != blocks * bb {
+    Ok(k / el * bb)
+}
+
+fn check_raw(ggml_type: &str, raw: &[u8], n: usize, k: usize) -> Result<usize> {
+    let rb = row_bytes(ggml_type, k)?;
+    if n.checked_mul(rb) != Some(raw.len()) {
         return Err(Error::Invalid(format!(
-            "need {n} rows of {} bytes ({} blocks of {bb}), got {} bytes",
-            k / BLOCK * bb,
-            k / BLOCK,
+            "need {n} rows of {rb} bytes ({ggml_type}, k={k}), got {} bytes",
             raw.len()
         )));
     }
-    if out.len() != n * k {
+    Ok(rb)
+}
+
+/// Decode `n` rows of `k` weights stored as `ggml_type` (`raw`: `n * row_bytes` bytes) into
+/// `out` (`n * k` floats).
+pub fn dequantize(ggml_type: &str, raw: &[u8], n: usize, k: usize, out: &mut [f32]) -> Result<()> {
+    check_raw(ggml_type, raw, n, k)?;
+    if n.checked_mul(k) != Some(out.len()) {
         return Err(Error::Invalid(format!(
             "out must hold {} floats ([{n}, {k}]), got {}",
             n * k,
             out.len()
         )));
     }
+    let (el, bb) = block_shape(ggml_type).expect("checked by row_bytes");
     let decode: fn(&[u8], &mut [f32]) = match ggml_type {
+        "F32" => |b, o| o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        "F16" => |b, o| o[0] = f16_at(b, 0),
+        "BF16" => |b, o| o[0] = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16),
         "Q4_0" => q4_0,
         "Q4_1" => q4_1,
         "Q5_0" => q5_0,
         "Q5_1" => q5_1,
-        _ => q8_0,
+        "Q8_0" => q8_0,
+        "Q4_K" => |b, o| k_quant(b, o, false),
+        "Q5_K" => |b, o| k_quant(b, o, true),
+        _ => q6_k,
     };
-    for (blk, o) in raw.chunks_exact(bb).zip(out.chunks_exact_mut(BLOCK)) {
+    for (blk, o) in raw.chunks_exact(bb).zip(out.chunks_exact_mut(el)) {
         decode(blk, o);
     }
     Ok(())
+}
+
+/// Cut `n` rows of `k` weights (`k` a multiple of 32 and of the type's block) into 32-wide
+/// blocks: codes `[n, k]`, `d` and `m` `[n, k/32]` with `w = d·c + m` (see the module table).
+/// Returns how many blocks were requantized to 8 bits (not exact).
+pub fn to_blocks(
+    ggml_type: &str,
+    raw: &[u8],
+    n: usize,
+    k: usize,
+    codes: &mut [u8],
+    d: &mut [f32],
+    m: &mut [f32],
+) -> Result<usize> {
+    check_raw(ggml_type, raw, n, k)?;
+    if !k.is_multiple_of(BLOCK) {
+        return Err(Error::Invalid(format!("k must be a multiple of {BLOCK}, got {k}")));
+    }
+    let nb = n * (k / BLOCK);
+    if codes.len() != n * k || d.len() != nb || m.len() != nb {
+        return Err(Error::Invalid(format!(
+            "need codes [{n}, {k}], d and m [{n}, {}]",
+            k / BLOCK
+        )));
+    }
+    let (el, bb) = block_shape(ggml_type).expect("checked by row_bytes");
+    // Bytes of the source covering one 32-wide block, when blocks are not bigger than 32.
+    let (unit_el, unit_bytes) = if el < BLOCK { (BLOCK, BLOCK * bb) } else { (el, bb) };
+    let subs = unit_el / BLOCK;
+    let mut inexact = 0;
+    let mut vals = [0f32; BLOCK];
+    for (u, blk) in raw.chunks_exact(unit_bytes).enumerate() {
+        for j in 0..subs {
+            let i = u * subs + j;
+            let c = &mut codes[i * BLOCK..][..BLOCK];
+            let (db, mb) = match ggml_type {
+                "Q4_0" => {
+                    let dd = f16_at(blk, 0);
+                    nibbles_into(&blk[2..18], c);
+                    (dd, -8.0 * dd)
+                }
+                "Q4_1" => {
+                    nibbles_into(&blk[4..20], c);
+                    (f16_at(blk, 0), f16_at(blk, 2))
+                }
+                "Q5_0" | "Q5_1" => {
+                    let at = if ggml_type == "Q5_0" { 2 } else { 4 };
+                    let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+                    nibbles_into(&blk[at + 4..at + 20], c);
+                    for (e, v) in c.iter_mut().enumerate() {
+                        *v |= (((qh >> e) & 1) as u8) << 4;
+                    }
+                    let dd = f16_at(blk, 0);
+                    if ggml_type == "Q5_0" {
+                        (dd, -16.0 * dd)
+                    } else {
+                        (dd, f16_at(blk, 2))
+                    }
+                }
+                "Q8_0" => {
+                    for (v, &q) in c.iter_mut().zip(&blk[2..34]) {
+                        *v = (q as i8 as i16 + 128) as u8;
+                    }
+                    let dd = f16_at(blk, 0);
+                    (dd, -128.0 * dd)
+                }
+                "Q4_K" | "Q5_K" => k_sub(blk, j, ggml_type == "Q5_K", c),
+                "Q6_K" => match q6_k_exact(blk, j, c) {
+                    Some(dm) => dm,
+                    None => {
+                        inexact += 1;
+                        let mut all = [0f32; 256];
+                        q6_k(blk, &mut all);
+                        vals.copy_from_slice(&all[j * BLOCK..][..BLOCK]);
+                        quantize_asym(&vals, c)
+                    }
+                },
+                _ => {
+                    inexact += 1;
+                    dequantize(ggml_type, blk, 1, BLOCK, &mut vals).expect("one block of a checked type");
+                    quantize_asym(&vals, c)
+                }
+            };
+            d[i] = db;
+            m[i] = mb;
+        }
+    }
+    Ok(inexact)
+}
+
+/// Asymmetric 8-bit codes of 32 floats: `d = (max - min)/255`, `m = min`, `c = round((w - m)/d)`;
+/// |error| <= d/2 (plus an f32 rounding). Non-finite input gives a non-finite `d` or `m`.
+pub fn quantize_asym(blk: &[f32], c: &mut [u8]) -> (f32, f32) {
+    let lo = blk.iter().copied().fold(f32::INFINITY, f32::min);
+    let hi = blk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if blk.iter().any(|v| !v.is_finite()) {
+        c.fill(0);
+        return (f32::NAN, f32::NAN);
+    }
+    let step = (hi - lo) / 255.0;
+    let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
+    for (o, &v) in c.iter_mut().zip(blk) {
+        *o = ((v - lo) * inv).round_ties_even().clamp(0.0, 255.0) as u8;
+    }
+    (step, lo)
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
@@ -79,6 +225,14 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 
 fn nibbles(qs: &[u8], j: usize) -> (u8, u8) {
     (qs[j] & 0x0f, qs[j] >> 4)
+}
+
+/// 32 codes from 16 bytes: low nibbles are elements 0..16, high nibbles 16..32.
+fn nibbles_into(qs: &[u8], c: &mut [u8]) {
+    for j in 0..16 {
+        c[j] = qs[j] & 0x0f;
+        c[j + 16] = qs[j] >> 4;
+    }
 }
 
 fn q4_0(b: &[u8], o: &mut [f32]) {
@@ -133,9 +287,105 @@ fn q8_0(b: &[u8], o: &mut [f32]) {
     }
 }
 
+/// Six-bit scale and min of sub-block `j` (llama.cpp `get_scale_min_k4`).
+fn scale_min_k4(s: &[u8], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Codes of sub-block `j` of a Q4_K (`five` false) or Q5_K block, and its `(d·sc, -dmin·mn)`.
+fn k_sub(b: &[u8], j: usize, five: bool, c: &mut [u8]) -> (f32, f32) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (sc, mn) = scale_min_k4(&b[4..16], j);
+    let qs = if five { &b[48..176] } else { &b[16..144] };
+    let shift = 4 * (j % 2);
+    for (l, v) in c.iter_mut().enumerate() {
+        *v = (qs[32 * (j / 2) + l] >> shift) & 0x0f;
+        if five {
+            *v |= ((b[16 + l] >> j) & 1) << 4;
+        }
+    }
+    // Both products are exact in f32 (11-bit f16 mantissas times 6-bit integers).
+    (d * sc as f32, -(dmin * mn as f32))
+}
+
+fn k_quant(b: &[u8], o: &mut [f32], five: bool) {
+    let mut c = [0u8; BLOCK];
+    for j in 0..8 {
+        let (ds, ndm) = k_sub(b, j, five, &mut c);
+        let dm = -ndm;
+        for (v, &q) in o[j * BLOCK..][..BLOCK].iter_mut().zip(&c) {
+            *v = ds * q as f32 - dm;
+        }
+    }
+}
+
+/// The 6-bit value (q - 32 in -32..=31) of element `e` (0..256) of a Q6_K block.
+fn q6_value(b: &[u8], e: usize) -> i32 {
+    let (h, w) = (e / 128, e % 128);
+    let lo = (b[64 * h + w % 64] >> (4 * (w / 64))) & 0x0f;
+    let hi = (b[128 + 32 * h + w % 32] >> (2 * (w / 32))) & 0x03;
+    (lo | (hi << 4)) as i32 - 32
+}
+
+fn q6_k(b: &[u8], o: &mut [f32]) {
+    let d = f16_at(b, 208);
+    for (e, v) in o[..256].iter_mut().enumerate() {
+        let ds = d * (b[192 + e / 16] as i8) as f32;
+        *v = ds * q6_value(b, e) as f32;
+    }
+}
+
+fn gcd(mut a: i32, mut b: i32) -> i32 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// Sub-block `j` (32 wide: two 16-wide halves with scales s0, s1) of a Q6_K block exactly as
+/// `d·c + m`, when that fits: with g = gcd(|s0|, |s1|) every value is `d·g·v` for an integer
+/// `v = (s/g)·q`; if the block's v span at most 255 and the offset's product is exact in f32,
+/// `c = v - o`, `d' = d·g`, `m = d'·o`. `None` otherwise.
+fn q6_k_exact(b: &[u8], j: usize, c: &mut [u8]) -> Option<(f32, f32)> {
+    let d = f16_at(b, 208);
+    let (s0, s1) = (b[192 + 2 * j] as i8 as i32, b[192 + 2 * j + 1] as i8 as i32);
+    let g = gcd(s0.abs(), s1.abs()).max(1);
+    let mut v = [0i32; BLOCK];
+    for (l, x) in v.iter_mut().enumerate() {
+        let s = if l < 16 { s0 } else { s1 };
+        *x = s / g * q6_value(b, j * BLOCK + l);
+    }
+    let (lo, hi) = (*v.iter().min()?, *v.iter().max()?);
+    if hi - lo > 255 {
+        return None;
+    }
+    // The offset o in [hi - 255, lo] with the most trailing zeros keeps d'·o short.
+    let o = (0..=12)
+        .rev()
+        .map(|s| lo.div_euclid(1 << s) * (1 << s))
+        .find(|&o| o >= hi - 255)?;
+    let dg = d * g as f32; // exact: 11-bit mantissa times an integer <= 128
+    let m64 = dg as f64 * o as f64;
+    if !d.is_finite() || (m64 as f32) as f64 != m64 {
+        return None;
+    }
+    for (x, &vv) in c.iter_mut().zip(&v) {
+        *x = (vv - o) as u8;
+    }
+    Some((dg, m64 as f32))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::Rng;
 
     #[test]
     fn q8_0_and_q4_1_by_hand() {
@@ -155,10 +405,101 @@ mod tests {
 
     #[test]
     fn rejects_bad_sizes_and_types() {
-        let mut o = vec![0f32; 32];
-        assert!(dequantize("Q4_1", &[0u8; 19], 1, 32, &mut o).is_err());
-        assert!(dequantize("Q4_1", &[0u8; 20], 1, 31, &mut o).is_err());
-        assert!(dequantize("Q4_K", &[0u8; 20], 1, 32, &mut o).is_err());
+        let mut o = vec![0f32; 256];
+        assert!(dequantize("Q4_1", &[0u8; 19], 1, 32, &mut o[..32]).is_err());
+        assert!(dequantize("Q4_1", &[0u8; 20], 1, 31, &mut o[..31]).is_err());
+        assert!(dequantize("Q4_K", &[0u8; 144], 1, 128, &mut o[..128]).is_err());
+        assert!(dequantize("Q4_K", &[0u8; 143], 1, 256, &mut o).is_err());
+        assert!(dequantize("Q2_K", &[0u8; 84], 1, 256, &mut o).is_err());
         assert!(dequantize("Q4_1", &[0u8; 20], 1, 32, &mut o[..16]).is_err());
+        let (mut c, mut d, mut m) = (vec![0u8; 256], vec![0f32; 8], vec![0f32; 8]);
+        assert!(to_blocks("Q6_K", &[0u8; 209], 1, 256, &mut c, &mut d, &mut m).is_err());
+        assert!(to_blocks("F16", &[0u8; 48], 1, 24, &mut c[..24], &mut d[..1], &mut m[..1]).is_err());
+        assert!(to_blocks("Q4_K", &[0u8; 144], 1, 256, &mut c[..255], &mut d, &mut m).is_err());
+        assert!(to_blocks("Q4_K", &[0u8; 144], 2, 256, &mut c, &mut d, &mut m).is_err());
+    }
+
+    fn random_block(r: &mut Rng, ty: &str) -> Vec<u8> {
+        let (_, bb) = block_shape(ty).unwrap();
+        let mut b: Vec<u8> = (0..bb).map(|_| r.below(256) as u8).collect();
+        // Finite scales: d (and dmin) random in [-1, 1).
+        let mut put = |at: usize, r: &mut Rng| b[at..at + 2].copy_from_slice(&f16::from_f32(r.uniform()).to_le_bytes());
+        match ty {
+            "Q4_K" | "Q5_K" => {
+                put(0, r);
+                put(2, r);
+            }
+            "Q6_K" => put(208, r),
+            _ => {}
+        }
+        b
+    }
+
+    /// Every 32-wide block of `to_blocks` is the same real number as the float64 value of the
+    /// format: exactly for Q4_K/Q5_K (and exact Q6_K blocks), within (max-min)/510 otherwise.
+    #[test]
+    fn k_quants_fold_onto_32_wide_blocks() {
+        let mut r = Rng(0xfeed_5eed);
+        for ty in ["Q4_K", "Q5_K", "Q6_K"] {
+            let (mut exact_q6, mut total_q6) = (0, 0);
+            for _ in 0..200 {
+                let mut blk = random_block(&mut r, ty);
+                if ty == "Q6_K" && r.below(2) == 0 {
+                    // equal scales in pairs: must be exact
+                    for j in 0..8 {
+                        blk[192 + 2 * j + 1] = blk[192 + 2 * j];
+                    }
+                }
+                let mut want = vec![0f32; 256];
+                dequantize(ty, &blk, 1, 256, &mut want).unwrap();
+                let (mut c, mut d, mut m) = (vec![0u8; 256], vec![0f32; 8], vec![0f32; 8]);
+                let inexact = to_blocks(ty, &blk, 1, 256, &mut c, &mut d, &mut m).unwrap();
+                for (e, &w) in want.iter().enumerate() {
+                    let got = d[e / 32] as f64 * c[e] as f64 + m[e / 32] as f64;
+                    // exact: the f32 reference is that real number rounded once
+                    let exact = (got as f32) == w || (got - w as f64).abs() <= (w as f64).abs() * 6e-8;
+                    let sub = &want[e / 32 * 32..][..32];
+                    let span = sub.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v))
+                        - sub.iter().fold(f32::INFINITY, |a, &v| a.min(v));
+                    let bound = span as f64 / 510.0 * (1.0 + 1e-5) + (w as f64).abs() * 1e-6;
+                    assert!(
+                        exact || (ty == "Q6_K" && (got - w as f64).abs() <= bound),
+                        "{ty} e={e}: {got} vs {w}"
+                    );
+                }
+                if ty != "Q6_K" {
+                    assert_eq!(inexact, 0, "{ty}");
+                } else {
+                    total_q6 += 8;
+                    exact_q6 += 8 - inexact;
+                }
+            }
+            if ty == "Q6_K" {
+                // Half the blocks have equal scale pairs (800 of 1600 sub-blocks exact at least).
+                assert!(exact_q6 >= 800 && exact_q6 < total_q6, "{exact_q6} of {total_q6}");
+            }
+        }
+    }
+
+    #[test]
+    fn float_types_requantize_within_half_a_step() {
+        let mut r = Rng(7);
+        let w: Vec<f32> = (0..64).map(|_| r.uniform() * 3.0).collect();
+        let f16s: Vec<u8> = w.iter().flat_map(|&v| f16::from_f32(v).to_le_bytes()).collect();
+        let bf16s: Vec<u8> = w
+            .iter()
+            .flat_map(|&v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+            .collect();
+        let f32s: Vec<u8> = w.iter().flat_map(|&v| v.to_le_bytes()).collect();
+        for (ty, raw) in [("F16", f16s), ("BF16", bf16s), ("F32", f32s)] {
+            let mut want = vec![0f32; 64];
+            dequantize(ty, &raw, 2, 32, &mut want).unwrap();
+            let (mut c, mut d, mut m) = (vec![0u8; 64], vec![0f32; 2], vec![0f32; 2]);
+            assert_eq!(to_blocks(ty, &raw, 2, 32, &mut c, &mut d, &mut m).unwrap(), 2);
+            for e in 0..64 {
+                let got = d[e / 32] * c[e] as f32 + m[e / 32];
+                assert!((got - want[e]).abs() <= d[e / 32] * 0.5001 + 1e-6, "{ty} {e}");
+            }
+        }
     }
 }

@@ -10,9 +10,9 @@
 //! all of them against a float64 sum over the unpacked weights within 1e-5 relative.
 //!
 //! Weights: each row n of W is cut into K/32 blocks; block b holds 32 unsigned codes `c` and two
-//! f32 numbers `d`, `m` with `w = d·c + m`. GGUF Q4_1 blocks (`c` in 0..=15) and Q8_0 blocks
-//! (`c = q + 128`, `m = -128·d`) map onto this exactly; float weights are quantized
-//! asymmetrically per block (`c` in 0..=255).
+//! f32 numbers `d`, `m` with `w = d·c + m`. GGUF blocks map onto this as `gguf.rs` tabulates
+//! (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K exactly, e.g. Q8_0 as `c = q + 128`, `m = -128·d`);
+//! float weights are quantized asymmetrically per block (`c` in 0..=255).
 //!
 //! Activations are quantized per row and 32-wide block in two int8 digits: `h = Q(x)` and
 //! `l = Q(x - s_h·h)`, where `Q(v)`: `a = max|v|`, `q = round_half_even(v · (127/a))` in
@@ -32,9 +32,15 @@
 //! Packed layout (what the SIMD kernel streams): output rows in panels of 16 (the last padded
 //! with zero rows); a panel's codes are K/4 groups of 64 bytes = 16 rows × 4 consecutive k, so
 //! one 64-byte load feeds one `vpdpbusd` for 16 outputs (or, split in two, two `vpmaddubsw` for 8
-//! each); its scales are, per block, 16 `d` then 16 `m`. At build the weight also records whether
-//! every code fits 4 bits (`nibbles`), which selects the AVX2 tile's exact mode (`avx2.rs`).
-//! Work is split over columns only (pairs of panels), never over K.
+//! each); its scales are, per block, 16 `d` then 16 `m`. Work is split over columns only (pairs of
+//! panels), never over K.
+//!
+//! 4-bit layout (`nibbles`): when every code fits 4 bits (GGUF Q4_0, Q4_1, Q4_K blocks) the panel
+//! stores two 4-wide k groups in one 64-byte line, group 2q in the low nibbles and 2q+1 in the high
+//! ones, halving the bytes streamed per token (the weights then take about their GGUF file size).
+//! The scalar and AVX2 tiles read it (the AVX2 one unpacks a line with two masks and runs its exact
+//! single-`vpmaddubsw` mode; the VNNI build hands such weights to the AVX2 tile); the integer dots and
+//! the float sums are the same, so the results are bit for bit those of the 8-bit layout.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -43,8 +49,6 @@ pub mod gguf;
 mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
-
-use half::f16;
 
 use crate::error::{Error, Result};
 use crate::runtime::{self, Isa};
@@ -89,12 +93,12 @@ pub fn detected_isa() -> Isa {
 pub struct QWeight {
     n: usize,
     k: usize,
-    /// `panels * k * PANEL` codes.
+    /// `panels * k * PANEL` codes (`/ 2` bytes when `nibbles`).
     codes: Vec<u8>,
+    /// Two codes per byte (the 4-bit layout of the module docs).
+    nibbles: bool,
     /// `panels * (k / QBLOCK) * 2 * PANEL` floats.
     scales: Vec<f32>,
-    /// Every code is <= 15 (GGUF Q4_1): the AVX2 tile's single-`vpmaddubsw` mode is exact.
-    nibbles: bool,
 }
 
 impl QWeight {
@@ -106,6 +110,10 @@ impl QWeight {
     }
     pub fn nbytes(&self) -> usize {
         self.codes.len() + 4 * self.scales.len()
+    }
+    /// True when the codes are held in the 4-bit layout.
+    pub fn nibbles(&self) -> bool {
+        self.nibbles
     }
     fn blocks(&self) -> usize {
         self.k / QBLOCK
@@ -129,15 +137,29 @@ impl QWeight {
         if let Some(i) = d.iter().chain(m).position(|v| !v.is_finite()) {
             return Err(Error::Invalid(format!("scale {i} is not finite")));
         }
+        Ok(Self::pack(n, k, codes, d, m, codes.iter().all(|&c| c < 16)))
+    }
+
+    /// The packed layout of checked parts; `nibbles` only when every code is < 16.
+    fn pack(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32], nibbles: bool) -> Self {
+        let nb = k / QBLOCK;
         let panels = n.div_ceil(PANEL);
-        let mut pc = vec![0u8; panels * k * PANEL];
+        let line = if nibbles { k * PANEL / 2 } else { k * PANEL };
+        let mut pc = vec![0u8; panels * line];
         let mut ps = vec![0f32; panels * nb * 2 * PANEL];
         for row in 0..n {
             let (p, i) = (row / PANEL, row % PANEL);
             let src = &codes[row * k..][..k];
-            let dst = &mut pc[p * k * PANEL..][..k * PANEL];
+            let dst = &mut pc[p * line..][..line];
             for (g, quad) in src.chunks_exact(4).enumerate() {
-                dst[g * 4 * PANEL + i * 4..][..4].copy_from_slice(quad);
+                if nibbles {
+                    let at = &mut dst[g / 2 * 4 * PANEL + i * 4..][..4];
+                    for (b, &c) in at.iter_mut().zip(quad) {
+                        *b |= c << (4 * (g % 2));
+                    }
+                } else {
+                    dst[g * 4 * PANEL + i * 4..][..4].copy_from_slice(quad);
+                }
             }
             for b in 0..nb {
                 let s = &mut ps[(p * nb + b) * 2 * PANEL..][..2 * PANEL];
@@ -145,13 +167,13 @@ impl QWeight {
                 s[PANEL + i] = m[row * nb + b];
             }
         }
-        Ok(QWeight {
+        QWeight {
             n,
             k,
-            nibbles: codes.iter().all(|&c| c <= 15),
             codes: pc,
+            nibbles,
             scales: ps,
-        })
+        }
     }
 
     /// Row-major codes `[n, k]`, `d` and `m` `[n, k/32]` (the inverse of `from_parts`).
@@ -159,11 +181,19 @@ impl QWeight {
         let (n, k, nb) = (self.n, self.k, self.blocks());
         let mut codes = vec![0u8; n * k];
         let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
+        let line = if self.nibbles { k * PANEL / 2 } else { k * PANEL };
         for row in 0..n {
             let (p, i) = (row / PANEL, row % PANEL);
-            let src = &self.codes[p * k * PANEL..][..k * PANEL];
+            let src = &self.codes[p * line..][..line];
             for g in 0..k / 4 {
-                codes[row * k + g * 4..][..4].copy_from_slice(&src[g * 4 * PANEL + i * 4..][..4]);
+                let out = &mut codes[row * k + g * 4..][..4];
+                if self.nibbles {
+                    for (o, &b) in out.iter_mut().zip(&src[g / 2 * 4 * PANEL + i * 4..][..4]) {
+                        *o = (b >> (4 * (g % 2))) & 0x0f;
+                    }
+                } else {
+                    out.copy_from_slice(&src[g * 4 * PANEL + i * 4..][..4]);
+                }
             }
             for b in 0..nb {
                 let s = &self.scales[(p * nb + b) * 2 * PANEL..][..2 * PANEL];
@@ -174,53 +204,49 @@ impl QWeight {
         (codes, d, m)
     }
 
-    /// From GGUF Q4_1 rows: per block `d: f16, m: f16, qs: [u8; 16]` (low nibbles are
-    /// elements 0..16, high nibbles 16..32). `raw` is `[n, k/32 * 20]` bytes.
-    pub fn from_q4_1(raw: &[u8], n: usize, k: usize) -> Result<Self> {
-        Self::from_gguf_blocks(raw, n, k, 20, |blk, c| {
-            for j in 0..16 {
-                c[j] = blk[4 + j] & 0x0f;
-                c[j + 16] = blk[4 + j] >> 4;
-            }
-            (f16_at(blk, 0), f16_at(blk, 2))
-        })
+    /// From GGUF rows `raw: [n, row_bytes]` of `ggml_type` (any of `gguf::TYPES`), `k` a
+    /// multiple of 32: the file's blocks folded onto 32-wide blocks as `gguf::to_blocks` does
+    /// (exact for Q4_0..Q8_0, Q4_K, Q5_K; see its table for Q6_K and float types).
+    pub fn from_gguf(ggml_type: &str, raw: &[u8], n: usize, k: usize) -> Result<Self> {
+        Self::from_gguf_parts(&[(ggml_type, raw, n)], k)
     }
 
-    /// From GGUF Q8_0 rows: per block `d: f16, qs: [i8; 32]`. `raw` is `[n, k/32 * 34]` bytes.
-    pub fn from_q8_0(raw: &[u8], n: usize, k: usize) -> Result<Self> {
-        Self::from_gguf_blocks(raw, n, k, 34, |blk, c| {
-            for j in 0..32 {
-                c[j] = (blk[2 + j] as i8 as i16 + 128) as u8;
-            }
-            let d = f16_at(blk, 0);
-            (d, -128.0 * d)
-        })
-    }
-
-    fn from_gguf_blocks(
-        raw: &[u8],
-        n: usize,
-        k: usize,
-        block_bytes: usize,
-        decode: impl Fn(&[u8], &mut [u8]) -> (f32, f32),
-    ) -> Result<Self> {
+    /// Rows of several GGUF tensors `(ggml_type, raw, rows)` of width `k`, stacked in order (a
+    /// fused projection whose parts may have different types, as in Q4_K_M files).
+    pub fn from_gguf_parts(parts: &[(&str, &[u8], usize)], k: usize) -> Result<Self> {
+        let n = parts.iter().try_fold(0usize, |a, p| a.checked_add(p.2));
+        let n = n.ok_or_else(|| Error::Invalid("too many rows".into()))?;
         check_dims(n, k)?;
         let nb = k / QBLOCK;
-        if raw.len() != n * nb * block_bytes {
-            return Err(Error::Invalid(format!(
-                "need {n} rows of {} bytes ({nb} blocks of {block_bytes}), got {} bytes",
-                nb * block_bytes,
-                raw.len()
-            )));
-        }
         let mut codes = vec![0u8; n * k];
         let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
-        for (i, blk) in raw.chunks_exact(block_bytes).enumerate() {
-            let (db, mb) = decode(blk, &mut codes[i * QBLOCK..][..QBLOCK]);
-            d[i] = db;
-            m[i] = mb;
+        let mut at = 0;
+        for (i, &(ty, raw, rows)) in parts.iter().enumerate() {
+            let (c, dd, mm) = (
+                &mut codes[at * k..(at + rows) * k],
+                &mut d[at * nb..(at + rows) * nb],
+                &mut m[at * nb..(at + rows) * nb],
+            );
+            gguf::to_blocks(ty, raw, rows, k, c, dd, mm).map_err(|e| {
+                Error::Invalid(if parts.len() > 1 {
+                    format!("part {i}: {e}")
+                } else {
+                    e.to_string()
+                })
+            })?;
+            at += rows;
         }
         Self::from_parts(n, k, &codes, &d, &m)
+    }
+
+    /// From GGUF Q4_1 rows (`gguf::to_blocks`). `raw` is `[n, k/32 * 20]` bytes.
+    pub fn from_q4_1(raw: &[u8], n: usize, k: usize) -> Result<Self> {
+        Self::from_gguf("Q4_1", raw, n, k)
+    }
+
+    /// From GGUF Q8_0 rows (`c = q + 128`, `m = -128·d`). `raw` is `[n, k/32 * 34]` bytes.
+    pub fn from_q8_0(raw: &[u8], n: usize, k: usize) -> Result<Self> {
+        Self::from_gguf("Q8_0", raw, n, k)
     }
 
     /// Quantize float weights `[n, k]`: per block `d = (max - min)/255`, `m = min`,
@@ -245,22 +271,10 @@ impl QWeight {
         let mut codes = vec![0u8; n * k];
         let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
         for (i, blk) in w.chunks_exact(QBLOCK).enumerate() {
-            let lo = blk.iter().copied().fold(f32::INFINITY, f32::min);
-            let hi = blk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let step = (hi - lo) / 255.0;
-            let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
-            for (c, &v) in codes[i * QBLOCK..][..QBLOCK].iter_mut().zip(blk) {
-                *c = ((v - lo) * inv).round_ties_even().clamp(0.0, 255.0) as u8;
-            }
-            d[i] = step;
-            m[i] = lo;
+            (d[i], m[i]) = gguf::quantize_asym(blk, &mut codes[i * QBLOCK..][..QBLOCK]);
         }
         Self::from_parts(n, k, &codes, &d, &m)
     }
-}
-
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
 fn check_dims(n: usize, k: usize) -> Result<()> {
@@ -360,7 +374,8 @@ struct Args<'a> {
 /// the SIMD tiles; `mul_add` is a correctly rounded libm `fmaf` here).
 fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
     let (k, nb, n) = (a.w.k, a.w.blocks(), a.w.n);
-    let codes = &a.w.codes[p * k * PANEL..][..k * PANEL];
+    let line = if a.w.nibbles { k * PANEL / 2 } else { k * PANEL };
+    let codes = &a.w.codes[p * line..][..line];
     let scales = &a.w.scales[p * nb * 2 * PANEL..][..nb * 2 * PANEL];
     for r in r0..r0 + mr {
         let (hi, lo) = (&a.acts.hi[r * k..][..k], &a.acts.lo[r * k..][..k]);
@@ -369,13 +384,28 @@ fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
             // Integer dots of the panel's 16 rows with both digits, 4 k at a time as the layout
             // stores them (the loop over 64 contiguous code bytes vectorizes).
             let (mut dh, mut dl) = ([0i32; PANEL], [0i32; PANEL]);
-            for g in b * QBLOCK / 4..(b + 1) * QBLOCK / 4 {
-                let c = &codes[g * 4 * PANEL..][..4 * PANEL];
-                let (xh, xl) = (&hi[g * 4..][..4], &lo[g * 4..][..4]);
-                for i in 0..PANEL {
-                    for j in 0..4 {
-                        dh[i] += c[i * 4 + j] as i32 * xh[j] as i32;
-                        dl[i] += c[i * 4 + j] as i32 * xl[j] as i32;
+            if a.w.nibbles {
+                // One 64-byte line holds groups 2q (low nibbles) and 2q+1 (high nibbles).
+                for q in b * QBLOCK / 8..(b + 1) * QBLOCK / 8 {
+                    let c = &codes[q * 4 * PANEL..][..4 * PANEL];
+                    let (xh, xl) = (&hi[q * 8..][..8], &lo[q * 8..][..8]);
+                    for i in 0..PANEL {
+                        for j in 0..4 {
+                            let (c0, c1) = ((c[i * 4 + j] & 0x0f) as i32, (c[i * 4 + j] >> 4) as i32);
+                            dh[i] += c0 * xh[j] as i32 + c1 * xh[4 + j] as i32;
+                            dl[i] += c0 * xl[j] as i32 + c1 * xl[4 + j] as i32;
+                        }
+                    }
+                }
+            } else {
+                for g in b * QBLOCK / 4..(b + 1) * QBLOCK / 4 {
+                    let c = &codes[g * 4 * PANEL..][..4 * PANEL];
+                    let (xh, xl) = (&hi[g * 4..][..4], &lo[g * 4..][..4]);
+                    for i in 0..PANEL {
+                        for j in 0..4 {
+                            dh[i] += c[i * 4 + j] as i32 * xh[j] as i32;
+                            dl[i] += c[i * 4 + j] as i32 * xl[j] as i32;
+                        }
                     }
                 }
             }
@@ -505,7 +535,13 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
 }
 
 fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
-    match variant(isa) {
+    // The VNNI tile reads the 8-bit layout only; 4-bit weights run the AVX2 tile there.
+    let v = match variant(isa) {
+        Isa::Avx512 if a.w.nibbles && Isa::Avx2.available() => Isa::Avx2,
+        Isa::Avx512 if a.w.nibbles => Isa::Scalar,
+        v => v,
+    };
+    match v {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             // SAFETY: `variant` gives Avx512 only when AVX-512 F/BW/VNNI are detected; the tile

@@ -3,6 +3,7 @@
 use super::*;
 
 use crate::testing::Rng;
+use half::f16;
 
 fn random_weight(r: &mut Rng, n: usize, k: usize) -> QWeight {
     let w: Vec<f32> = (0..n * k).map(|_| r.uniform() * 0.1).collect();
@@ -297,6 +298,32 @@ fn every_code_15_and_digit_127_fills_the_i16_sums_exactly() {
             let mut y = vec![f32::NAN; 2 * n];
             linear_with(isa, &x, 2, &w, &mut y).unwrap();
             assert_eq!(y, ys, "{isa:?}");
+        }
+    }
+}
+
+#[test]
+fn four_bit_layout_equals_the_eight_bit_one_bit_for_bit() {
+    let mut r = Rng(0x4b17);
+    for case in 0..12 {
+        let n = [1, 15, 16, 17, 40, 64][r.below(6)];
+        let k = 32 * (1 + r.below(6));
+        let m = [1, 2, 3, 8, 33][r.below(5)];
+        let nb = k / QBLOCK;
+        let codes: Vec<u8> = (0..n * k).map(|_| r.below(16) as u8).collect();
+        let d: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.01).collect();
+        let mm: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.05).collect();
+        let w4 = QWeight::from_parts(n, k, &codes, &d, &mm).unwrap();
+        let w8 = QWeight::pack(n, k, &codes, &d, &mm, false);
+        assert!(w4.nibbles() && !w8.nibbles());
+        assert!(w4.nbytes() < w8.nbytes());
+        assert_eq!(w4.unpack(), (codes.clone(), d.clone(), mm.clone()));
+        let x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 2.0).collect();
+        for isa in crate::runtime::available_isas() {
+            let (mut y4, mut y8) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+            linear_with(isa, &x, m, &w4, &mut y4).unwrap();
+            linear_with(Isa::Scalar, &x, m, &w8, &mut y8).unwrap();
+            assert_eq!(y4, y8, "case {case} isa {isa:?}");
         }
     }
 }

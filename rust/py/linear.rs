@@ -2,7 +2,7 @@
 //! row-wise ops around them (`rms_norm`, `silu_and_mul`).
 
 use numpy::IntoPyArray;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -26,23 +26,43 @@ impl QLinear {
 
 #[pymethods]
 impl QLinear {
-    /// From GGUF rows `data: uint8 [n, row_bytes]` of type `"Q4_1"` or `"Q8_0"` and width `k`.
+    /// From GGUF rows `data: uint8 [n, row_bytes]` of `ggml_type` (F32, F16, BF16, Q4_0, Q4_1,
+    /// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and width `k` (a multiple of 32).
     #[staticmethod]
     fn from_gguf(py: Python<'_>, data: &Bound<'_, PyAny>, ggml_type: &str, k: i64) -> PyResult<Self> {
         let (g, shape) = u8_2d(data, "data")?;
         let raw = slice_of(&g, "data")?;
         let k = dim("k", k, 1)?;
         let n = shape[0];
-        let w = match ggml_type {
-            "Q4_1" => py.detach(|| lin::QWeight::from_q4_1(raw, n, k)),
-            "Q8_0" => py.detach(|| lin::QWeight::from_q8_0(raw, n, k)),
-            _ => {
-                return Err(PyValueError::new_err(format!(
-                    "ggml_type must be 'Q4_1' or 'Q8_0', got {ggml_type:?}"
-                )))
-            }
+        let w = py
+            .detach(|| lin::QWeight::from_gguf(ggml_type, raw, n, k))
+            .map_err(PyErr::from)?;
+        Ok(QLinear {
+            w: std::sync::Arc::new(w),
+        })
+    }
+
+    /// Rows of several GGUF tensors stacked in order: `parts` is a sequence of
+    /// `(data: uint8 [rows, row_bytes], ggml_type)`, all of width `k`.
+    #[staticmethod]
+    fn stack_gguf(py: Python<'_>, parts: &Bound<'_, PyAny>, k: i64) -> PyResult<Self> {
+        let k = dim("k", k, 1)?;
+        let mut held = Vec::new();
+        for (i, item) in parts.try_iter()?.enumerate() {
+            let item = item?;
+            let (data, ty): (Bound<'_, PyAny>, String) = item
+                .extract()
+                .map_err(|_| PyTypeError::new_err(format!("parts[{i}] must be a (data, ggml_type) pair")))?;
+            let (g, shape) = u8_2d(&data, &format!("parts[{i}] data"))?;
+            held.push((g, shape[0], ty));
         }
-        .map_err(PyErr::from)?;
+        let mut slices = Vec::with_capacity(held.len());
+        for (i, (g, rows, ty)) in held.iter().enumerate() {
+            slices.push((ty.as_str(), slice_of(g, &format!("parts[{i}] data"))?, *rows));
+        }
+        let w = py
+            .detach(|| lin::QWeight::from_gguf_parts(&slices, k))
+            .map_err(PyErr::from)?;
         Ok(QLinear {
             w: std::sync::Arc::new(w),
         })
@@ -160,8 +180,8 @@ impl QLinear {
     }
 }
 
-/// Decode GGUF rows `data: uint8 [n, row_bytes]` of type `ggml_type` (Q4_0, Q4_1, Q5_0, Q5_1,
-/// Q8_0) and width `k` to float32 `[n, k]` (into `out` when given), exactly as `gguf` does.
+/// Decode GGUF rows `data: uint8 [n, row_bytes]` of type `ggml_type` (F32, F16, BF16, Q4_0,
+/// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and width `k` to float32 `[n, k]` (into `out` when given), exactly as `gguf` does.
 #[pyfunction]
 #[pyo3(signature = (data, ggml_type, k, *, out = None))]
 pub fn dequantize_gguf<'py>(

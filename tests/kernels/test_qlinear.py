@@ -235,7 +235,9 @@ def test_bad_input_is_a_clear_exception():
         QLinear.from_float(np.zeros((2, 40), np.float32))
     with pytest.raises(ValueError, match="not finite"):
         QLinear.from_float(np.full((2, 32), np.inf, np.float32))
-    with pytest.raises(ValueError, match="'Q4_1' or 'Q8_0'"):
+    with pytest.raises(ValueError, match="ggml_type must be one of F32, F16, BF16, Q4_0"):
+        QLinear.from_gguf(np.zeros((2, 20), np.uint8), "Q2_K", 32)
+    with pytest.raises(ValueError, match="k must be a positive multiple of 256 for Q4_K, got 32"):
         QLinear.from_gguf(np.zeros((2, 20), np.uint8), "Q4_K", 32)
     with pytest.raises(ValueError, match="bytes"):
         QLinear.from_gguf(np.zeros((2, 21), np.uint8), "Q4_1", 32)

