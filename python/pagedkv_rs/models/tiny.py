@@ -8,7 +8,6 @@ recompute after preemption all give the same greedy tokens); q/k/v enter the ker
 
 from __future__ import annotations
 
-import types
 from typing import Any, Optional
 
 import numpy as np
@@ -168,7 +167,9 @@ def tiny_llama_weights(
         return (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32)
 
     w = object.__new__(LlamaWeights)  # the loader's object, filled without a GGUF file
-    w.config = types.SimpleNamespace(
+    from pagedkv_rs.models.gguf_loader import LlamaConfig
+
+    w.config = LlamaConfig(
         num_layers=num_layers,
         hidden_size=h,
         intermediate_size=f,
@@ -180,10 +181,12 @@ def tiny_llama_weights(
         rope_theta=rope_theta,
         rms_eps=rms_eps,
         tie_embeddings=False,
+        attention_bias=qkv_bias,
         sliding_window=sliding_window,
     )
     w.path = None
     w.rope_pairs = "half"
+    w.native_rope_pairs = "half"  # the tables below rotate halves; no file rows to un-permute
     w.weight_format = weights
     w.embed = rng.standard_normal((vocab_size, h)).astype(np.float32)
     w.layers = []
