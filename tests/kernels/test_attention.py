@@ -34,7 +34,8 @@ def test_isa_switch_and_info():
     assert ISAS[0] == "scalar" and set(ISAS) <= {"scalar", "avx2", "avx512", "neon"}
     prev = pk.get_isa()
     try:
-        pk.set_kernel_backend("scalar")  # the legacy alias of set_isa
+        with pytest.warns(DeprecationWarning, match="set_kernel_backend is deprecated"):
+            pk.set_kernel_backend("scalar")  # the legacy alias of set_isa
         assert pk.kernel_info()["isa"] == "scalar" and pk.kernel_info()["backend"] == "scalar"
         pk.set_isa("auto")
         info = pk.kernel_info()
