@@ -72,6 +72,11 @@ pub fn row_bytes(ggml_type: &str, k: usize) -> Result<usize> {
     Ok(k / el * bb)
 }
 
+/// `block_shape` as a `Result` (the callers checked the type already; an error, never a panic, if not).
+fn shape_of(ggml_type: &str) -> Result<(usize, usize)> {
+    block_shape(ggml_type).ok_or_else(|| Error::Invalid(format!("unsupported GGUF tensor type {ggml_type}")))
+}
+
 fn check_raw(ggml_type: &str, raw: &[u8], n: usize, k: usize) -> Result<usize> {
     let rb = row_bytes(ggml_type, k)?;
     if n.checked_mul(rb) != Some(raw.len()) {
@@ -94,7 +99,7 @@ pub fn dequantize(ggml_type: &str, raw: &[u8], n: usize, k: usize, out: &mut [f3
             out.len()
         )));
     }
-    let (el, bb) = block_shape(ggml_type).expect("checked by row_bytes");
+    let (el, bb) = shape_of(ggml_type)?;
     let decode: fn(&[u8], &mut [f32]) = match ggml_type {
         "F32" => |b, o| o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
         "F16" => |b, o| o[0] = f16_at(b, 0),
@@ -137,7 +142,7 @@ pub fn to_blocks(
             k / BLOCK
         )));
     }
-    let (el, bb) = block_shape(ggml_type).expect("checked by row_bytes");
+    let (el, bb) = shape_of(ggml_type)?;
     // Bytes of the source covering one 32-wide block, when blocks are not bigger than 32.
     let (unit_el, unit_bytes) = if el < BLOCK { (BLOCK, BLOCK * bb) } else { (el, bb) };
     let subs = unit_el / BLOCK;
@@ -191,7 +196,7 @@ pub fn to_blocks(
                 },
                 _ => {
                     inexact += 1;
-                    dequantize(ggml_type, blk, 1, BLOCK, &mut vals).expect("one block of a checked type");
+                    dequantize(ggml_type, blk, 1, BLOCK, &mut vals)?;
                     quantize_asym(&vals, c)
                 }
             };
