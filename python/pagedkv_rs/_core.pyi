@@ -18,6 +18,7 @@ __all__ = [
     "core_version",
     "dequantize_gguf",
     "fma_peak",
+    "gguf_strings",
     "get_isa",
     "get_num_threads",
     "kernel_info",
@@ -208,6 +209,7 @@ class QLinear:
     def __call__(self, x: _F32, *, out: Optional[_F32] = None) -> _F32: ...
 
 def dequantize_gguf(data: npt.NDArray[np.uint8], ggml_type: str, k: int, *, out: Optional[_F32] = None) -> _F32: ...
+def gguf_strings(data: npt.NDArray[np.uint8], offset: int, count: int) -> tuple[list[str], int]: ...
 def rms_norm(
     x: _F32, weight: _F32, eps: float, *, residual: Optional[_F32] = None, out: Optional[_F32] = None
 ) -> _F32: ...

@@ -77,7 +77,8 @@ fn shape_of(ggml_type: &str) -> Result<(usize, usize)> {
     block_shape(ggml_type).ok_or_else(|| Error::Invalid(format!("unsupported GGUF tensor type {ggml_type}")))
 }
 
-fn check_raw(ggml_type: &str, raw: &[u8], n: usize, k: usize) -> Result<usize> {
+/// Checks that `raw` is `n` rows of `k` weights of `ggml_type`; returns the bytes of one row.
+pub fn check_raw(ggml_type: &str, raw: &[u8], n: usize, k: usize) -> Result<usize> {
     let rb = row_bytes(ggml_type, k)?;
     if n.checked_mul(rb) != Some(raw.len()) {
         return Err(Error::Invalid(format!(
@@ -148,43 +149,67 @@ pub fn to_blocks(
     let subs = unit_el / BLOCK;
     let mut inexact = 0;
     let mut vals = [0f32; BLOCK];
+    // The type, matched once (not per block).
+    #[derive(Clone, Copy, PartialEq)]
+    enum Unit {
+        Q4_0,
+        Q4_1,
+        Q5_0,
+        Q5_1,
+        Q8_0,
+        K4,
+        K5,
+        Q6K,
+        Float,
+    }
+    let unit = match ggml_type {
+        "Q4_0" => Unit::Q4_0,
+        "Q4_1" => Unit::Q4_1,
+        "Q5_0" => Unit::Q5_0,
+        "Q5_1" => Unit::Q5_1,
+        "Q8_0" => Unit::Q8_0,
+        "Q4_K" => Unit::K4,
+        "Q5_K" => Unit::K5,
+        "Q6_K" => Unit::Q6K,
+        _ => Unit::Float,
+    };
     for (u, blk) in raw.chunks_exact(unit_bytes).enumerate() {
         for j in 0..subs {
             let i = u * subs + j;
             let c = &mut codes[i * BLOCK..][..BLOCK];
-            let (db, mb) = match ggml_type {
-                "Q4_0" => {
+            let (db, mb) = match unit {
+                Unit::Q4_0 => {
                     let dd = f16_at(blk, 0);
                     nibbles_into(&blk[2..18], c);
                     (dd, -8.0 * dd)
                 }
-                "Q4_1" => {
+                Unit::Q4_1 => {
                     nibbles_into(&blk[4..20], c);
                     (f16_at(blk, 0), f16_at(blk, 2))
                 }
-                "Q5_0" | "Q5_1" => {
-                    let at = if ggml_type == "Q5_0" { 2 } else { 4 };
+                Unit::Q5_0 | Unit::Q5_1 => {
+                    let at = if unit == Unit::Q5_0 { 2 } else { 4 };
                     let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
                     nibbles_into(&blk[at + 4..at + 20], c);
                     for (e, v) in c.iter_mut().enumerate() {
                         *v |= (((qh >> e) & 1) as u8) << 4;
                     }
                     let dd = f16_at(blk, 0);
-                    if ggml_type == "Q5_0" {
+                    if unit == Unit::Q5_0 {
                         (dd, -16.0 * dd)
                     } else {
                         (dd, f16_at(blk, 2))
                     }
                 }
-                "Q8_0" => {
+                Unit::Q8_0 => {
                     for (v, &q) in c.iter_mut().zip(&blk[2..34]) {
                         *v = (q as i8 as i16 + 128) as u8;
                     }
                     let dd = f16_at(blk, 0);
                     (dd, -128.0 * dd)
                 }
-                "Q4_K" | "Q5_K" => k_sub(blk, j, ggml_type == "Q5_K", c),
-                "Q6_K" => match q6_k_exact(blk, j, c) {
+                Unit::K4 | Unit::K5 => k_sub(blk, j, unit == Unit::K5, c),
+                Unit::Q6K => match q6_k_exact(blk, j, c) {
                     Some(dm) => dm,
                     None => {
                         inexact += 1;
@@ -194,7 +219,7 @@ pub fn to_blocks(
                         quantize_asym(&vals, c)
                     }
                 },
-                _ => {
+                Unit::Float => {
                     inexact += 1;
                     dequantize(ggml_type, blk, 1, BLOCK, &mut vals)?;
                     quantize_asym(&vals, c)
@@ -387,10 +412,103 @@ fn q6_k_exact(b: &[u8], j: usize, c: &mut [u8]) -> Option<(f32, f32)> {
     Some((dg, m64 as f32))
 }
 
+/// Why a GGUF string array could not be read (`item` counts from 0).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StringsError {
+    /// Item `item` needs `need` bytes at byte offset `at`, past the end of the buffer.
+    Truncated { item: usize, at: usize, need: u64 },
+    /// Item `item`'s bytes are not UTF-8.
+    NotUtf8 { item: usize },
+}
+
+/// `count` GGUF strings (a u64 little-endian byte length, then that many UTF-8 bytes) read from
+/// `buf` at byte offset `pos`: the strings (borrowed from `buf`) and the offset after the last one.
+pub fn string_array(buf: &[u8], pos: usize, count: usize) -> std::result::Result<(Vec<&str>, usize), StringsError> {
+    // At least 8 bytes an item: a count the buffer cannot hold fails before anything is allocated.
+    let room = buf.len().saturating_sub(pos) / 8;
+    let mut out = Vec::with_capacity(count.min(room));
+    let mut at = pos;
+    for item in 0..count {
+        let len = match buf.get(at..).and_then(|b| b.get(..8)) {
+            Some(b) => u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
+            None => return Err(StringsError::Truncated { item, at, need: 8 }),
+        };
+        let body = at + 8;
+        let bytes = usize::try_from(len)
+            .ok()
+            .and_then(|n| buf.get(body..)?.get(..n))
+            .ok_or(StringsError::Truncated {
+                item,
+                at: body,
+                need: len,
+            })?;
+        out.push(std::str::from_utf8(bytes).map_err(|_| StringsError::NotUtf8 { item })?);
+        at = body + bytes.len();
+    }
+    Ok((out, at))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::testing::Rng;
+
+    fn gguf_strings(items: &[&[u8]]) -> Vec<u8> {
+        let mut b = vec![0xAA, 0xBB]; // two bytes before the array: a non-zero start offset
+        for it in items {
+            b.extend((it.len() as u64).to_le_bytes());
+            b.extend(*it);
+        }
+        b
+    }
+
+    #[test]
+    fn string_arrays_read_and_fail_cleanly() {
+        let b = gguf_strings(&[b"hello", b"", "\u{0120}caf\u{e9}".as_bytes(), b"a b"]);
+        let (v, end) = string_array(&b, 2, 4).unwrap();
+        assert_eq!(v, vec!["hello", "", "\u{0120}caf\u{e9}", "a b"]);
+        assert_eq!(end, b.len());
+        assert_eq!(string_array(&b, 2, 0).unwrap(), (vec![], 2));
+        // one item more than there is: the length itself is missing
+        assert_eq!(
+            string_array(&b, 2, 5),
+            Err(StringsError::Truncated {
+                item: 4,
+                at: b.len(),
+                need: 8
+            })
+        );
+        // a body cut short, and a length no buffer holds
+        let cut = &b[..b.len() - 1];
+        assert_eq!(
+            string_array(cut, 2, 4),
+            Err(StringsError::Truncated {
+                item: 3,
+                at: cut.len() - 2,
+                need: 3
+            })
+        );
+        let mut huge = gguf_strings(&[]);
+        huge.extend(u64::MAX.to_le_bytes());
+        assert_eq!(
+            string_array(&huge, 2, usize::MAX),
+            Err(StringsError::Truncated {
+                item: 0,
+                at: 10,
+                need: u64::MAX
+            })
+        );
+        assert_eq!(
+            string_array(&b, b.len() + 5, 1),
+            Err(StringsError::Truncated {
+                item: 0,
+                at: b.len() + 5,
+                need: 8
+            })
+        );
+        let bad = gguf_strings(&[b"ok", &[0xff, 0xfe]]);
+        assert_eq!(string_array(&bad, 2, 2), Err(StringsError::NotUtf8 { item: 1 }));
+    }
 
     #[test]
     fn q8_0_and_q4_1_by_hand() {

@@ -124,6 +124,7 @@ impl QWeight {
 
     /// Pack row-major codes `[n, k]` and per-block `d`, `m` `[n, k/32]`.
     pub fn from_parts(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32]) -> Result<Self> {
+        use rayon::prelude::*;
         check_dims(n, k)?;
         let nb = k / QBLOCK;
         if codes.len() != n * k || d.len() != n * nb || m.len() != n * nb {
@@ -134,39 +135,34 @@ impl QWeight {
                 m.len()
             )));
         }
-        if let Some(i) = d.iter().chain(m).position(|v| !v.is_finite()) {
+        let pool = crate::runtime::pool()?;
+        let bad = pool.install(|| d.par_iter().chain(m.par_iter()).position_first(|v| !v.is_finite()));
+        if let Some(i) = bad {
             return Err(Error::Invalid(format!("scale {i} is not finite")));
         }
-        Ok(Self::pack(n, k, codes, d, m, codes.iter().all(|&c| c < 16)))
+        let nibbles = pool.install(|| codes.par_chunks(1 << 16).all(|c| c.iter().all(|&x| x < 16)));
+        Ok(pool.install(|| Self::pack(n, k, codes, d, m, nibbles)))
     }
 
-    /// The packed layout of checked parts; `nibbles` only when every code is < 16.
+    /// The packed layout of checked parts; `nibbles` only when every code is < 16. Panels are
+    /// packed in parallel (on the caller's rayon pool).
     fn pack(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32], nibbles: bool) -> Self {
+        use rayon::prelude::*;
         let nb = k / QBLOCK;
         let panels = n.div_ceil(PANEL);
         let line = if nibbles { k * PANEL / 2 } else { k * PANEL };
         let mut pc = vec![0u8; panels * line];
         let mut ps = vec![0f32; panels * nb * 2 * PANEL];
-        for row in 0..n {
-            let (p, i) = (row / PANEL, row % PANEL);
-            let src = &codes[row * k..][..k];
-            let dst = &mut pc[p * line..][..line];
-            for (g, quad) in src.chunks_exact(4).enumerate() {
-                if nibbles {
-                    let at = &mut dst[g / 2 * 4 * PANEL + i * 4..][..4];
-                    for (b, &c) in at.iter_mut().zip(quad) {
-                        *b |= c << (4 * (g % 2));
-                    }
-                } else {
-                    dst[g * 4 * PANEL + i * 4..][..4].copy_from_slice(quad);
+        pc.par_chunks_mut(line)
+            .zip(ps.par_chunks_mut(nb * 2 * PANEL))
+            .enumerate()
+            .for_each(|(p, (dst, sc))| {
+                for i in 0..PANEL.min(n - p * PANEL) {
+                    let row = p * PANEL + i;
+                    let r = row * nb..(row + 1) * nb;
+                    pack_row(dst, sc, i, &codes[row * k..][..k], &d[r.clone()], &m[r], nibbles);
                 }
-            }
-            for b in 0..nb {
-                let s = &mut ps[(p * nb + b) * 2 * PANEL..][..2 * PANEL];
-                s[i] = d[row * nb + b];
-                s[PANEL + i] = m[row * nb + b];
-            }
-        }
+            });
         QWeight {
             n,
             k,
@@ -213,30 +209,84 @@ impl QWeight {
 
     /// Rows of several GGUF tensors `(ggml_type, raw, rows)` of width `k`, stacked in order (a
     /// fused projection whose parts may have different types, as in Q4_K_M files).
+    ///
+    /// Decoded and packed panel by panel on the kernel threads, with no row-major copy in between:
+    /// each thread decodes one row at a time into a row of scratch and packs it into its panel.
+    /// Tensors of 4-bit types (Q4_0, Q4_1, Q4_K) are packed as nibbles; others too when every
+    /// code they give is < 16 (as `from_parts`).
     pub fn from_gguf_parts(parts: &[(&str, &[u8], usize)], k: usize) -> Result<Self> {
+        use rayon::prelude::*;
         let n = parts.iter().try_fold(0usize, |a, p| a.checked_add(p.2));
         let n = n.ok_or_else(|| Error::Invalid("too many rows".into()))?;
         check_dims(n, k)?;
-        let nb = k / QBLOCK;
-        let mut codes = vec![0u8; n * k];
-        let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
+        let named = |i: usize, e: Error| {
+            Error::Invalid(if parts.len() > 1 {
+                format!("part {i}: {e}")
+            } else {
+                e.to_string()
+            })
+        };
+        // (first row, row bytes) of each part, every part checked before any work.
+        let mut starts = Vec::with_capacity(parts.len());
         let mut at = 0;
         for (i, &(ty, raw, rows)) in parts.iter().enumerate() {
-            let (c, dd, mm) = (
-                &mut codes[at * k..(at + rows) * k],
-                &mut d[at * nb..(at + rows) * nb],
-                &mut m[at * nb..(at + rows) * nb],
-            );
-            gguf::to_blocks(ty, raw, rows, k, c, dd, mm).map_err(|e| {
-                Error::Invalid(if parts.len() > 1 {
-                    format!("part {i}: {e}")
-                } else {
-                    e.to_string()
-                })
-            })?;
+            starts.push((at, gguf::check_raw(ty, raw, rows, k).map_err(|e| named(i, e))?));
             at += rows;
         }
-        Self::from_parts(n, k, &codes, &d, &m)
+        let four_bit = parts.iter().all(|p| matches!(p.0, "Q4_0" | "Q4_1" | "Q4_K"));
+        let nb = k / QBLOCK;
+        let panels = n.div_ceil(PANEL);
+        let line = if four_bit { k * PANEL / 2 } else { k * PANEL };
+        let mut pc = vec![0u8; panels * line];
+        let mut ps = vec![0f32; panels * nb * 2 * PANEL];
+        let pool = crate::runtime::pool()?;
+        let top = pool.install(|| {
+            pc.par_chunks_mut(line)
+                .zip(ps.par_chunks_mut(nb * 2 * PANEL))
+                .enumerate()
+                .map_init(
+                    || (vec![0u8; k], vec![0f32; nb], vec![0f32; nb]),
+                    |(c, d, m), (p, (dst, sc))| -> Result<u8> {
+                        let mut top = 0u8;
+                        for i in 0..PANEL.min(n - p * PANEL) {
+                            let row = p * PANEL + i;
+                            let j = starts.partition_point(|s| s.0 <= row) - 1;
+                            let ((ty, raw, _), (first, rb)) = (parts[j], starts[j]);
+                            let src = &raw[(row - first) * rb..][..rb];
+                            gguf::to_blocks(ty, src, 1, k, c, d, m).map_err(|e| named(j, e))?;
+                            if let Some(b) = d.iter().chain(m.iter()).position(|v| !v.is_finite()) {
+                                return Err(named(
+                                    j,
+                                    Error::Invalid(format!(
+                                        "row {}, block {}: scale is not finite",
+                                        row - first,
+                                        b % nb
+                                    )),
+                                ));
+                            }
+                            if !four_bit {
+                                top = top.max(c.iter().copied().max().unwrap_or(0));
+                            }
+                            pack_row(dst, sc, i, c, d, m, four_bit);
+                        }
+                        Ok(top)
+                    },
+                )
+                .try_reduce(|| 0u8, |a, b| Ok(a.max(b)))
+        })?;
+        let w = QWeight {
+            n,
+            k,
+            codes: pc,
+            nibbles: four_bit,
+            scales: ps,
+        };
+        if !four_bit && top < 16 {
+            // Every code fits in 4 bits after all (e.g. constant blocks): the half-size layout.
+            let (c, d, m) = w.unpack();
+            return Ok(pool.install(|| Self::pack(n, k, &c, &d, &m, true)));
+        }
+        Ok(w)
     }
 
     /// From GGUF Q4_1 rows (`gguf::to_blocks`). `raw` is `[n, k/32 * 20]` bytes.
@@ -274,6 +324,29 @@ impl QWeight {
             (d[i], m[i]) = gguf::quantize_asym(blk, &mut codes[i * QBLOCK..][..QBLOCK]);
         }
         Self::from_parts(n, k, &codes, &d, &m)
+    }
+}
+
+/// Row `i` of a panel: its codes into the panel's code line `dst` (4-byte groups of PANEL rows;
+/// as nibbles, byte b of group pair h holds code 8h+b low and 8h+4+b high) and its `d`, `m` into
+/// the panel's scales `sc` (per block: PANEL `d`, then PANEL `m`).
+fn pack_row(dst: &mut [u8], sc: &mut [f32], i: usize, codes: &[u8], d: &[f32], m: &[f32], nibbles: bool) {
+    if nibbles {
+        for (h, oct) in codes.chunks_exact(8).enumerate() {
+            let at = &mut dst[h * 4 * PANEL + i * 4..][..4];
+            for b in 0..4 {
+                at[b] = oct[b] | (oct[4 + b] << 4);
+            }
+        }
+    } else {
+        for (g, quad) in codes.chunks_exact(4).enumerate() {
+            dst[g * 4 * PANEL + i * 4..][..4].copy_from_slice(quad);
+        }
+    }
+    for (b, (&db, &mb)) in d.iter().zip(m).enumerate() {
+        let s = &mut sc[b * 2 * PANEL..][..2 * PANEL];
+        s[i] = db;
+        s[PANEL + i] = mb;
     }
 }
 

@@ -327,3 +327,95 @@ fn four_bit_layout_equals_the_eight_bit_one_bit_for_bit() {
         }
     }
 }
+
+/// `rows` random rows of `ty` with finite scales (their f16 fields set to values in [-1, 1)).
+fn random_gguf_rows(r: &mut Rng, ty: &str, rows: usize, k: usize) -> Vec<u8> {
+    let rb = gguf::row_bytes(ty, k).unwrap();
+    let (el, bb) = gguf::block_shape(ty).unwrap();
+    let mut b: Vec<u8> = (0..rows * rb).map(|_| r.below(256) as u8).collect();
+    let f16s: &[usize] = match ty {
+        "F16" | "Q4_0" | "Q5_0" | "Q8_0" => &[0],
+        "Q4_1" | "Q5_1" | "Q4_K" | "Q5_K" => &[0, 2],
+        "Q6_K" => &[208],
+        _ => &[],
+    };
+    for blk in b.chunks_exact_mut(bb) {
+        for &at in f16s {
+            blk[at..at + 2].copy_from_slice(&f16::from_f32(r.uniform()).to_le_bytes());
+        }
+        match ty {
+            "F32" => blk.copy_from_slice(&r.uniform().to_le_bytes()),
+            "BF16" => blk.copy_from_slice(&((r.uniform().to_bits() >> 16) as u16).to_le_bytes()),
+            _ => {}
+        }
+    }
+    assert_eq!(b.len(), rows * k / el * bb);
+    b
+}
+
+/// The one-pass panel packer of `from_gguf_parts` gives what decoding every row first and then
+/// `from_parts` gives: the same codes, scales and layout (nibbles exactly when every code < 16).
+#[test]
+fn gguf_parts_pack_as_decode_then_from_parts() {
+    let mut r = Rng(0x57ac);
+    let types = [
+        "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32",
+    ];
+    for case in 0..40 {
+        let k = 256 * (1 + r.below(3));
+        let nparts = 1 + r.below(3);
+        let four = r.below(2) == 0; // half the cases: 4-bit types only
+        let mut owned = Vec::new();
+        for _ in 0..nparts {
+            let ty = if four {
+                ["Q4_0", "Q4_1", "Q4_K"][r.below(3)]
+            } else {
+                types[r.below(types.len())]
+            };
+            let rows = [1, 7, 16, 33][r.below(4)];
+            owned.push((ty, random_gguf_rows(&mut r, ty, rows, k), rows));
+        }
+        let parts: Vec<(&str, &[u8], usize)> = owned.iter().map(|(t, b, n)| (*t, b.as_slice(), *n)).collect();
+        let n: usize = parts.iter().map(|p| p.2).sum();
+        let nb = k / QBLOCK;
+        let (mut c, mut d, mut m) = (vec![0u8; n * k], vec![0f32; n * nb], vec![0f32; n * nb]);
+        let mut at = 0;
+        for &(ty, raw, rows) in &parts {
+            let rr = at..at + rows;
+            gguf::to_blocks(
+                ty,
+                raw,
+                rows,
+                k,
+                &mut c[rr.start * k..rr.end * k],
+                &mut d[rr.start * nb..rr.end * nb],
+                &mut m[rr.start * nb..rr.end * nb],
+            )
+            .unwrap();
+            at += rows;
+        }
+        let want = QWeight::from_parts(n, k, &c, &d, &m).unwrap();
+        let got = QWeight::from_gguf_parts(&parts, k).unwrap();
+        assert_eq!(got.nibbles(), want.nibbles(), "case {case}");
+        assert!(got.nibbles() || !four, "case {case}");
+        assert_eq!(got.unpack(), want.unpack(), "case {case}");
+        assert_eq!(got.codes, want.codes, "case {case}");
+    }
+    // Q8_0 rows whose codes all happen to be < 16 (q = -128..-113) take the 4-bit layout, as from_parts.
+    let mut raw = random_gguf_rows(&mut r, "Q8_0", 3, 64);
+    for blk in raw.chunks_exact_mut(34) {
+        for q in &mut blk[2..] {
+            *q = (-128 + (*q % 16) as i8) as u8;
+        }
+    }
+    let w = QWeight::from_gguf("Q8_0", &raw, 3, 64).unwrap();
+    assert!(w.nibbles());
+    let (c, _, _) = w.unpack();
+    assert!(c.iter().all(|&x| x < 16));
+    // A non-finite scale is an error naming the part, row and block.
+    let good = random_gguf_rows(&mut r, "Q4_1", 2, 64);
+    let mut bad = random_gguf_rows(&mut r, "Q4_1", 2, 64);
+    bad[20 + 20..20 + 22].copy_from_slice(&f16::INFINITY.to_le_bytes()); // row 1, block 0, d
+    let e = QWeight::from_gguf_parts(&[("Q4_1", &good, 2), ("Q4_1", &bad, 2)], 64).unwrap_err();
+    assert_eq!(e.to_string(), "part 1: row 1, block 0: scale is not finite");
+}

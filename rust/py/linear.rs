@@ -1,10 +1,11 @@
-//! Block-quantized linear layers (`QLinear`), GGUF block decoding (`dequantize_gguf`) and the
+//! Block-quantized linear layers (`QLinear`), GGUF block decoding (`dequantize_gguf`), GGUF string
+//! arrays (`gguf_strings`) and the
 //! row-wise ops around them (`rms_norm`, `silu_and_mul`).
 
 use numpy::IntoPyArray;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyList, PyTuple};
 
 use super::args::dim;
 use super::arrays::{f32_2d, out_f32, readonly, readwrite_f32, slice_of, typed, u8_2d};
@@ -205,6 +206,31 @@ pub fn dequantize_gguf<'py>(
         .map_err(PyErr::from)?;
     drop(og);
     Ok(out_obj)
+}
+
+/// Read `count` GGUF strings (a u64 little-endian byte length, then UTF-8 bytes) from the bytes
+/// `data: uint8 [N]` at byte offset `offset`: `(strings, offset after the last one)`. A truncated
+/// or non-UTF-8 item raises ValueError naming the item.
+#[pyfunction]
+pub fn gguf_strings<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+    offset: i64,
+    count: i64,
+) -> PyResult<(Bound<'py, PyList>, usize)> {
+    let dr = typed::<u8>(data, "data", 1, "uint8")?;
+    let (offset, count) = (dim("offset", offset, 0)?, dim("count", count, 0)?);
+    let dg = readonly::<u8>(&dr, "data")?;
+    let buf = slice_of(&dg, "data")?;
+    let (items, end) = lin::gguf::string_array(buf, offset, count).map_err(|e| {
+        PyValueError::new_err(match e {
+            lin::gguf::StringsError::Truncated { item, at, need } => {
+                format!("item {item} needs {need} bytes at offset {at}, data has {}", buf.len())
+            }
+            lin::gguf::StringsError::NotUtf8 { item } => format!("item {item} is not UTF-8"),
+        })
+    })?;
+    Ok((PyList::new(py, items)?, end))
 }
 
 /// RMSNorm of float32 `x [T, H]` times `weight [H]`; with `residual` (float32 `[T, H]`), first

@@ -263,24 +263,14 @@ class _Cursor:
         raise GGUFError(f"{self.path}: corrupt GGUF file ({what} has unknown value type {vtype})")
 
     def strings(self, count: int, what: str) -> list[str]:
-        out = []
-        buf, pos, end = self.buf, self.pos, len(self.buf)
-        unpack = struct.Struct("<Q").unpack_from
-        for _ in range(count):
-            if pos + 8 > end:
-                self.pos = pos
-                self.need(8, what)
-            (n,) = unpack(buf, pos)
-            pos += 8
-            if pos + n > end:
-                self.pos = pos
-                self.need(n, what)
-            try:
-                out.append(str(buf[pos : pos + n], "utf-8"))
-            except UnicodeDecodeError as e:
-                raise GGUFError(f"{self.path}: corrupt GGUF file ({what}: item {len(out)} is not UTF-8)") from e
-            pos += n
-        self.pos = pos
+        """``count`` strings at the cursor, read in one Rust call (a string array holds a vocabulary)."""
+        from pagedkv_rs._core import gguf_strings
+
+        try:
+            out, self.pos = gguf_strings(np.frombuffer(self.buf, np.uint8), self.pos, count)
+        except ValueError as e:
+            kind = "corrupt GGUF file" if "not UTF-8" in str(e) else "corrupt or truncated GGUF file"
+            raise GGUFError(f"{self.path}: {kind} ({what}: {e})") from None
         return out
 
 

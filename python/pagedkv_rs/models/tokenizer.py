@@ -11,6 +11,7 @@ environment with ``trim_blocks``/``lstrip_blocks`` and a ``raise_exception`` glo
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
@@ -33,6 +34,17 @@ _TOKEN_USER_DEFINED = 4
 Message = Mapping[str, Any]
 
 
+def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, ...]]:
+    """``"a b"`` merge rules as ``(a, b)`` pairs. Byte-level tokens hold no space, so when every rule has
+    exactly one (n rules, n spaces inside them, none without), one split of the joined rules gives every
+    pair at once; rules spaced otherwise are split one by one at their first space, as before."""
+    words = " ".join(merges).split(" ")
+    if len(words) == 2 * len(merges) and all(map(str.__contains__, merges, itertools.repeat(" "))):
+        it = iter(words)
+        return list(zip(it, it))
+    return [tuple(m.split(" ", 1)) for m in merges]
+
+
 class GGUFTokenizer:
     """``encode(text) -> list[int]``, ``decode(ids) -> str`` and ``apply_chat_template(messages)``."""
 
@@ -52,7 +64,7 @@ class GGUFTokenizer:
         types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         self._tokens: list[str] = list(tokens)
         vocab = {t: i for i, t in enumerate(self._tokens)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        pairs = _merge_pairs(merges)
         tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if pre == "qwen2":
