@@ -8,6 +8,7 @@ whatever is still being produced).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from typing import Any, Optional, TextIO
@@ -70,6 +71,9 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
     except (PagedKVError, ValueError, TypeError, ImportError) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return 2
+    # What is loaded now lives until exit: keep it out of every later garbage collection (a full
+    # collection walked ~100k module/tokenizer objects inside the first step).
+    gc.freeze()
     t0 = time.perf_counter()
     n_out = 0
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from typing import Optional
 
@@ -84,6 +85,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (PagedKVError, ValueError, TypeError, OSError) as e:
         print(f"pagedkv serve: {e}", file=sys.stderr)
         return 2
+    gc.freeze()  # the model, tokenizer and app live until exit: out of every later collection's walk
     serve(app, host=args.host, port=args.port, grace=args.shutdown_grace, log_level=args.log_level)
     return 0
 

@@ -26,7 +26,6 @@ fixed-bucket histograms; ``stats()`` reports them with the scheduler's and the K
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 import inspect
@@ -57,6 +56,8 @@ from pagedkv_rs.engine.sampling import sample, top_logprobs
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 if TYPE_CHECKING:
+    import asyncio  # imported where a stream is read asynchronously: ~45 ms of start-up otherwise
+
     from pagedkv_rs.tiers import KVTiers
 
 __all__ = ["Model", "LLMEngine", "RequestStream"]
@@ -183,6 +184,8 @@ class RequestStream:
         return self._aiter()
 
     async def _aiter(self) -> AsyncIterator[RequestOutput]:
+        import asyncio
+
         with self._cond:
             self._loop = asyncio.get_running_loop()
             self._event = asyncio.Event()
