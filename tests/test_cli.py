@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import pagedkv_rs
 from pagedkv_rs.cli import main as cli
 
@@ -36,6 +38,18 @@ def test_bench_kernel_tiny(capsys):
     ]
     assert [r[0] for r in rows] == ["A", "A", "Long", "SmolLM2", "SmolLM2", "Prefill"]
     assert all(float(r[3]) > 0 and float(r[-1]) > 0 for r in rows)  # time ms and x numpy measured
+    assert "memory read bandwidth over all 6 probes: median" in out  # one probe per config and round
+    lo, hi = (float(x) for x in rows[0][7].split("-"))
+    assert 0 < lo <= float(rows[0][6]) <= hi  # the median ratio lies in its rounds' range
+
+
+def test_bench_kernel_rounds_pair_each_probe_with_a_timing(capsys):
+    assert cli.main(["bench", "kernel", "--tiny", "--threads", "1", "--only", "A", "--rounds", "3", "--no-scalar"]) == 0
+    out = capsys.readouterr().out
+    assert "3 rounds of a memory-bandwidth probe" in out
+    assert "memory read bandwidth over all 6 probes" in out  # A has two dtype rows
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "kernel", "--tiny", "--rounds", "0"])
 
 
 def test_bench_linear_one_round(capsys):
