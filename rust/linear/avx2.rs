@@ -22,7 +22,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Args, MR, PANEL, QBLOCK};
+use super::{Args, Scales, MR, PANEL, QBLOCK};
 
 /// All row tiles of panels `p0..p0+np`.
 ///
@@ -55,19 +55,41 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
 /// # Safety
 /// As for `job`; rows `r0..r0+R` are inside the activations, panel `p` exists, and with
 /// `WIDE = false` every code of the weight is <= 15.
-#[target_feature(enable = "avx2,fma")]
+/// Eight `d` at scale index `at` and the eight `m` PANEL after them, as f32.
+///
+/// # Safety
+/// AVX2 and F16C are available and `at + PANEL + 8 <= scales.len()`.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
+    debug_assert!(at + PANEL + 8 <= scales.len());
+    // SAFETY: the caller's bounds: both 8-wide reads are inside the scales.
+    unsafe {
+        match scales {
+            Scales::F32(v) => {
+                let sp = v.as_ptr().add(at);
+                (_mm256_loadu_ps(sp), _mm256_loadu_ps(sp.add(PANEL)))
+            }
+            Scales::F16(v) => {
+                let sp = v.as_ptr().add(at);
+                (
+                    _mm256_cvtph_ps(_mm_loadu_si128(sp as *const __m128i)),
+                    _mm256_cvtph_ps(_mm_loadu_si128(sp.add(PANEL) as *const __m128i)),
+                )
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize) {
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
     // A panel's codes: k*PANEL bytes, or k*PANEL/2 in the 4-bit layout (WIDE is false exactly then).
     let line = if WIDE { k * PANEL } else { k * PANEL / 2 };
-    // SAFETY: panel p exists: `line` code bytes and nb*2*PANEL scales from these offsets.
-    let (codes, scales) = unsafe {
-        (
-            a.w.codes.as_ptr().add(p * line),
-            a.w.scales.as_ptr().add(p * nb * 2 * PANEL),
-        )
-    };
+    // SAFETY: panel p exists: `line` code bytes from this offset (and nb*2*PANEL scales from p*nb*2*PANEL).
+    let codes = unsafe { a.w.codes.as_ptr().add(p * line) };
+    let scales = p * nb * 2 * PANEL;
     let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
     let ones = _mm256_set1_epi16(1);
     let sixteens = _mm256_set1_epi16(16);
@@ -116,11 +138,9 @@ unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize) 
             }
         }
         for v in 0..2 {
-            // SAFETY: block b of panel p: 16 `d` then 16 `m`; vector v is 8 of each.
-            let (dv, mv) = unsafe {
-                let sp = scales.add(b * 2 * PANEL + v * 8);
-                (_mm256_loadu_ps(sp), _mm256_loadu_ps(sp.add(PANEL)))
-            };
+            // SAFETY: block b of panel p: 16 `d` then 16 `m`; vector v is 8 of each (F16C is part of
+            // the AVX2 ISA's detection).
+            let (dv, mv) = unsafe { load_scales(&a.w.scales, scales + b * 2 * PANEL + v * 8) };
             for r in 0..R {
                 let dot = |digit: usize| {
                     let mut d = _mm256_madd_epi16(lo[r][digit][v], ones);

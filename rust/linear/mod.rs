@@ -97,8 +97,69 @@ pub struct QWeight {
     codes: Vec<u8>,
     /// Two codes per byte (the 4-bit layout of the module docs).
     nibbles: bool,
-    /// `panels * (k / QBLOCK) * 2 * PANEL` floats.
-    scales: Vec<f32>,
+    /// `panels * (k / QBLOCK) * 2 * PANEL` scales.
+    scales: Scales,
+}
+
+/// The `d`, `m` of a weight: f16 when every one of them is exactly an f16 (GGUF Q4_0/Q4_1/Q5_x/Q8_0
+/// scales are: half the bytes of f32, about a sixth of a 4-bit weight's), else f32. Widening an
+/// f16 is exact, so both give the same products bit for bit.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Scales {
+    F32(Vec<f32>),
+    /// f16 bit patterns.
+    F16(Vec<u16>),
+}
+
+impl Scales {
+    /// f16 when every value round-trips exactly (and is finite), else the f32 values as they are.
+    fn compact(v: Vec<f32>) -> Self {
+        use rayon::prelude::*;
+        let exact = v.par_chunks(1 << 14).all(|c| {
+            c.iter().all(|&x| {
+                let h = half::f16::from_f32(x);
+                h.is_finite() && h.to_f32().to_bits() == x.to_bits()
+            })
+        });
+        if exact {
+            Scales::F16(v.par_iter().map(|&x| half::f16::from_f32(x).to_bits()).collect())
+        } else {
+            Scales::F32(v)
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Scales::F32(v) => v.len(),
+            Scales::F16(v) => v.len(),
+        }
+    }
+    fn nbytes(&self) -> usize {
+        match self {
+            Scales::F32(v) => 4 * v.len(),
+            Scales::F16(v) => 2 * v.len(),
+        }
+    }
+    /// The 2*PANEL scales of one block of one panel from index `at`, as f32.
+    #[inline]
+    fn block(&self, at: usize) -> [f32; 2 * PANEL] {
+        let mut o = [0f32; 2 * PANEL];
+        match self {
+            Scales::F32(v) => o.copy_from_slice(&v[at..][..2 * PANEL]),
+            Scales::F16(v) => {
+                for (x, &h) in o.iter_mut().zip(&v[at..][..2 * PANEL]) {
+                    *x = half::f16::from_bits(h).to_f32();
+                }
+            }
+        }
+        o
+    }
+    #[inline]
+    fn at(&self, i: usize) -> f32 {
+        match self {
+            Scales::F32(v) => v[i],
+            Scales::F16(v) => half::f16::from_bits(v[i]).to_f32(),
+        }
+    }
 }
 
 impl QWeight {
@@ -109,7 +170,11 @@ impl QWeight {
         self.k
     }
     pub fn nbytes(&self) -> usize {
-        self.codes.len() + 4 * self.scales.len()
+        self.codes.len() + self.scales.nbytes()
+    }
+    /// True when the scales are held as f16 (see `Scales`).
+    pub fn half_scales(&self) -> bool {
+        matches!(self.scales, Scales::F16(_))
     }
     /// True when the codes are held in the 4-bit layout.
     pub fn nibbles(&self) -> bool {
@@ -168,7 +233,7 @@ impl QWeight {
             k,
             codes: pc,
             nibbles,
-            scales: ps,
+            scales: Scales::compact(ps),
         }
     }
 
@@ -192,9 +257,9 @@ impl QWeight {
                 }
             }
             for b in 0..nb {
-                let s = &self.scales[(p * nb + b) * 2 * PANEL..][..2 * PANEL];
-                d[row * nb + b] = s[i];
-                m[row * nb + b] = s[PANEL + i];
+                let at = (p * nb + b) * 2 * PANEL;
+                d[row * nb + b] = self.scales.at(at + i);
+                m[row * nb + b] = self.scales.at(at + PANEL + i);
             }
         }
         (codes, d, m)
@@ -279,7 +344,7 @@ impl QWeight {
             k,
             codes: pc,
             nibbles: four_bit,
-            scales: ps,
+            scales: Scales::compact(ps),
         };
         if !four_bit && top < 16 {
             // Every code fits in 4 bits after all (e.g. constant blocks): the half-size layout.
@@ -449,7 +514,7 @@ fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
     let (k, nb, n) = (a.w.k, a.w.blocks(), a.w.n);
     let line = if a.w.nibbles { k * PANEL / 2 } else { k * PANEL };
     let codes = &a.w.codes[p * line..][..line];
-    let scales = &a.w.scales[p * nb * 2 * PANEL..][..nb * 2 * PANEL];
+    let scales = p * nb * 2 * PANEL; // this panel's first scale
     for r in r0..r0 + mr {
         let (hi, lo) = (&a.acts.hi[r * k..][..k], &a.acts.lo[r * k..][..k]);
         let mut acc = [0f32; PANEL];
@@ -482,7 +547,7 @@ fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
                     }
                 }
             }
-            let sc = &scales[b * 2 * PANEL..][..2 * PANEL];
+            let sc = a.w.scales.block(scales + b * 2 * PANEL);
             let rb = r * nb + b;
             let (sh, sl, qs) = (a.acts.s_hi[rb], a.acts.s_lo[rb], a.acts.qs[rb]);
             for i in 0..PANEL {

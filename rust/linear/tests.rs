@@ -400,6 +400,14 @@ fn gguf_parts_pack_as_decode_then_from_parts() {
         assert!(got.nibbles() || !four, "case {case}");
         assert_eq!(got.unpack(), want.unpack(), "case {case}");
         assert_eq!(got.codes, want.codes, "case {case}");
+        assert_eq!(got.scales, want.scales, "case {case}");
+        // Q4_0/Q4_1/Q5_x/Q8_0 blocks' d and m are f16 numbers (or exact multiples of one by a power of two).
+        if parts
+            .iter()
+            .all(|p| matches!(p.0, "Q4_0" | "Q4_1" | "Q5_0" | "Q5_1" | "Q8_0"))
+        {
+            assert!(got.half_scales(), "case {case}");
+        }
     }
     // Q8_0 rows whose codes all happen to be < 16 (q = -128..-113) take the 4-bit layout, as from_parts.
     let mut raw = random_gguf_rows(&mut r, "Q8_0", 3, 64);
@@ -418,4 +426,45 @@ fn gguf_parts_pack_as_decode_then_from_parts() {
     bad[20 + 20..20 + 22].copy_from_slice(&f16::INFINITY.to_le_bytes()); // row 1, block 0, d
     let e = QWeight::from_gguf_parts(&[("Q4_1", &good, 2), ("Q4_1", &bad, 2)], 64).unwrap_err();
     assert_eq!(e.to_string(), "part 1: row 1, block 0: scale is not finite");
+}
+
+/// Scales that are all f16 values are held as f16 (half their bytes) and give the products of the
+/// same values held as f32, bit for bit, on every ISA and in both code layouts; one scale that is
+/// not an f16 keeps the whole weight in f32.
+#[test]
+fn half_scales_give_the_f32_products_bit_for_bit() {
+    let mut r = Rng(0xf16);
+    for case in 0..16 {
+        let n = [1, 15, 16, 17, 40][r.below(5)];
+        let k = 32 * (1 + r.below(5));
+        let m = [1, 2, 5, 33][r.below(4)];
+        let nb = k / QBLOCK;
+        let top = if case % 2 == 0 { 16 } else { 256 }; // the 4-bit layout, then the 8-bit one
+        let codes: Vec<u8> = (0..n * k).map(|_| r.below(top) as u8).collect();
+        let h = |v: f32| f16::from_f32(v).to_f32();
+        let d: Vec<f32> = (0..n * nb).map(|_| h(r.uniform() * 0.01)).collect();
+        let mm: Vec<f32> = (0..n * nb).map(|_| h(r.uniform() * 0.05 - 0.025)).collect();
+        let w = QWeight::from_parts(n, k, &codes, &d, &mm).unwrap();
+        assert!(w.half_scales(), "case {case}");
+        assert_eq!(w.nibbles(), top == 16);
+        let mut w32 = w.clone();
+        w32.scales = Scales::F32((0..w.scales.len()).map(|i| w.scales.at(i)).collect());
+        assert_eq!(w.nbytes() + 2 * w.scales.len(), w32.nbytes());
+        assert_eq!(w.unpack(), w32.unpack());
+        assert_eq!(w.unpack(), (codes.clone(), d.clone(), mm.clone()));
+        let x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 2.0 - 1.0).collect();
+        let mut want = vec![f32::NAN; m * n];
+        linear_with(Isa::Scalar, &x, m, &w32, &mut want).unwrap();
+        for isa in crate::runtime::available_isas() {
+            for ww in [&w, &w32] {
+                let mut y = vec![f32::NAN; m * n];
+                linear_with(isa, &x, m, ww, &mut y).unwrap();
+                assert_eq!(y, want, "case {case} isa {isa:?} half {}", ww.half_scales());
+            }
+        }
+        // One m that no f16 holds: the weight keeps f32 scales.
+        let mut m2 = mm.clone();
+        m2[r.below(n * nb)] = 1.0 + f32::EPSILON;
+        assert!(!QWeight::from_parts(n, k, &codes, &d, &m2).unwrap().half_scales());
+    }
 }

@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Args, MR, PANEL, QBLOCK};
+use super::{Args, Scales, MR, PANEL, QBLOCK};
 
 /// All row tiles of panels `p0..p0+np` (np is 1 or 2).
 ///
@@ -43,7 +43,6 @@ unsafe fn tile<const R: usize, const NP: usize>(a: &Args, r0: usize, p0: usize) 
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
     let codes = a.w.codes.as_ptr();
-    let scales = a.w.scales.as_ptr();
     let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
     let mut acc = [[_mm512_setzero_ps(); NP]; R];
     for b in 0..nb {
@@ -68,10 +67,19 @@ unsafe fn tile<const R: usize, const NP: usize>(a: &Args, r0: usize, p0: usize) 
             }
         }
         for p in 0..NP {
-            // SAFETY: block b of panel p0+p: 2*PANEL floats inside the scales.
+            // SAFETY: block b of panel p0+p: 2*PANEL scales inside the scales.
             let (dv, mv) = unsafe {
-                let sp = scales.add(((p0 + p) * nb + b) * 2 * PANEL);
-                (_mm512_loadu_ps(sp), _mm512_loadu_ps(sp.add(PANEL)))
+                let at = ((p0 + p) * nb + b) * 2 * PANEL;
+                match &a.w.scales {
+                    Scales::F32(v) => (
+                        _mm512_loadu_ps(v.as_ptr().add(at)),
+                        _mm512_loadu_ps(v.as_ptr().add(at + PANEL)),
+                    ),
+                    Scales::F16(v) => (
+                        _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i)),
+                        _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at + PANEL) as *const __m256i)),
+                    ),
+                }
             };
             for r in 0..R {
                 let rb = (r0 + r) * nb + b;

@@ -276,3 +276,22 @@ def test_fuzz_against_reference(m, n, kb, seed, scale, q4):
     x = (rng.standard_normal((m, k)) * scale).astype(np.float32)
     want = reference.qlinear(x, *q.unpack())
     np.testing.assert_allclose(q(x), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()) + 1e-30)
+
+
+def test_gguf_q4_1_and_q8_0_weights_take_about_their_file_size():
+    """Their d and m are f16 numbers: kept as f16, so a Q4_1 weight is 20 bytes per 32 (the file's own
+    size) and Q8_0 36 (file: 34); float weights' scales stay f32."""
+    rng = np.random.default_rng(3)
+    n, k = 32, 128  # two panels of 16 rows, four blocks a row
+    for ty, bb, per32 in (("Q4_1", 20, 16 + 4), ("Q8_0", 34, 32 + 4)):
+        raw = rng.integers(0, 256, (n, k // 32, bb), dtype=np.uint8)
+        raw[..., 0:2] = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float16)[..., None].view(np.uint8)
+        if ty == "Q4_1":
+            raw[..., 2:4] = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float16)[..., None].view(np.uint8)
+        q = QLinear.from_gguf(raw.reshape(n, -1), ty, k)
+        assert q.nbytes == n * k // 32 * per32, ty
+        _codes, d, m = q.unpack()
+        np.testing.assert_array_equal(d, d.astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(m, m.astype(np.float16).astype(np.float32))
+    q = QLinear.from_float(rng.standard_normal((n, k)).astype(np.float32))
+    assert q.nbytes == n * k + n * k // 32 * 2 * 4  # 8-bit codes, f32 scales
