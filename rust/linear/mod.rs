@@ -41,6 +41,10 @@
 //! The scalar and AVX2 tiles read it (the AVX2 one unpacks a line with two masks and runs its exact
 //! single-`vpmaddubsw` mode; the VNNI build hands such weights to the AVX2 tile); the integer dots and
 //! the float sums are the same, so the results are bit for bit those of the 8-bit layout.
+//!
+//! Scales (`Scales`): f16 when every `d` and `m` of a weight is exactly an f16 (GGUF Q4_0, Q4_1,
+//! Q5_0, Q5_1, Q8_0 scales are), widened on load (F16C `vcvtph2ps`), else f32; widening is exact,
+//! so the products are the same bit for bit. A Q4_1 weight then takes 20 bytes per 32, as in the file.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
