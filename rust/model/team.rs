@@ -85,11 +85,14 @@ impl Team {
         Ok(())
     }
 
-    /// Claim and run jobs of `p` while `generation`'s counter has any left.
+    /// Claim and run jobs of `p` while `generation`'s counter has any left (`p` is dereferenced
+    /// only after a claim succeeds).
     ///
     /// # Safety
-    /// `p` is the product published under `generation`, alive until its `done` reaches `jobs`.
-    unsafe fn claim_all(&self, generation: u64, p: &Product) {
+    /// `p` was read from `self.product` after `generation` was read from the word (or is the
+    /// leader's own product of that generation): whenever a claim of `generation` succeeds, `p`
+    /// is then the live product of that generation (see the module docs).
+    unsafe fn claim_all(&self, generation: u64, p: *const Product) {
         let mut w = self.word.load(SeqCst);
         loop {
             let (jobs, next) = ((w >> 16) & 0xffff, w & 0xffff);
@@ -99,8 +102,8 @@ impl Team {
             match self.word.compare_exchange(w, w + 1, SeqCst, SeqCst) {
                 Ok(_) => {
                     // SAFETY: job `next` of this generation was claimed by this thread alone
-                    // (the counter moved past it), and `next < jobs`.
-                    unsafe { p.run(next as usize) };
+                    // (the counter moved past it), `next < jobs`, and `p` is live (contract).
+                    unsafe { (*p).run(next as usize) };
                     self.done.fetch_add(1, SeqCst);
                     w += 1;
                 }
@@ -123,7 +126,13 @@ impl Team {
                 // pointer only after every job of its generation is claimed and done, so any job
                 // this thread runs belongs to the product `ptr` points to, alive until `done`
                 // counts it.
-                unsafe { self.claim_all(w >> 32, &*ptr) };
+                unsafe { self.claim_all(w >> 32, ptr) };
+                idle_since = None;
+                turns = 0;
+                continue;
+            }
+            // Any rayon job the leader's own parallel loops (attention) left.
+            if rayon::yield_now() == Some(rayon::Yield::Executed) {
                 idle_since = None;
                 turns = 0;
                 continue;
@@ -137,11 +146,8 @@ impl Team {
             if since.elapsed() > IDLE_LEAVE {
                 return;
             }
-            // Any rayon job the leader's own parallel loops (attention) left, else give the
-            // core to whoever else wants it.
-            if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                std::thread::yield_now();
-            }
+            // Give the core to whoever else wants it.
+            std::thread::yield_now();
         }
     }
 }
@@ -168,5 +174,55 @@ pub fn with_team<R: Send>(pool: &rayon::ThreadPool, f: impl FnOnce(&Team) -> R +
     match out.into_inner().unwrap_or_else(|e| e.into_inner()) {
         Some(r) => r,
         None => unreachable!("broadcast runs index 0 once"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::linear::{self, QWeight};
+    use crate::runtime;
+    use crate::testing::Rng;
+
+    #[test]
+    fn team_products_equal_linear_for_any_thread_count() {
+        let mut r = Rng(0x7ea4);
+        let isa = runtime::detected_isa();
+        for threads in [1, 2, 3, 5] {
+            let pool = runtime::build_pool(threads).unwrap();
+            let ws: Vec<QWeight> = [(40, 64), (700, 32), (16, 96)]
+                .iter()
+                .map(|&(n, k)| {
+                    let w: Vec<f32> = (0..n * k).map(|_| r.uniform()).collect();
+                    QWeight::from_f32(&w, n, k).unwrap()
+                })
+                .collect();
+            let xs: Vec<Vec<f32>> = ws
+                .iter()
+                .map(|w| (0..2 * w.k()).map(|_| r.uniform()).collect())
+                .collect();
+            let got: Vec<Vec<f32>> = with_team(&pool, |team| {
+                assert_eq!(team.threads(), threads);
+                // Many small products back to back, as a decode step runs them.
+                let mut outs = Vec::new();
+                for round in 0..50 {
+                    for (w, x) in ws.iter().zip(&xs) {
+                        let mut out = vec![f32::NAN; 2 * w.n()];
+                        team.run(&Product::new(isa, x, 2, w, &mut out, team.threads()).unwrap())
+                            .unwrap();
+                        if round == 49 {
+                            outs.push(out);
+                        }
+                    }
+                }
+                outs
+            });
+            for ((w, x), g) in ws.iter().zip(&xs).zip(&got) {
+                let mut want = vec![0f32; 2 * w.n()];
+                linear::linear_with(isa, x, 2, w, &mut want).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(g), bits(&want), "threads={threads} n={}", w.n());
+            }
+        }
     }
 }
