@@ -232,6 +232,8 @@ class LlamaDecoder:
         rms_eps: float,
         rope_mode: str = "half",
         sliding_window: Optional[int] = None,
+        final_norm: Optional[_F32] = None,
+        lm_head: Optional[QLinear] = None,
     ) -> LlamaDecoder: ...
     @property
     def num_layers(self) -> int: ...
@@ -245,4 +247,15 @@ class LlamaDecoder:
     def head_dim(self) -> int: ...
     @property
     def intermediate_size(self) -> int: ...
+    @property
+    def vocab_size(self) -> Optional[int]: ...
     def forward_hidden(self, x: _F32, batch: Any, kv_caches: _KVPairs, *, spin: bool = False) -> _F32: ...
+    def forward(
+        self,
+        x: _F32,
+        batch: Any,
+        kv_caches: _KVPairs,
+        logits_indices: Optional[Sequence[int]] = None,
+        *,
+        spin: bool = False,
+    ) -> npt.NDArray[np.float32]: ...

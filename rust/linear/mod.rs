@@ -632,6 +632,76 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
     Ok(())
 }
 
+/// One product `out[m, n] = x[m, k] · Wᵀ` cut into column jobs that the caller schedules on
+/// threads of its own (the decoder's step team): the activations quantized once, then each job
+/// `0..jobs()` run exactly once, on any thread, in any order. The results are `linear`'s bits
+/// (each output column is computed by the same tile code whichever job runs it).
+pub struct Product<'a> {
+    isa: Isa,
+    acts: QActs,
+    w: &'a QWeight,
+    m: usize,
+    out: SendPtr,
+    panels_per_job: usize,
+    _out: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+impl<'a> Product<'a> {
+    /// Check the shapes and quantize `x` (on this thread); `threads` sizes the jobs (about 16 a
+    /// thread, at least `JOB_PANELS` panels each).
+    pub fn new(isa: Isa, x: &[f32], m: usize, w: &'a QWeight, out: &'a mut [f32], threads: usize) -> Result<Self> {
+        let (n, k) = (w.n, w.k);
+        if x.len() != m * k {
+            return Err(Error::Invalid(format!("x must be [{m}, {k}], got {} values", x.len())));
+        }
+        if out.len() != m * n {
+            return Err(Error::Invalid(format!(
+                "out must be [{m}, {n}], got {} values",
+                out.len()
+            )));
+        }
+        let acts = if variant(isa) == Isa::Scalar {
+            quantize_acts(x, m, k)
+        } else {
+            quantize_fast(x, m, k)
+        };
+        let panels_per_job = JOB_PANELS.max(w.panels().div_ceil(16 * threads.max(1)));
+        Ok(Product {
+            isa,
+            acts,
+            w,
+            m,
+            out: SendPtr(out.as_mut_ptr()),
+            panels_per_job,
+            _out: std::marker::PhantomData,
+        })
+    }
+
+    /// Number of jobs (0 when `m` is 0).
+    pub fn jobs(&self) -> usize {
+        if self.m == 0 {
+            0
+        } else {
+            self.w.panels().div_ceil(self.panels_per_job)
+        }
+    }
+
+    /// Run job `j`.
+    ///
+    /// # Safety
+    /// `j < jobs()`, and no other thread runs job `j` of this product at the same time (jobs
+    /// write disjoint column ranges of `out`, which this product borrows mutably).
+    pub unsafe fn run(&self, j: usize) {
+        let a = Args {
+            acts: &self.acts,
+            w: self.w,
+            out: self.out.get(),
+        };
+        let p0 = j * self.panels_per_job;
+        run_job(self.isa, &a, self.m, p0, self.panels_per_job.min(self.w.panels() - p0));
+    }
+}
+
 /// `quantize_acts`, with AVX-512 or AVX2 where the CPU has it (identical results).
 fn quantize_fast(x: &[f32], m: usize, k: usize) -> QActs {
     #[cfg(target_arch = "x86_64")]

@@ -468,3 +468,33 @@ fn half_scales_give_the_f32_products_bit_for_bit() {
         assert!(!QWeight::from_parts(n, k, &codes, &d, &m2).unwrap().half_scales());
     }
 }
+
+#[test]
+fn product_jobs_in_any_order_equal_linear() {
+    let mut r = Rng(0x5eed_0042);
+    for isa in crate::runtime::available_isas() {
+        for &(n, k, m, threads) in &[(1, 32, 1, 2), (100, 64, 1, 2), (700, 96, 3, 3), (40, 32, 0, 1)] {
+            let w = random_weight(&mut r, n, k);
+            let x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 3.0).collect();
+            let mut want = vec![f32::NAN; m * n];
+            linear_with(isa, &x, m, &w, &mut want).unwrap();
+            let mut got = vec![f32::NAN; m * n];
+            let p = Product::new(isa, &x, m, &w, &mut got, threads).unwrap();
+            assert!(p.jobs() <= 16 * threads.max(1) + 1 && (m == 0) == (p.jobs() == 0));
+            for j in (0..p.jobs()).rev() {
+                // SAFETY: each job index once, on this thread alone.
+                unsafe { p.run(j) };
+            }
+            drop(p);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{isa:?} n={n} k={k} m={m}"
+            );
+        }
+    }
+    let w = random_weight(&mut r, 8, 32);
+    let mut out = vec![0f32; 8];
+    assert!(Product::new(Isa::Scalar, &[0.0; 31], 1, &w, &mut out, 2).is_err());
+    assert!(Product::new(Isa::Scalar, &[0.0; 32], 1, &w, &mut out[..7], 2).is_err());
+}

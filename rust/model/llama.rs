@@ -20,10 +20,16 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use super::team::{with_team, Team};
 use crate::attention::{self, Batch, CacheShape, Kv, KvMut, Params};
 use crate::error::{Error, Result};
-use crate::linear::{self, QWeight};
+use crate::linear::{self, Product, QWeight};
 use crate::{ops, runtime};
+
+/// Steps of at most this many tokens run their products on the step team (`team.rs`); larger
+/// ones hand them to rayon (their products are long enough to amortize a worker's wake-up, and
+/// work stealing balances them better on a loaded machine).
+pub const TEAM_MAX_TOKENS: usize = 4;
 
 /// Which elements RoPE rotates together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +83,13 @@ pub struct Decoder {
     ffn: usize,
     eps: f32,
     sliding_window: Option<usize>,
+    head: Option<Head>,
+}
+
+/// The output head: the final RMSNorm and the vocabulary projection `[V, H]`.
+pub struct Head {
+    pub norm: Vec<f32>,
+    pub lm_head: Arc<QWeight>,
 }
 
 /// The step's batch: what `prepare_batch` returns, as the kernels take it.
@@ -174,7 +187,28 @@ impl Decoder {
             ffn,
             eps,
             sliding_window,
+            head: None,
         })
+    }
+
+    /// Attach the output head (`forward_logits` needs it): `norm [H]`, `lm_head [V, H]`.
+    pub fn with_head(mut self, head: Head) -> Result<Self> {
+        let h = self.hidden;
+        if head.norm.len() != h || head.lm_head.k() != h {
+            return Err(Error::Invalid(format!(
+                "the head needs final_norm [{h}] and lm_head [V, {h}], got final_norm [{}] and lm_head [{}, {}]",
+                head.norm.len(),
+                head.lm_head.n(),
+                head.lm_head.k()
+            )));
+        }
+        self.head = Some(head);
+        Ok(self)
+    }
+
+    /// Rows of the output head (the vocabulary), `None` without a head.
+    pub fn vocab_size(&self) -> Option<usize> {
+        self.head.as_ref().map(|h| h.lm_head.n())
     }
 
     pub fn num_layers(&self) -> usize {
@@ -214,6 +248,61 @@ impl Decoder {
         shape: CacheShape,
         spin: bool,
     ) -> Result<()> {
+        self.forward_then(x, batch, caches, shape, spin, |_, _| Ok(()))
+    }
+
+    /// `forward_hidden`, then the head in the same call: `logits [N, V]` of the rows `rows` (each
+    /// below `T`) of the final residual stream, `lm_head · rms_norm(x[rows], final_norm)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_logits(
+        &self,
+        x: &mut [f32],
+        batch: &StepBatch,
+        caches: &mut [(KvMut, KvMut)],
+        shape: CacheShape,
+        rows: &[usize],
+        spin: bool,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        let bad = |m: String| Err(Error::Invalid(m));
+        let Some(head) = &self.head else {
+            return bad("this decoder has no head (build it with final_norm and lm_head)".into());
+        };
+        let (t, h, v) = (batch.positions.len(), self.hidden, head.lm_head.n());
+        if let Some((i, &r)) = rows.iter().enumerate().find(|(_, &r)| r >= t) {
+            return bad(format!(
+                "logits row {i} is token {r}, not in [0, {t}) (the step's tokens)"
+            ));
+        }
+        if logits.len() != rows.len() * v {
+            return bad(format!(
+                "logits must be [{}, {v}], got {} values",
+                rows.len(),
+                logits.len()
+            ));
+        }
+        self.forward_then(x, batch, caches, shape, spin, |x, mm| {
+            let mut last = Vec::with_capacity(rows.len() * h);
+            for &r in rows {
+                last.extend_from_slice(&x[r * h..][..h]);
+            }
+            let mut hn = vec![0f32; last.len()];
+            ops::rms_norm(&last, h, &head.norm, self.eps, None, &mut hn)?;
+            mm.linear(&hn, rows.len(), &head.lm_head, logits)
+        })
+    }
+
+    /// Check, run every layer, then `tail(x)` on the residual stream, all on the kernel pool
+    /// (inside one spinning region when `spin`).
+    fn forward_then(
+        &self,
+        x: &mut [f32],
+        batch: &StepBatch,
+        caches: &mut [(KvMut, KvMut)],
+        shape: CacheShape,
+        spin: bool,
+        tail: impl FnOnce(&[f32], Mm) -> Result<()> + Send,
+    ) -> Result<()> {
         let t = batch.positions.len();
         self.check(x, batch, caches.len(), shape)?;
         // The attention inputs are checked before the first cache write, so a bad batch leaves
@@ -222,15 +311,22 @@ impl Decoder {
         let (kc, vc) = &caches[0];
         attention::validate(&view(kc), &view(vc), &shape, &self.attention_batch(&q, batch), q.len())?;
         if t == 0 {
-            return Ok(());
+            return tail(x, Mm::Rayon);
         }
-        runtime::pool()?.install(|| {
-            if spin {
-                with_spinning_workers(|| self.run(x, batch, caches, shape, q))
-            } else {
-                self.run(x, batch, caches, shape, q)
-            }
-        })
+        let pool = runtime::pool()?;
+        if t <= TEAM_MAX_TOKENS && pool.current_num_threads() > 1 && !spin {
+            let isa = linear::active_isa()?;
+            return with_team(&pool, |team| {
+                let mm = Mm::Team(team, isa);
+                self.run(x, batch, caches, shape, q, mm)?;
+                tail(x, mm)
+            });
+        }
+        let body = || -> Result<()> {
+            self.run(x, batch, caches, shape, q, Mm::Rayon)?;
+            tail(x, Mm::Rayon)
+        };
+        pool.install(|| if spin { with_spinning_workers(body) } else { body() })
     }
 
     fn check(&self, x: &[f32], b: &StepBatch, num_caches: usize, shape: CacheShape) -> Result<()> {
@@ -298,6 +394,7 @@ impl Decoder {
         caches: &mut [(KvMut, KvMut)],
         shape: CacheShape,
         mut q: Vec<f32>,
+        mm: Mm,
     ) -> Result<()> {
         let t = b.positions.len();
         let (h, d, f) = (self.hidden, self.head_dim, self.ffn);
@@ -317,7 +414,7 @@ impl Decoder {
             } else {
                 ops::rms_norm(&delta, h, &layer.attn_norm, self.eps, Some(x), &mut hn)?;
             }
-            linear::linear(&hn, t, &layer.wqkv, &mut qkv)?;
+            mm.linear(&hn, t, &layer.wqkv, &mut qkv)?;
             if let Some(bias) = &layer.bqkv {
                 for row in qkv.chunks_exact_mut(nq + 2 * nkv) {
                     for (a, &c) in row.iter_mut().zip(bias) {
@@ -335,16 +432,32 @@ impl Decoder {
             attention::write_kv(reborrow(kc), reborrow(vc), shape, &k, &v, b.slot_mapping)?;
             let batch = self.attention_batch(&q, b);
             attention::paged_attention(view(kc), view(vc), shape, batch, params, &mut attn)?;
-            linear::linear(&attn, t, &layer.wo, &mut o)?;
+            mm.linear(&attn, t, &layer.wo, &mut o)?;
             ops::rms_norm(&o, h, &layer.ffn_norm, self.eps, Some(x), &mut hn)?;
-            linear::linear(&hn, t, &layer.w_gate_up, &mut gu)?;
+            mm.linear(&hn, t, &layer.w_gate_up, &mut gu)?;
             ops::silu_and_mul(&gu, f, &mut act)?;
-            linear::linear(&act, t, &layer.w_down, &mut delta)?;
+            mm.linear(&act, t, &layer.w_down, &mut delta)?;
         }
         for (a, &c) in x.iter_mut().zip(&delta) {
             *a += c;
         }
         Ok(())
+    }
+}
+
+/// Who runs a step's weight products: rayon's pool, or the step team (the same bits either way).
+#[derive(Clone, Copy)]
+enum Mm<'t> {
+    Rayon,
+    Team(&'t Team, runtime::Isa),
+}
+
+impl Mm<'_> {
+    fn linear(self, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
+        match self {
+            Mm::Rayon => linear::linear(x, m, w, out),
+            Mm::Team(team, isa) => team.run(&Product::new(isa, x, m, w, out, team.threads())?),
+        }
     }
 }
 

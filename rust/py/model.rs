@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use numpy::PyArrayMethods;
+use numpy::{PyArray2, PyArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
@@ -11,8 +11,9 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use super::arrays::{cache_pair_mut, kv_mut, readonly, slice_of, typed, Raw};
 use super::linear::QLinear;
 use super::type_name;
+use crate::attention::KvMut;
 use crate::attention::{CacheShape, DType};
-use crate::model::{Decoder, Layer, RopeMode, StepBatch};
+use crate::model::{Decoder, Head, Layer, RopeMode, StepBatch};
 
 /// A Llama-architecture decoder stack over `QLinear` weights (shared, not copied).
 ///
@@ -50,7 +51,7 @@ fn table(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(Vec<f32>, Vec<usize>)>
 #[pymethods]
 impl LlamaDecoder {
     #[new]
-    #[pyo3(signature = (layers, cos, sin, *, num_heads, num_kv_heads, rms_eps, rope_mode = "half", sliding_window = None))]
+    #[pyo3(signature = (layers, cos, sin, *, num_heads, num_kv_heads, rms_eps, rope_mode = "half", sliding_window = None, final_norm = None, lm_head = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -62,6 +63,8 @@ impl LlamaDecoder {
         rms_eps: f64,
         rope_mode: &str,
         sliding_window: Option<i64>,
+        final_norm: Option<&Bound<'_, PyAny>>,
+        lm_head: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let seq: Vec<Bound<'_, PyAny>> = layers
             .try_iter()
@@ -106,8 +109,26 @@ impl LlamaDecoder {
             .map(|w| pos_int("sliding_window", w.min(1 << 20)))
             .transpose()?;
         let rope = RopeMode::parse(rope_mode).map_err(PyErr::from)?;
+        let head = match (final_norm.filter(|v| !v.is_none()), lm_head.filter(|v| !v.is_none())) {
+            (None, None) => None,
+            (Some(n), Some(w)) => Some(Head {
+                norm: vector(n, "final_norm")?,
+                lm_head: qweight(w, "lm_head")?,
+            }),
+            _ => {
+                return Err(PyValueError::new_err(
+                    "final_norm and lm_head come together (both or neither)",
+                ))
+            }
+        };
         let dec = py
-            .detach(|| Decoder::new(out, c, s, cs[1], rope, hq, hkv, rms_eps as f32, window))
+            .detach(|| {
+                let d = Decoder::new(out, c, s, cs[1], rope, hq, hkv, rms_eps as f32, window)?;
+                match head {
+                    Some(h) => d.with_head(h),
+                    None => Ok(d),
+                }
+            })
             .map_err(PyErr::from)?;
         Ok(LlamaDecoder { inner: Arc::new(dec) })
     }
@@ -137,6 +158,11 @@ impl LlamaDecoder {
         self.inner.intermediate_size()
     }
 
+    #[getter]
+    fn vocab_size(&self) -> Option<usize> {
+        self.inner.vocab_size()
+    }
+
     /// Every layer over one step: `x` float32 `[T, H]` (the embedded tokens) becomes the residual
     /// stream after the last layer, in place, and is returned. `batch` has `positions`,
     /// `slot_mapping` (int64 `[T]`), `block_tables` (int32 `[B, max_blocks]`), `seq_lens` (int32
@@ -154,6 +180,106 @@ impl LlamaDecoder {
         kv_caches: &Bound<'py, PyAny>,
         spin: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let dec = &self.inner;
+        self.with_step(py, x, batch, kv_caches, |xs, step, caches, shape| {
+            dec.forward_hidden(xs, step, caches, shape, spin)
+        })?;
+        Ok(x.clone())
+    }
+
+    /// `forward_hidden`, then the head (`final_norm`, `lm_head`) in the same GIL-free call:
+    /// float32 logits `[N, V]` of the tokens `logits_indices` (ints into the step's `T` tokens;
+    /// None: each sequence's last token, `query_start_loc[1:] - 1`). `x` is left holding the
+    /// residual stream as `forward_hidden` leaves it.
+    #[pyo3(signature = (x, batch, kv_caches, logits_indices = None, *, spin = false))]
+    fn forward<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        batch: &Bound<'py, PyAny>,
+        kv_caches: &Bound<'py, PyAny>,
+        logits_indices: Option<&Bound<'py, PyAny>>,
+        spin: bool,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let dec = &self.inner;
+        let v = dec.vocab_size().ok_or_else(|| {
+            PyValueError::new_err("this LlamaDecoder has no head: build it with final_norm and lm_head")
+        })?;
+        let rows: Vec<usize> = match logits_indices.filter(|o| !o.is_none()) {
+            Some(o) => {
+                let ints: Vec<i64> = o.extract().map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "logits_indices must be a sequence of ints, got {}",
+                        type_name(o)
+                    ))
+                })?;
+                ints.iter()
+                    .enumerate()
+                    .map(|(i, &r)| {
+                        usize::try_from(r)
+                            .map_err(|_| PyValueError::new_err(format!("logits_indices[{i}] = {r} is negative")))
+                    })
+                    .collect::<PyResult<_>>()?
+            }
+            None => {
+                let qsl_o = batch
+                    .getattr("query_start_loc")
+                    .map_err(|_| PyTypeError::new_err("batch has no 'query_start_loc' (pass a BatchInputs)"))?;
+                let qsl = typed::<i32>(&qsl_o, "batch.query_start_loc", 1, "int32")?;
+                let g = readonly::<i32>(&qsl, "batch.query_start_loc")?;
+                let q = slice_of(&g, "batch.query_start_loc")?;
+                let mut rows = Vec::with_capacity(q.len().saturating_sub(1));
+                for (i, w) in q.windows(2).enumerate() {
+                    if w[1] <= w[0] || w[0] < 0 {
+                        return Err(PyValueError::new_err(format!(
+                            "sequence {i} has no token this step (query_start_loc {} -> {}): pass logits_indices",
+                            w[0], w[1]
+                        )));
+                    }
+                    rows.push(w[1] as usize - 1);
+                }
+                rows
+            }
+        };
+        let out = PyArray2::<f32>::zeros(py, [rows.len(), v], false);
+        {
+            let mut og = out
+                .try_readwrite()
+                .map_err(|e| PyValueError::new_err(format!("logits buffer: {e}")))?;
+            let logits = og
+                .as_slice_mut()
+                .map_err(|e| PyValueError::new_err(format!("logits buffer: {e}")))?;
+            self.with_step(py, x, batch, kv_caches, |xs, step, caches, shape| {
+                dec.forward_logits(xs, step, caches, shape, &rows, spin, logits)
+            })?;
+        }
+        Ok(out)
+    }
+
+    fn __repr__(&self) -> String {
+        let d = &self.inner;
+        format!(
+            "LlamaDecoder(num_layers={}, hidden_size={}, num_heads={}, num_kv_heads={}, head_dim={})",
+            d.num_layers(),
+            d.hidden_size(),
+            d.num_heads(),
+            d.num_kv_heads(),
+            d.head_dim()
+        )
+    }
+}
+
+impl LlamaDecoder {
+    /// Validate one step's arguments (see `forward_hidden`) and run `f` on them with the GIL
+    /// released.
+    fn with_step<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        batch: &Bound<'py, PyAny>,
+        kv_caches: &Bound<'py, PyAny>,
+        f: impl FnOnce(&mut [f32], &StepBatch, &mut [(KvMut, KvMut)], CacheShape) -> crate::error::Result<()> + Send,
+    ) -> PyResult<()> {
         let xr = typed::<f32>(x, "x", 2, "float32")?;
         if xr.shape[1] != self.inner.hidden_size() {
             return Err(PyValueError::new_err(format!(
@@ -305,22 +431,8 @@ impl LlamaDecoder {
             .chunks_exact(2)
             .map(|kv| unsafe { (kv_mut(&kv[0], dt, numel), kv_mut(&kv[1], dt, numel)) })
             .collect();
-        let dec = &self.inner;
-        py.detach(|| dec.forward_hidden(xs, &step, &mut caches, shape, spin))
-            .map_err(PyErr::from)?;
+        py.detach(|| f(xs, &step, &mut caches, shape)).map_err(PyErr::from)?;
         drop(xg);
-        Ok(x.clone())
-    }
-
-    fn __repr__(&self) -> String {
-        let d = &self.inner;
-        format!(
-            "LlamaDecoder(num_layers={}, hidden_size={}, num_heads={}, num_kv_heads={}, head_dim={})",
-            d.num_layers(),
-            d.hidden_size(),
-            d.num_heads(),
-            d.num_kv_heads(),
-            d.head_dim()
-        )
+        Ok(())
     }
 }

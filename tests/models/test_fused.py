@@ -113,6 +113,40 @@ def test_impl_choice():
     assert "kernel source" in fused_unavailable(w8, ref)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_equals_numpy_any_thread_count(backend, threads):
+    # Decode steps of <= TEAM_MAX_TOKENS tokens run their products on the step team, larger ones on
+    # rayon: the same bits with one kernel thread, and with more threads than this VM's two cores.
+    prev = pagedkv_rs.get_num_threads()
+    try:
+        pagedkv_rs.set_num_threads(threads)
+        w = tiny_llama_weights(seed=6, num_layers=3)
+        mgr = backend.KVCacheManager(64, 4, enable_prefix_caching=False)
+        run_pair(w, mgr, PROMPTS[:2], 6, chunk=5)
+        run_pair(w, mgr, PROMPTS[3:], 6)  # one sequence: one token a step
+    finally:
+        pagedkv_rs.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 30])
+def test_fused_head_equals_numpy_head(isa, tokens):
+    """``LlamaDecoder.forward``: layers, final norm and lm_head in one call; the numpy head's bits."""
+    w = tiny_llama_weights(seed=7, vocab_size=300)
+    models = [LlamaModel(w, impl="numpy"), LlamaModel(w, impl="fused")]
+    assert models[1]._decoder.vocab_size == 300
+    mgr = pagedkv_rs.fallback.KVCacheManager(16, 4, enable_prefix_caching=False)
+    mgr.allocate(0, list(range(1, tokens + 1)))
+    batch = mgr.prepare_batch([0], [tokens])
+    for idx in (None, np.array([tokens - 1, 0, 0]), np.array([], np.int64), [tokens // 2]):
+        caches = [m.new_kv_caches(16, 4, "float32") for m in models]
+        a, b = (m.forward(batch, c, logits_indices=idx) for m, c in zip(models, caches))
+        assert b.dtype == np.float32 and b.shape == (1 if idx is None else len(idx), 300)
+        np.testing.assert_array_equal(a, b)
+        x = np.ascontiguousarray(w.embed[batch.input_ids], np.float32)
+        direct = models[1]._decoder.forward(x, batch, models[1].new_kv_caches(16, 4, "float32"), idx)
+        np.testing.assert_array_equal(direct, b)
+
+
 # ---- bad input: clear errors, never a panic, caches untouched --------------------------------
 
 
@@ -217,6 +251,54 @@ def test_forward_hidden_rejects_bad_input(tiny):
         np.testing.assert_array_equal(v0, v1)
     out = dec.forward_hidden(x, b, caches)
     assert out is x and np.isfinite(x).all()
+
+
+def test_decoder_head_rejects_bad_weights(tiny):
+    w = tiny.w
+    kw = dict(num_heads=4, num_kv_heads=2, rms_eps=1e-5)
+    head = dict(final_norm=np.ascontiguousarray(w.final_norm, np.float32), lm_head=w.lm_head.q)
+    dec = _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, **head)
+    assert dec.vocab_size == w.lm_head.q.n
+    assert _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw).vocab_size is None
+    with pytest.raises(ValueError, match="both or neither"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, lm_head=w.lm_head.q)
+    with pytest.raises(ValueError, match="both or neither"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, final_norm=head["final_norm"])
+    with pytest.raises(TypeError, match="lm_head must be a QLinear"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, final_norm=head["final_norm"], lm_head=np.zeros((9, 64)))
+    with pytest.raises(TypeError, match="final_norm must be float32"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, final_norm=np.ones(64), lm_head=w.lm_head.q)
+    with pytest.raises(ValueError, match=r"final_norm \[64\] and lm_head \[V, 64\], got final_norm \[32\]"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, final_norm=np.ones(32, np.float32), lm_head=w.lm_head.q)
+    narrow = _core.QLinear.from_float(np.ones((10, 32), np.float32))
+    with pytest.raises(ValueError, match=r"lm_head \[10, 32\]"):
+        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, final_norm=head["final_norm"], lm_head=narrow)
+
+
+def test_forward_logits_rejects_bad_input(tiny):
+    dec, b, caches, x = tiny.dec, tiny.batch, tiny.caches, tiny.x
+    before = [(k.copy(), v.copy()) for k, v in caches]
+
+    def bad(exc, match, idx=None, batch=b, d=dec):
+        with pytest.raises(exc, match=match):
+            d.forward(x.copy(), batch, caches, idx)
+
+    bad(ValueError, r"logits row 1 is token 5, not in \[0, 5\)", idx=[0, 5])
+    bad(ValueError, r"logits_indices\[0\] = -1 is negative", idx=np.array([-1]))
+    bad(TypeError, "logits_indices must be a sequence of ints", idx="ab")
+    bad(TypeError, "logits_indices must be a sequence of ints", idx=[0.5])
+    bad(ValueError, "sequence 0 has no token", batch=_with(b, query_start_loc=np.array([0, 0], np.int32)))
+    bad(TypeError, "batch has no 'query_start_loc'", batch=object())
+    bad(TypeError, "batch.query_start_loc must be int32", batch=_with(b, query_start_loc=np.array([0, 5])))
+    bad(ValueError, r"positions\[1\] = 9999", batch=_with(b, positions=np.array([0, 9999, 2, 3, 4])))
+    w = tiny.w
+    headless = _core.LlamaDecoder(_layers(w), w.cos, w.sin, num_heads=4, num_kv_heads=2, rms_eps=1e-5)
+    bad(ValueError, "has no head", d=headless)
+    for (k0, v0), (k1, v1) in zip(before, caches):  # nothing was written by a refused call
+        np.testing.assert_array_equal(k0, k1)
+        np.testing.assert_array_equal(v0, v1)
+    logits = dec.forward(x.copy(), b, caches)
+    assert logits.shape == (1, w.lm_head.q.n) and np.isfinite(logits).all()
 
 
 def test_forward_hidden_releases_the_gil():

@@ -84,6 +84,8 @@ def sample(
             f"sample: logits shape {logits.shape} does not match {len(params)} params / {len(generators)} generators"
         )
     b, v = logits.shape
+    if all(p.temperature == 0.0 and not p.has_penalties for p in params):  # greedy, nothing to adjust
+        return logits.argmax(axis=1).astype(np.int64, copy=False)
     if any(p.has_penalties for p in params):
         if output_token_ids is None or prompt_token_ids is None or stop_ids is None:
             raise ValueError("sample: penalties and min_tokens need output_token_ids, prompt_token_ids and stop_ids")

@@ -6,8 +6,9 @@ blocks for ``pagedkv_rs.QLinear``):
 - :class:`LlamaModel` implements the engine's ``Model`` protocol: one ``forward`` per step for all
   scheduled tokens of all sequences, one ``write_kv`` and one varlen ``paged_attention`` per layer.
   ``impl="numpy"`` runs it as the numpy code below (the readable spec); ``impl="fused"`` hands
-  the whole decoder stack to ``pagedkv_rs._core.LlamaDecoder``: one GIL-free Rust call per step
-  on the same kernels in the same order (int8 weights only; equal to the numpy path bit for bit).
+  the whole decoder stack, the final norm and the lm_head to ``pagedkv_rs._core.LlamaDecoder``:
+  one GIL-free Rust call per step from embedded tokens to logits, on the same kernels in the same
+  order (int8 weights only; equal to the numpy path bit for bit).
 - :class:`DenseLlama` is a plain contiguous-KV forward for tests and baselines; it shares the
   weights and the per-token math (RMSNorm, RoPE, SwiGLU) but none of the cache or attention code.
 
@@ -377,6 +378,8 @@ class LlamaModel:
             raise ValueError(f"impl='fused' is not available: {why}")
         self.impl: str = "numpy" if impl == "numpy" or why is not None else "fused"
         self._decoder = _fused_decoder(weights, self._mode) if self.impl == "fused" else None
+        # The fused call also runs the final norm and lm_head when the head is a QLinear.
+        self._fused_head = self._decoder is not None and self._decoder.vocab_size is not None
 
     def kv_fingerprint(self) -> str:
         """What the K/V depend on (for the KV tiers): SHA-256 of the GGUF file, the config, the weight
@@ -427,13 +430,25 @@ class LlamaModel:
         qsl = np.asarray(batch.query_start_loc, np.int64)
         if np.any(qsl[1:] <= qsl[:-1]):
             raise ValueError("every sequence in a forward batch needs at least one scheduled token")
+        rows = qsl[1:] - 1 if logits_indices is None else np.asarray(logits_indices, np.int64)
+        if self._fused_head:  # layers, final norm and lm_head in one GIL-free call
+            x, pos = self._embedded(batch, kv_caches)
+            return self._decoder.forward(x, _kernel_batch(batch, pos), kv_caches, rows)
         hidden = self.forward_hidden(batch, kv_caches)
-        last = hidden[qsl[1:] - 1 if logits_indices is None else np.asarray(logits_indices, np.int64)]  # [B, H]
         w = self.weights
-        return linear(rms_norm(last, w.final_norm, self.config.rms_eps), w.lm_head)
+        return linear(rms_norm(hidden[rows], w.final_norm, self.config.rms_eps), w.lm_head)  # [N, V]
 
     def forward_hidden(self, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         """Residual stream ``[T, H]`` after the last layer (before the final norm)."""
+        x, pos = self._embedded(batch, kv_caches)
+        if self._decoder is not None:
+            return self._decoder.forward_hidden(x, _kernel_batch(batch, pos), kv_caches)
+        return self._forward_hidden_numpy(x, pos, batch, kv_caches)
+
+    def _embedded(
+        self, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The step's checked ids embedded, float32 ``[T, H]`` (a copy: the residual stream), and int64 positions."""
         cfg, w = self.config, self.weights
         if len(kv_caches) != cfg.num_layers:
             raise ValueError(f"need {cfg.num_layers} (k_cache, v_cache) pairs, got {len(kv_caches)}")
@@ -444,10 +459,7 @@ class LlamaModel:
             raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
         if n and (pos.min() < 0 or pos.max() >= cfg.max_model_len):
             raise ValueError(f"positions must be in [0, {cfg.max_model_len})")
-        x = np.ascontiguousarray(w.embed[ids], np.float32)  # [T, H] (a copy: the residual stream)
-        if self._decoder is not None:
-            return self._decoder.forward_hidden(x, _kernel_batch(batch, pos), kv_caches)
-        return self._forward_hidden_numpy(x, pos, batch, kv_caches)
+        return np.ascontiguousarray(w.embed[ids], np.float32), pos
 
     def _forward_hidden_numpy(
         self, x: np.ndarray, pos: np.ndarray, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]
@@ -511,6 +523,8 @@ def _fused_decoder(weights: LlamaWeights, mode: str) -> Any:
     from pagedkv_rs import _core
 
     cfg = weights.config
+    head = weights.lm_head
+    int8_head = isinstance(head, Int8Linear)
     layers = [
         {
             "attn_norm": np.ascontiguousarray(layer["attn_norm"], np.float32),
@@ -529,6 +543,8 @@ def _fused_decoder(weights: LlamaWeights, mode: str) -> Any:
         rms_eps=cfg.rms_eps,
         rope_mode=mode,
         sliding_window=getattr(cfg, "sliding_window", None),
+        final_norm=np.ascontiguousarray(weights.final_norm, np.float32) if int8_head else None,
+        lm_head=head.q if int8_head else None,
     )
 
 
