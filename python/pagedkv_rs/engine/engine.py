@@ -146,7 +146,13 @@ class RequestStream:
                 self._event.set()
             return
         for item in self._drain():
-            listener(item)
+            try:
+                listener(item)
+            except Exception as e:  # a failing callback loses nothing else: later items and streams still go
+                assert self._loop is not None
+                self._loop.call_exception_handler(
+                    {"message": f"stream {self.request_id!r}: listener failed", "exception": e}
+                )
 
     def listen(self, callback: Any, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         """Call ``callback(item)`` on ``loop`` (default: the running one) for each output, instead of iterating.
@@ -258,10 +264,7 @@ def _wake_all(loop: asyncio.AbstractEventLoop, streams: Sequence[RequestStream])
 
     def wake() -> None:
         for s in streams:
-            try:
-                s._on_loop()
-            except Exception as e:  # one consumer's failure must not starve the others
-                loop.call_exception_handler({"message": f"stream {s.request_id!r}: listener failed", "exception": e})
+            s._on_loop()
 
     try:
         loop.call_soon_threadsafe(wake)
