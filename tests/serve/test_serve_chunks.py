@@ -1,13 +1,14 @@
-"""The SSE chunk renderer's fast path and ``pagedkv bench serve``'s SSE parser, without a server."""
+"""The SSE chunk renderer's fast path; ``pagedkv bench serve``'s SSE parser and HTTP/1.1 reader (bare sockets)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
 import pytest
 
-from pagedkv_rs.cli.bench.serve import SSEParser
+from pagedkv_rs.cli.bench.serve import HTTPStream, SSEParser
 from pagedkv_rs.serve.app import _View
 from pagedkv_rs.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -61,3 +62,76 @@ def test_sse_parser_events_split_anywhere():
         p = SSEParser()
         got = [d for i in range(0, len(stream), size) for d in p.feed(stream[i : i + size])]
         assert got == want, size
+
+
+SSE = b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
+
+
+def _chunked(body: bytes, sizes: list[int]) -> bytes:
+    out, i = b"", 0
+    for n in sizes:
+        out += b"%x;ext=1\r\n" % n + body[i : i + n] + b"\r\n"
+        i += n
+    assert i == len(body)
+    return out + b"0\r\nX-Trailer: t\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "framing",
+    ["chunked", "content-length", "close"],
+)
+def test_http_stream_reads_each_body_framing(framing):
+    if framing == "chunked":
+        head, body = b"Transfer-Encoding: chunked\r\n", _chunked(SSE, [5, 1, len(SSE) - 6])
+    elif framing == "content-length":
+        head, body = b"Content-Length: %d\r\n" % len(SSE), SSE
+    else:
+        head, body = b"", SSE
+    seen: list[bytes] = []
+
+    async def handle(reader, writer):
+        req = await reader.readuntil(b"\r\n\r\n")
+        n = int(next(ln for ln in req.split(b"\r\n") if ln.lower().startswith(b"content-length:")).split(b":")[1])
+        seen.append(req + await reader.readexactly(n))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" + head + b"\r\n")
+        for i in range(0, len(body), 7):  # the bytes arrive in small pieces
+            writer.write(body[i : i + 7])
+            await writer.drain()
+            await asyncio.sleep(0)
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            resp = await HTTPStream.post(f"http://127.0.0.1:{port}/v1/completions?x=1", b'{"k": 1}', {"A": "b"})
+            got, parser = [], SSEParser()
+            while raw := await resp.read():
+                got += parser.feed(raw)
+            await resp.close()
+            return resp, got
+
+    resp, got = asyncio.run(main())
+    assert resp.status == 200 and resp.headers["content-type"] == "text/event-stream"
+    assert got == ['{"a": 1}', '{"b": 2}', "[DONE]"]
+    req = seen[0].decode()
+    assert req.startswith("POST /v1/completions?x=1 HTTP/1.1\r\n") and "\r\nA: b\r\n" in req
+    assert "\r\nHost: 127.0.0.1:" in req and "\r\nConnection: close\r\n" in req
+    assert req.endswith('\r\n\r\n{"k": 1}')
+
+
+def test_http_stream_rejects_what_is_not_http():
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            with pytest.raises(ValueError, match="not an HTTP response"):
+                await HTTPStream.post(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/", b"{}", {})
+        with pytest.raises(ValueError, match="not an http"):
+            await HTTPStream.post("ftp://127.0.0.1/", b"{}", {})
+
+    asyncio.run(main())
