@@ -8,6 +8,7 @@ arrival interleavings, background threads) must give the same greedy tokens.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 
@@ -452,6 +453,58 @@ def test_async_streams_and_cancellation(backend):
     deadline = time.monotonic() + 10
     while e.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.01)
+    e.shutdown()
+    assert_clean(e)
+
+
+def test_listeners_get_every_output_in_order_with_one_wakeup_per_step(backend):
+    e = engine(backend, num_blocks=48, block_size=4)
+    ps = prompts(8, 6, 2, 12)
+    errors: list[dict] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+        wakeups = 0
+        real = loop.call_soon_threadsafe
+
+        def counting(cb, *args, **kw):
+            nonlocal wakeups
+            wakeups += 1
+            return real(cb, *args, **kw)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        got: dict[int, list] = {i: [] for i in range(len(ps))}
+        done = asyncio.Event()
+        left = len(ps)
+
+        def on(i, item):
+            nonlocal left
+            got[i].append(item)
+            if isinstance(item, BaseException) or item.finished:
+                left -= 1
+                if left == 0:
+                    done.set()
+            if i == 0:
+                raise RuntimeError("a broken listener")  # must not starve the other streams
+
+        streams = [e.submit(p, GREEDY) for p in ps]  # outputs may arrive before listen(): delivered too
+        for i, s in enumerate(streams):
+            s.listen(functools.partial(on, i))
+        with pytest.raises(RuntimeError, match="already has"):
+            streams[0].listen(print)
+        with pytest.raises(RuntimeError, match="already has"):
+            await streams[1].__aiter__().__anext__()
+        await asyncio.wait_for(done.wait(), 60)  # a hang guard, not a timing assertion
+        return got, wakeups
+
+    got, wakeups = asyncio.run(main())
+    for i, p in enumerate(ps):
+        items = got[i]
+        assert all(not o.finished for o in items[:-1]) and items[-1].finished
+        assert [t for o in items for t in o.new_token_ids] == items[-1].token_ids == alone(p)
+    assert len(errors) == len(got[0]) and all("broken listener" in str(c["exception"]) for c in errors)
+    assert wakeups <= e.scheduler.num_steps  # one call_soon_threadsafe per step, not one per stream
     e.shutdown()
     assert_clean(e)
 

@@ -89,12 +89,15 @@ class Model(Protocol):
 
 
 class RequestStream:
-    """Incremental ``RequestOutput``s of one request: iterate (blocking) or ``async for``.
+    """Incremental ``RequestOutput``s of one request: iterate (blocking), ``async for``, or ``listen``.
 
     The last item has ``finished=True``. Leaving the loop early (break + close, cancelling the
     task, or ``cancel()``) aborts the request. At most ``maxlen`` outputs wait unread: a later one
     is merged into the last (cumulative tokens, concatenated deltas) and the buffer counts as full
     from then until the reader takes an item (``full_since``, the engine's clock).
+
+    An asyncio consumer is woken through ``loop.call_soon_threadsafe``; a step wakes each loop once
+    for all the streams it fed (not once per stream).
     """
 
     def __init__(self, engine: LLMEngine, request_id: str, maxlen: Optional[int] = None) -> None:
@@ -104,14 +107,19 @@ class RequestStream:
         self._cond = threading.Condition()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._event: Optional[asyncio.Event] = None
+        self._listener: Optional[Any] = None  # Callable[[RequestOutput | BaseException], None]
         self.finished = False
         self.maxlen = maxlen
         self.full_since: Optional[float] = None
 
-    def _put(self, item: Union[RequestOutput, BaseException]) -> None:
+    def _put(self, item: Union[RequestOutput, BaseException], wake: bool = True) -> bool:
+        """Buffer ``item``; wake the reader now (``wake``) or let the caller batch the wake-up (``_wake_all``).
+
+        Returns whether the stream has an asyncio consumer to wake.
+        """
         with self._cond:
             if self.finished:
-                return
+                return False
             self.finished = isinstance(item, BaseException) or item.finished
             items = self._items
             if (
@@ -126,16 +134,42 @@ class RequestStream:
             else:
                 items.append(item)
             self._cond.notify_all()
-            loop, event = self._loop, self._event
-        self._notify(loop, event)
+            loop = self._loop
+        if wake and loop is not None:
+            _wake_all(loop, [self])
+        return loop is not None
 
-    @staticmethod
-    def _notify(loop: Optional[asyncio.AbstractEventLoop], event: Optional[asyncio.Event]) -> None:
-        if loop is not None and event is not None:
+    def _on_loop(self) -> None:
+        """On the consumer's loop: hand the buffered items to the listener, or wake the ``async for``."""
+        listener = self._listener
+        if listener is None:
+            if self._event is not None:
+                self._event.set()
+            return
+        for item in self._drain():
             try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the consumer's loop is closed: nobody is listening
-                pass
+                listener(item)
+            except Exception as e:  # a failing callback loses nothing else: later items and streams still go
+                assert self._loop is not None
+                self._loop.call_exception_handler(
+                    {"message": f"stream {self.request_id!r}: listener failed", "exception": e}
+                )
+
+    def listen(self, callback: Any, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """Call ``callback(item)`` on ``loop`` (default: the running one) for each output, instead of iterating.
+
+        An item is a ``RequestOutput`` (the last has ``finished=True``) or the exception the stream
+        ends with. Call it once, from the loop's thread; outputs that arrived before are delivered too.
+        The callback runs on the loop and must not block; ``cancel()`` still aborts the request.
+        """
+        loop = loop or asyncio.get_running_loop()
+        with self._cond:
+            if self._loop is not None:
+                raise RuntimeError(f"request {self.request_id!r}: the stream already has an asyncio consumer")
+            self._loop, self._listener = loop, callback
+            pending = bool(self._items)
+        if pending:
+            loop.call_soon(self._on_loop)
 
     def _expire(self, error: BaseException) -> None:
         """The lease ran out: drop the unread outputs; the next read raises ``error``."""
@@ -145,8 +179,9 @@ class RequestStream:
             self.finished = True
             self.full_since = None
             self._cond.notify_all()
-            loop, event = self._loop, self._event
-        self._notify(loop, event)
+            loop = self._loop
+        if loop is not None:
+            _wake_all(loop, [self])
 
     def _take(
         self, timeout: Optional[float] = None, asked: Optional[float] = None
@@ -187,6 +222,8 @@ class RequestStream:
         import asyncio
 
         with self._cond:
+            if self._listener is not None:
+                raise RuntimeError(f"request {self.request_id!r}: the stream already has a listener")
             self._loop = asyncio.get_running_loop()
             self._event = asyncio.Event()
         try:
@@ -223,6 +260,19 @@ class RequestStream:
         """Abort the request unless it already finished (abort cause "cancelled")."""
         if not self.finished:
             self._engine._abort(self.request_id, "cancelled")
+
+
+def _wake_all(loop: asyncio.AbstractEventLoop, streams: Sequence[RequestStream]) -> None:
+    """Wake the asyncio consumers of ``streams`` (all on ``loop``) with one ``call_soon_threadsafe``."""
+
+    def wake() -> None:
+        for s in streams:
+            s._on_loop()
+
+    try:
+        loop.call_soon_threadsafe(wake)
+    except RuntimeError:  # the consumer's loop is closed: nobody is listening
+        pass
 
 
 def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -698,12 +748,17 @@ class LLMEngine:
         return RequestOutput.from_request(req, None if self.tokenizer is None else self.tokenizer.decode)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Hand each output to its stream; then wake each asyncio loop once for all its streams."""
+        woken: dict[asyncio.AbstractEventLoop, list[RequestStream]] = {}
         for o in outputs:
             s = self._streams.get(o.request_id)
             if s is not None:
-                s._put(o)
+                if s._put(o, wake=False):
+                    woken.setdefault(s._loop, []).append(s)  # type: ignore[arg-type]
                 if o.finished:
                     del self._streams[o.request_id]
+        for loop, streams in woken.items():
+            _wake_all(loop, streams)
 
     # ------------------------------------------------------------- conveniences
     def generate(

@@ -1,9 +1,10 @@
 """The OpenAI-compatible FastAPI app over one ``LLMEngine``: ``build_app(llm_or_engine, ...)``.
 
 Each HTTP generation request is a ``_Job``: one engine request per prompt, submitted with
-``engine.submit()``; a pump task per engine stream moves outputs onto the event loop, where the
-job's writer turns the newest cumulative output of each choice into one SSE write (or, not
-streaming, waits for the last). A watchdog ticks over the live jobs: past ``request_timeout`` the job
+``engine.submit()``; each engine stream hands its outputs to the job on the event loop
+(``RequestStream.listen``: one loop wake-up per engine step for all streams), and the job's writer
+turns the newest cumulative output of each choice into one SSE write (or, not streaming, waits for
+the last). A watchdog ticks over the live jobs: past ``request_timeout`` the job
 is aborted (``timeout``); a writer stuck in ``send`` for ``stream_idle_timeout`` (a reader that
 stopped reading) is aborted (``lease_expired``); an SSE stream silent for ``keepalive_interval``
 gets a comment line, so a dead peer is noticed. A client that disconnects (the ASGI
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -57,6 +59,10 @@ _SSE_HEADERS = [
 ]
 _DONE = b"data: [DONE]\n\n"
 _PING = b": keep-alive\n\n"
+# A text no JSON string value can contain once encoded: json.dumps escapes NUL as \u0000 and every quote
+# inside a string as \", so only this very value renders as _MARK_JSON (the quotes around it included).
+_MARK = "\x00pagedkv-text\x00"
+_MARK_JSON = json.dumps(_MARK).encode()
 
 
 class _State:
@@ -104,42 +110,44 @@ class _Job:
         self.send_since: Optional[float] = None  # a send() is in progress since
         self.ping = False
         self.writer: Optional[asyncio.Task[Any]] = None
+        self.prefilled = [False] * len(streams)
         self.left = len(streams)
-        self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams)]
+        self.closed = False
+        for i, st in enumerate(streams):
+            st.listen(functools.partial(self._on_output, i))
         state.jobs.add(self)
 
     @property
     def done(self) -> bool:
         return self.left == 0
 
-    async def _pump(self, i: int, stream: Any) -> None:
-        m = self.state.metrics
-        first = True
-        try:
-            async for out in stream:
-                if first and out.finish_reason != "abort":  # the prompt was prefilled
-                    m.prompt_tokens.inc(len(out.prompt_token_ids))
-                    first = False
-                if out.new_token_ids:
-                    m.generation_tokens.inc(len(out.new_token_ids))
-                if self.streaming:
-                    self.pending[i] = out
-                    self.num_pending += 1
-                    if self.num_pending > MAX_PENDING_OUTPUTS:
-                        self.abort("lease_expired")
-                if out.finished:
-                    self.final[i] = out
-                    if out.finish_reason != "abort":  # aborts are counted by cause
-                        m.finished(out)
-                self.event.set()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self.error = e
-            self.abort("error")
-        finally:
+    def _on_output(self, i: int, item: Union[RequestOutput, BaseException]) -> None:
+        """On the event loop, for each item of engine stream ``i`` (``RequestStream.listen``)."""
+        if self.closed:
+            return
+        if isinstance(item, BaseException):
+            self.error = item
             self.left -= 1
+            self.abort("error")
             self.event.set()
+            return
+        m = self.state.metrics
+        if not self.prefilled[i] and item.finish_reason != "abort":  # the prompt was prefilled
+            m.prompt_tokens.inc(len(item.prompt_token_ids))
+            self.prefilled[i] = True
+        if item.new_token_ids:
+            m.generation_tokens.inc(len(item.new_token_ids))
+        if self.streaming:
+            self.pending[i] = item
+            self.num_pending += 1
+            if self.num_pending > MAX_PENDING_OUTPUTS:
+                self.abort("lease_expired")
+        if item.finished:
+            self.final[i] = item
+            self.left -= 1
+            if item.finish_reason != "abort":  # aborts are counted by cause
+                m.finished(item)
+        self.event.set()
 
     def abort(self, cause: str) -> None:
         """Abort every unfinished engine request of the job (frees their blocks now); counts ``cause`` once."""
@@ -161,9 +169,7 @@ class _Job:
         self.state.jobs.discard(self)
         if not self.done:
             self.abort("shutdown" if self.cause is None else self.cause)
-        for t in self.tasks:
-            if not t.done():
-                t.cancel()
+        self.closed = True
 
     def failure(self) -> Optional[APIError]:
         """The error the job ended with, if the server (not the model) ended it."""
@@ -488,6 +494,7 @@ class _View:
         self.created = int(time.time())
         self.sent_text: dict[int, int] = {}  # choice index -> characters sent
         self.sent_tokens: dict[int, int] = {}
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
         self._head = json.dumps(
             {
                 "id": rid,
@@ -534,6 +541,25 @@ class _View:
     def _chunk(self, choice: dict[str, Any]) -> bytes:
         return b"data: " + (self._head + ',"choices":[' + json.dumps(choice) + "]}").encode() + b"\n\n"
 
+    def _template(self, k: int) -> tuple[bytes, bytes]:
+        """The bytes of choice ``k``'s text-only chunk before and after its JSON-encoded text (built once)."""
+        t = self._templates.get(k)
+        if t is None:
+            c: dict[str, Any] = {"index": k}
+            if self.chat:
+                c["delta"] = {"content": _MARK}
+            else:
+                c["text"] = _MARK
+            c.update(logprobs=None, finish_reason=None)
+            pre, post = self._chunk(c).split(_MARK_JSON)  # the mark's JSON cannot occur elsewhere: see _MARK
+            t = self._templates[k] = (pre, post)
+        return t
+
+    def text_chunk(self, k: int, piece: str) -> bytes:
+        """Choice ``k``'s chunk carrying ``piece`` (no logprobs, not finished): ``_chunk`` of that choice, faster."""
+        pre, post = self._template(k)
+        return pre + json.dumps(piece).encode() + post
+
     def first(self, num_choices: int) -> bytes:
         """Chat streams open each choice with the assistant role."""
         if not self.chat:
@@ -561,6 +587,9 @@ class _View:
             self.sent_text[k] = len(text)
             lp = self._logprobs(o, self.sent_tokens.get(k, 0))
             self.sent_tokens[k] = len(o.token_ids)
+            if lp is None and fin is None:  # the common chunk: only the text changes
+                parts.append(self.text_chunk(k, piece))
+                continue
             c: dict[str, Any] = {"index": k}
             if self.chat:
                 c["delta"] = {"content": piece} if piece else {}
