@@ -1,4 +1,4 @@
-"""The SSE chunk renderer's fast path; ``pagedkv bench serve``'s SSE parser and HTTP/1.1 reader (bare sockets)."""
+"""The SSE chunk renderer's fast path; ``pagedkv bench serve``'s SSE parser and its aiohttp client (bare sockets)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedkv_rs.cli.bench.serve import HTTPStream, SSEParser
+from pagedkv_rs.cli.bench.serve import SSEParser, _one
 from pagedkv_rs.serve.app import _View
 from pagedkv_rs.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -64,7 +64,12 @@ def test_sse_parser_events_split_anywhere():
         assert got == want, size
 
 
-SSE = b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
+def _sse(texts: list[str], usage: int) -> bytes:
+    ev = [{"choices": [{"text": t}]} for t in texts] + [{"choices": [], "usage": {"completion_tokens": usage}}]
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in ev) + b"data: [DONE]\n\n"
+
+
+SSE = _sse(["He", "llo", "", " world"], 3)
 
 
 def _chunked(body: bytes, sizes: list[int]) -> bytes:
@@ -76,62 +81,69 @@ def _chunked(body: bytes, sizes: list[int]) -> bytes:
     return out + b"0\r\nX-Trailer: t\r\n\r\n"
 
 
-@pytest.mark.parametrize(
-    "framing",
-    ["chunked", "content-length", "close"],
-)
-def test_http_stream_reads_each_body_framing(framing):
-    if framing == "chunked":
-        head, body = b"Transfer-Encoding: chunked\r\n", _chunked(SSE, [5, 1, len(SSE) - 6])
-    elif framing == "content-length":
-        head, body = b"Content-Length: %d\r\n" % len(SSE), SSE
-    else:
-        head, body = b"", SSE
-    seen: list[bytes] = []
+def _serve_raw(status: bytes, head: bytes, body: bytes, seen: list[bytes]):
+    """A bare-socket HTTP/1.1 server: one canned response whose body bytes arrive 7 at a time."""
 
     async def handle(reader, writer):
         req = await reader.readuntil(b"\r\n\r\n")
         n = int(next(ln for ln in req.split(b"\r\n") if ln.lower().startswith(b"content-length:")).split(b":")[1])
         seen.append(req + await reader.readexactly(n))
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" + head + b"\r\n")
-        for i in range(0, len(body), 7):  # the bytes arrive in small pieces
+        writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/event-stream\r\n" + head + b"\r\n")
+        for i in range(0, len(body), 7):
             writer.write(body[i : i + 7])
             await writer.drain()
             await asyncio.sleep(0)
         writer.close()
 
+    return handle
+
+
+def _bench_one(handle, body: dict, stream: bool = True):
+    """``bench serve``'s request function (aiohttp) against ``handle`` on a free loopback port."""
+    import aiohttp
+
     async def main():
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        async with server:
-            resp = await HTTPStream.post(f"http://127.0.0.1:{port}/v1/completions?x=1", b'{"k": 1}', {"A": "b"})
-            got, parser = [], SSEParser()
-            while raw := await resp.read():
-                got += parser.feed(raw)
-            await resp.close()
-            return resp, got
+        async with server, aiohttp.ClientSession(headers={"A": "b"}) as session:
+            return await _one(session, f"http://127.0.0.1:{port}/v1/completions?x=1", body, stream)
 
-    resp, got = asyncio.run(main())
-    assert resp.status == 200 and resp.headers["content-type"] == "text/event-stream"
-    assert got == ['{"a": 1}', '{"b": 2}', "[DONE]"]
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("framing", ["chunked", "content-length", "close"])
+def test_bench_client_times_each_text_chunk_in_each_body_framing(framing):
+    if framing == "chunked":
+        head, body = b"Transfer-Encoding: chunked\r\n", _chunked(SSE, [5, 1, len(SSE) - 6])
+    elif framing == "content-length":
+        head, body = b"Content-Length: %d\r\n" % len(SSE), SSE
+    else:
+        head, body = b"Connection: close\r\n", SSE
+    seen: list[bytes] = []
+    r = _bench_one(_serve_raw(b"200 OK", head, body, seen), {"prompt": [1, 2, 3], "stream": True})
+    assert r.ok and not r.error, r.error
+    assert r.output_tokens == 3 and r.prompt_len == 3
+    assert len(r.itl) == 2  # three chunks with text ("" is not a token's arrival), two gaps
+    assert 0 < r.ttft <= r.latency and all(x >= 0 for x in r.itl)
     req = seen[0].decode()
     assert req.startswith("POST /v1/completions?x=1 HTTP/1.1\r\n") and "\r\nA: b\r\n" in req
-    assert "\r\nHost: 127.0.0.1:" in req and "\r\nConnection: close\r\n" in req
-    assert req.endswith('\r\n\r\n{"k": 1}')
+    assert req.endswith('{"prompt": [1, 2, 3], "stream": true}')
 
 
-def test_http_stream_rejects_what_is_not_http():
-    async def handle(reader, writer):
+def test_bench_client_reports_errors_and_non_http_replies():
+    seen: list[bytes] = []
+    r = _bench_one(_serve_raw(b"429 Too Many Requests", b"Content-Length: 9\r\n", b"slow down", seen), {"prompt": [1]})
+    assert not r.ok and r.error == "HTTP 429: b'slow down'"
+    err = _sse([], 0).replace(b'{"choices": [], "usage": {"completion_tokens": 0}}', b'{"error": {"message": "boom"}}')
+    r = _bench_one(_serve_raw(b"200 OK", b"Connection: close\r\n", err, seen), {"prompt": [1]})
+    assert not r.ok and "boom" in r.error
+    r = _bench_one(_serve_raw(b"200 OK", b"Connection: close\r\n", b"data: [DONE]\n\n", seen), {"prompt": [1]})
+    assert not r.ok and r.error == "no tokens streamed"
+
+    async def not_http(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
         writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
         writer.close()
 
-    async def main():
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        async with server:
-            with pytest.raises(ValueError, match="not an HTTP response"):
-                await HTTPStream.post(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/", b"{}", {})
-        with pytest.raises(ValueError, match="not an http"):
-            await HTTPStream.post("ftp://127.0.0.1/", b"{}", {})
-
-    asyncio.run(main())
+    r = _bench_one(not_http, {"prompt": [1]})
+    assert not r.ok and r.error.startswith(("ClientResponseError", "ServerDisconnectedError", "ClientOSError"))
