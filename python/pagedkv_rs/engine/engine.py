@@ -162,7 +162,10 @@ class RequestStream:
         ends with. Call it once, from the loop's thread; outputs that arrived before are delivered too.
         The callback runs on the loop and must not block; ``cancel()`` still aborts the request.
         """
-        loop = loop or asyncio.get_running_loop()
+        if loop is None:
+            import asyncio
+
+            loop = asyncio.get_running_loop()
         with self._cond:
             if self._loop is not None:
                 raise RuntimeError(f"request {self.request_id!r}: the stream already has an asyncio consumer")
