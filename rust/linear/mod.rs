@@ -111,22 +111,28 @@ pub struct QWeight {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Scales {
     F32(Vec<f32>),
-    /// f16 bit patterns.
-    F16(Vec<u16>),
+    F16(Vec<half::f16>),
 }
 
 impl Scales {
-    /// f16 when every value round-trips exactly (and is finite), else the f32 values as they are.
+    /// f16 when every value round-trips exactly, else the f32 values as they are (converted and
+    /// checked 16k at a time on the kernel pool, with F16C where the CPU has it).
     fn compact(v: Vec<f32>) -> Self {
+        use half::slice::HalfFloatSliceExt;
         use rayon::prelude::*;
-        let exact = v.par_chunks(1 << 14).all(|c| {
-            c.iter().all(|&x| {
-                let h = half::f16::from_f32(x);
-                h.is_finite() && h.to_f32().to_bits() == x.to_bits()
+        const CHUNK: usize = 1 << 14;
+        let mut h = vec![half::f16::ZERO; v.len()];
+        let exact = h.par_chunks_mut(CHUNK).zip(v.par_chunks(CHUNK)).all(|(hc, vc)| {
+            hc.convert_from_f32_slice(vc);
+            let mut back = [0f32; 256];
+            hc.chunks(256).zip(vc.chunks(256)).all(|(hh, vv)| {
+                let b = &mut back[..hh.len()];
+                hh.convert_to_f32_slice(b);
+                b.iter().zip(vv).all(|(x, y)| x.to_bits() == y.to_bits())
             })
         });
         if exact {
-            Scales::F16(v.par_iter().map(|&x| half::f16::from_f32(x).to_bits()).collect())
+            Scales::F16(h)
         } else {
             Scales::F32(v)
         }
@@ -151,7 +157,7 @@ impl Scales {
             Scales::F32(v) => o.copy_from_slice(&v[at..][..2 * PANEL]),
             Scales::F16(v) => {
                 for (x, &h) in o.iter_mut().zip(&v[at..][..2 * PANEL]) {
-                    *x = half::f16::from_bits(h).to_f32();
+                    *x = h.to_f32();
                 }
             }
         }
@@ -161,7 +167,7 @@ impl Scales {
     fn at(&self, i: usize) -> f32 {
         match self {
             Scales::F32(v) => v[i],
-            Scales::F16(v) => half::f16::from_bits(v[i]).to_f32(),
+            Scales::F16(v) => v[i].to_f32(),
         }
     }
 }
