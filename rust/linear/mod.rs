@@ -599,9 +599,8 @@ pub fn linear(x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
     linear_with(active_isa()?, x, m, w, out)
 }
 
-/// `linear` with an explicit variant (tests compare them).
-pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
-    use rayon::prelude::*;
+/// `x` is `[m, k]` and `out` `[m, n]` for the weight `w` `[n, k]`.
+fn check_shapes(x: &[f32], m: usize, w: &QWeight, out: &[f32]) -> Result<()> {
     let (n, k) = (w.n, w.k);
     if x.len() != m * k {
         return Err(Error::Invalid(format!("x must be [{m}, {k}], got {} values", x.len())));
@@ -612,6 +611,14 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
             out.len()
         )));
     }
+    Ok(())
+}
+
+/// `linear` with an explicit variant (tests compare them).
+pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
+    use rayon::prelude::*;
+    let k = w.k;
+    check_shapes(x, m, w, out)?;
     if m == 0 {
         return Ok(());
     }
@@ -656,16 +663,8 @@ impl<'a> Product<'a> {
     /// Check the shapes and quantize `x` (on this thread); `threads` sizes the jobs (about 16 a
     /// thread, at least `JOB_PANELS` panels each).
     pub fn new(isa: Isa, x: &[f32], m: usize, w: &'a QWeight, out: &'a mut [f32], threads: usize) -> Result<Self> {
-        let (n, k) = (w.n, w.k);
-        if x.len() != m * k {
-            return Err(Error::Invalid(format!("x must be [{m}, {k}], got {} values", x.len())));
-        }
-        if out.len() != m * n {
-            return Err(Error::Invalid(format!(
-                "out must be [{m}, {n}], got {} values",
-                out.len()
-            )));
-        }
+        let k = w.k;
+        check_shapes(x, m, w, out)?;
         let acts = if variant(isa) == Isa::Scalar {
             quantize_acts(x, m, k)
         } else {
