@@ -22,7 +22,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{Args, Scales, MR, PANEL, QBLOCK};
+use super::{tile_order, Args, Scales, MR, PANEL, QBLOCK};
 
 /// All row tiles of panels `p0..p0+np`.
 ///
@@ -32,22 +32,20 @@ use super::{Args, Scales, MR, PANEL, QBLOCK};
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
     let wide = !a.w.nibbles;
-    let mut r0 = 0;
-    while r0 < m {
-        let mr = if wide { 1 } else { MR.min(m - r0) };
-        for p in p0..p0 + np {
-            // SAFETY: forwarded from the caller; rows r0..r0+mr are inside the activations and
-            // panel p exists.
+    let mr = if wide { 1 } else { MR };
+    tile_order(m, a.w.k, p0, np, mr, |r0, rows, ps, pn| {
+        for p in ps..ps + pn {
+            // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
+            // activations and panels inside p0..p0+np.
             unsafe {
-                match (wide, mr) {
+                match (wide, rows) {
                     (false, 2) => tile::<2, false>(a, r0, p),
                     (false, _) => tile::<1, false>(a, r0, p),
                     (true, _) => tile::<1, true>(a, r0, p),
                 }
             }
         }
-        r0 += mr;
-    }
+    });
 }
 
 /// One tile: rows `r0..r0+R` times panel `p`; `WIDE`: codes up to 255 (nibble split).

@@ -33,7 +33,10 @@
 //! with zero rows); a panel's codes are K/4 groups of 64 bytes = 16 rows × 4 consecutive k, so
 //! one 64-byte load feeds one `vpdpbusd` for 16 outputs (or, split in two, two `vpmaddubsw` for 8
 //! each); its scales are, per block, 16 `d` then 16 `m`. Work is split over columns only (pairs of
-//! panels), never over K.
+//! panels), never over K. Inside a job (`tile_order`) rows go in blocks whose activations stay in
+//! L2 and, per block, panels a pair at a time with the block's rows streaming past their codes in
+//! L1 (the decoder's jobs hold up to ~100 panels; rows-outer read a Q8_0 lm_head's codes from L3 once
+//! per row).
 //!
 //! 4-bit layout (`nibbles`): when every code fits 4 bits (GGUF Q4_0, Q4_1, Q4_K blocks) the panel
 //! stores two 4-wide k groups in one 64-byte line, group 2q in the low nibbles and 2q+1 in the high
@@ -579,6 +582,35 @@ fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
 const MR: usize = 2;
 /// Panels per job (columns per job = JOB_PANELS * PANEL).
 const JOB_PANELS: usize = 2;
+/// Panels one pass of tiles keeps in L1 while a row block streams past (<= 18 KiB of codes).
+const PASS_PANELS: usize = 2;
+/// Activation bytes (two digits a value) of a row block: it stays in L2 while the job's panels
+/// pass it a pair at a time.
+const ROW_BLOCK_BYTES: usize = 96 << 10;
+
+/// The tile order of a job over panels `p0..p0+np` and rows `0..m`, `mr` rows a tile: rows in
+/// blocks whose activations stay in L2; within a block, panels `PASS_PANELS` at a time (their
+/// codes stay in L1) and for each such pass the block's rows. `f(r0, rows, p, panels)` runs one
+/// pass of tiles. The order changes no result: every output is computed by one tile, alone.
+fn tile_order(m: usize, k: usize, p0: usize, np: usize, mr: usize, mut f: impl FnMut(usize, usize, usize, usize)) {
+    let block = (ROW_BLOCK_BYTES / (2 * k)).max(mr);
+    let mut rs = 0;
+    while rs < m {
+        let re = (rs + block).min(m);
+        let mut ps = p0;
+        while ps < p0 + np {
+            let pn = PASS_PANELS.min(p0 + np - ps);
+            let mut r0 = rs;
+            while r0 < re {
+                let rows = mr.min(re - r0);
+                f(r0, rows, ps, pn);
+                r0 += rows;
+            }
+            ps += pn;
+        }
+        rs = re;
+    }
+}
 
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
@@ -772,12 +804,10 @@ fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
             // was computed from the weight's own codes.
             unsafe { avx2::job(a, m, p0, np) }
         }
-        _ => {
-            for r0 in (0..m).step_by(MR) {
-                for p in p0..p0 + np {
-                    tile_scalar(a, r0, MR.min(m - r0), p);
-                }
+        _ => tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn| {
+            for p in ps..ps + pn {
+                tile_scalar(a, r0, rows, p);
             }
-        }
+        }),
     }
 }

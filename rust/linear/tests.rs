@@ -498,3 +498,56 @@ fn product_jobs_in_any_order_equal_linear() {
     assert!(Product::new(Isa::Scalar, &[0.0; 31], 1, &w, &mut out, 2).is_err());
     assert!(Product::new(Isa::Scalar, &[0.0; 32], 1, &w, &mut out[..7], 2).is_err());
 }
+
+/// Jobs of many panels (the decoder's `Product` hands a thread up to ~100) and row counts past a
+/// row block (`ROW_BLOCK_BYTES`) give every ISA's tiles the scalar bits, in both code layouts.
+#[test]
+fn long_jobs_and_row_blocks_give_the_scalar_bits() {
+    let mut r = Rng(0x7113_0bde);
+    for &(n, k, m, threads) in &[
+        (2000usize, 64usize, 5usize, 1usize),
+        (40, 1536, 70, 2),
+        (37, 3072, 17, 1),
+        (300, 32, 1601, 1),
+    ] {
+        let block = (ROW_BLOCK_BYTES / (2 * k)).max(MR);
+        assert!(
+            n.div_ceil(PANEL) > 16 * JOB_PANELS * threads || m > block,
+            "case exercises nothing"
+        );
+        let nb = k / QBLOCK;
+        for nibble in [true, false] {
+            let top = if nibble { 16 } else { 256 };
+            let codes: Vec<u8> = (0..n * k).map(|_| r.below(top) as u8).collect();
+            let d: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.01).collect();
+            let mm: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.05).collect();
+            let w = QWeight::from_parts(n, k, &codes, &d, &mm).unwrap();
+            assert_eq!(w.nibbles(), nibble);
+            let x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 2.0).collect();
+            let mut want = vec![f32::NAN; m * n];
+            linear_with(Isa::Scalar, &x, m, &w, &mut want).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for isa in crate::runtime::available_isas() {
+                let mut got = vec![f32::NAN; m * n];
+                linear_with(isa, &x, m, &w, &mut got).unwrap();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "linear {isa:?} n={n} k={k} m={m} nibble={nibble}"
+                );
+                let mut got = vec![f32::NAN; m * n];
+                let p = Product::new(isa, &x, m, &w, &mut got, threads).unwrap();
+                for j in 0..p.jobs() {
+                    // SAFETY: each job index once, on this thread alone.
+                    unsafe { p.run(j) };
+                }
+                drop(p);
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "Product {isa:?} n={n} k={k} m={m} nibble={nibble}"
+                );
+            }
+        }
+    }
+}

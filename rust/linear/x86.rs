@@ -9,29 +9,27 @@
 
 use std::arch::x86_64::*;
 
-use super::{Args, Scales, MR, PANEL, QBLOCK};
+use super::{tile_order, Args, Scales, MR, PANEL, QBLOCK};
 
-/// All row tiles of panels `p0..p0+np` (np is 1 or 2).
+/// All row tiles of panels `p0..p0+np` (any np: `tile_order` hands the tile one or two panels).
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `a` describes activations of `m` rows and an output of
 /// `m × n` floats; `p0 + np <= panels`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
-    let mut r0 = 0;
-    while r0 < m {
-        let mr = MR.min(m - r0);
-        // SAFETY: forwarded from the caller; mr rows from r0 are inside the activations.
+    tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn| {
+        // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
+        // activations and panels ps..ps+pn (pn <= PASS_PANELS = 2) inside p0..p0+np.
         unsafe {
-            match (mr, np) {
-                (2, 2) => tile::<2, 2>(a, r0, p0),
-                (1, 2) => tile::<1, 2>(a, r0, p0),
-                (2, _) => tile::<2, 1>(a, r0, p0),
-                _ => tile::<1, 1>(a, r0, p0),
+            match (rows, pn) {
+                (2, 2) => tile::<2, 2>(a, r0, ps),
+                (1, 2) => tile::<1, 2>(a, r0, ps),
+                (2, _) => tile::<2, 1>(a, r0, ps),
+                _ => tile::<1, 1>(a, r0, ps),
             }
         }
-        r0 += mr;
-    }
+    });
 }
 
 /// One tile: rows `r0..r0+R` times panels `p0..p0+NP`.
