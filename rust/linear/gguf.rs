@@ -213,9 +213,7 @@ pub fn to_blocks(
                     Some(dm) => dm,
                     None => {
                         inexact += 1;
-                        let mut all = [0f32; 256];
-                        q6_k(blk, &mut all);
-                        vals.copy_from_slice(&all[j * BLOCK..][..BLOCK]);
+                        q6_k_range(blk, j * BLOCK, &mut vals);
                         quantize_asym(&vals, c)
                     }
                 },
@@ -365,8 +363,14 @@ fn q6_value(b: &[u8], e: usize) -> i32 {
 }
 
 fn q6_k(b: &[u8], o: &mut [f32]) {
+    q6_k_range(b, 0, &mut o[..256]);
+}
+
+/// Elements `from..from + o.len()` of a Q6_K block, as `q6_k` gives them (one sub-block's 32
+/// without decoding the other 224).
+fn q6_k_range(b: &[u8], from: usize, o: &mut [f32]) {
     let d = f16_at(b, 208);
-    for (e, v) in o[..256].iter_mut().enumerate() {
+    for (e, v) in (from..).zip(o.iter_mut()) {
         let ds = d * (b[192 + e / 16] as i8) as f32;
         *v = ds * q6_value(b, e) as f32;
     }
