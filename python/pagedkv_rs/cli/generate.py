@@ -48,6 +48,8 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
     from pagedkv_rs.models.gguf_loader import load_gguf
     from pagedkv_rs.models.tokenizer import GGUFTokenizer, IncrementalDecoder
 
+    gc_was = gc.isenabled()
+    gc.disable()  # no collections while loading (as LLM's load); what it keeps is frozen below
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -68,12 +70,15 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
             args.num_blocks = sum(-(-(len(p) + args.max_tokens) // args.block_size) for p in prompts)
         args.model = g
         llm = llm_from_args(args, tokenizer=tok)
+        # What is loaded now lives until exit: keep it out of every later garbage collection (a full
+        # collection walked ~100k module/tokenizer objects inside the first step).
+        gc.freeze()
     except (PagedKVError, ValueError, TypeError, ImportError) as e:
         print(f"pagedkv generate: {e}", file=sys.stderr)
         return 2
-    # What is loaded now lives until exit: keep it out of every later garbage collection (a full
-    # collection walked ~100k module/tokenizer objects inside the first step).
-    gc.freeze()
+    finally:
+        if gc_was:
+            gc.enable()
     t0 = time.perf_counter()
     n_out = 0
     try:
