@@ -23,7 +23,9 @@
 //! tile, one pass over K block by block with all KV heads of a block in memory order (one
 //! sequential stretch per block), logits for every query head, the online-softmax update, then
 //! the same pass over V. While a piece (one block's keys of one KV head) is computed, the same
-//! head's piece of the next block is prefetched into L2, one key row per key row computed.
+//! head's piece `PF_AHEAD` blocks later (the table is random: hardware prefetchers cannot follow
+//! it) is prefetched into L2, a slice of lines per key pair (logits) or per column group
+//! (`acc += p v`), outside the FMA loops.
 //! Prefill: per tile and KV head, the tile is widened once and serves every row and query head
 //! of the unit. Micro-kernels: logits for MB query heads x TB keys with MB*TB independent FMA
 //! chains and 8-way horizontal sums; `acc += p v` with MB x NV accumulators in registers.
@@ -36,6 +38,9 @@ use crate::simd::x86::exp256;
 
 /// Keys per tile; a tile spans consecutive blocks of the table (one segment per block piece).
 const TILE: usize = 64;
+/// Decode prefetches the piece this many pieces (blocks) ahead in the same pass: 2 measured
+/// best on config A (1: f16 -5%, 4: f32 -10%, none: -25% f16 / -45% f32).
+const PF_AHEAD: usize = 2;
 
 /// Element type codes for the const-generic kernels.
 const F32: u8 = 0;
@@ -171,8 +176,8 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
         let nt_end = (t_end + TILE).min(u.key_hi);
         let nn = pieces(ctx, u.seq, t_end, nt_end, &mut nxt);
         // Touch the first line of every (block, head) tile of the next tile into L1 (page walks
-        // start early). The pieces themselves are prefetched into L2 in the passes below, each
-        // one piece ahead, a row per row computed.
+        // start early). The pieces themselves are prefetched into L2 in the passes below,
+        // PF_AHEAD pieces ahead, a slice per slice of work done (see `Pf`).
         for &(blk, off, _) in &nxt[..nn] {
             for h in u.h0..u.h1 {
                 let b = ctx.shape.offset(blk, h, off);
@@ -206,21 +211,19 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
             let mut col = 0;
             for i in 0..nc {
                 let (blk, off, n) = cur[i];
-                // The piece after this one in the same pass (the next tile's first after the last).
-                let ahead = if i + 1 < nc {
-                    Some(cur[i + 1])
-                } else if nn > 0 {
-                    Some(nxt[0])
-                } else {
+                // The piece PF_AHEAD after this one in the same pass, running on into the next tile
+                // (or the furthest one there is: large blocks make tiles of one piece).
+                let j = (i + PF_AHEAD).min(nc + nn - 1);
+                let ahead = if j <= i {
                     None
+                } else if j < nc {
+                    Some(cur[j])
+                } else {
+                    Some(nxt[j - nc])
                 };
                 for h in u.h0..u.h1 {
                     let pf = match ahead {
-                        Some((nb, no, na)) => Pf {
-                            p: tile(kv, ctx.shape.offset(nb, h, no), na * d),
-                            rows: na.min(n),
-                            row_bytes: d * es,
-                        },
+                        Some((nb, no, na)) => Pf::new(tile(kv, ctx.shape.offset(nb, h, no), na * d), na * d * es),
                         None => Pf::NONE,
                     };
                     let ptr = tile(kv, ctx.shape.offset(blk, h, off), n * d);
@@ -236,7 +239,7 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
                         let pf = if hg == 0 { pf } else { Pf::NONE };
                         let sm = &mut s[m0 * TILE..(m0 + mb) * TILE];
                         // SAFETY: `tile` returned n*d in-bounds elements of DT; col + n <= TILE;
-                        // pf points to pf.rows in-bounds rows (or rows == 0); the zmm kernels run
+                        // pf points to the in-bounds piece it was made from (or is NONE); the zmm kernels run
                         // only when WIDE, i.e. in `attend_avx512` (AVX-512 F detected and enabled).
                         unsafe {
                             if pass == 0 {
@@ -295,36 +298,56 @@ fn pieces(ctx: &Ctx, seq: usize, t: usize, t_end: usize, out: &mut [(usize, usiz
     np
 }
 
-/// Rows of a later piece to prefetch into L2, one row per key row computed, spread between the
-/// FMAs (a burst of a whole piece's prefetches per piece, one tile ahead, was 1.8x slower on
-/// config A f16 one thread; prefetcht0 at this distance as slow as the burst).
+/// A later piece to prefetch into L2 while the current one is computed, a slice of it per slice
+/// of work done, between the FMA loops (a burst of a whole piece's prefetches per piece, one tile
+/// ahead, was 1.8x slower on config A f16 one thread; a prefetch inside the FMA loops made the
+/// compiler spill the `acc += p v` accumulators to the stack).
 #[derive(Clone, Copy)]
 struct Pf {
     p: *const u8,
-    rows: usize,
-    row_bytes: usize,
+    /// 64-byte lines from `p` inside the piece (`bytes.div_ceil(64)`).
+    lines: usize,
+    /// Lines per part (see `spread`).
+    step: usize,
 }
 
 impl Pf {
     const NONE: Pf = Pf {
         p: std::ptr::null(),
-        rows: 0,
-        row_bytes: 0,
+        lines: 0,
+        step: 0,
     };
-    /// Prefetch row `j` (nothing when j >= rows).
+    /// The piece at `p`, `bytes` long.
+    fn new(p: *const u8, bytes: usize) -> Pf {
+        Pf {
+            p,
+            lines: bytes.div_ceil(64),
+            step: 0,
+        }
+    }
+    /// The same piece cut into `parts` (> 0) parts of whole lines, for `part`.
+    #[inline(always)]
+    fn spread(self, parts: usize) -> Pf {
+        Pf {
+            step: self.lines.div_ceil(parts),
+            ..self
+        }
+    }
+    /// Prefetch parts `lo..hi` into L2.
     ///
     /// # Safety
-    /// `p` points to `rows * row_bytes` bytes.
+    /// `p` points to the `bytes` bytes given to `new` (or this is `NONE`).
     #[inline(always)]
-    unsafe fn row(&self, j: usize) {
-        if j < self.rows {
-            for off in (0..self.row_bytes).step_by(64) {
-                // SAFETY: j < rows and off < row_bytes: inside the piece.
-                unsafe {
-                    let a = self.p.add(j * self.row_bytes + off) as *const i8;
-                    _mm_prefetch::<_MM_HINT_T1>(a);
-                }
+    unsafe fn part(&self, lo: usize, hi: usize) {
+        let end = (hi * self.step).min(self.lines);
+        let mut l = lo * self.step;
+        while l < end {
+            // SAFETY: l < lines, so line l starts inside the piece.
+            unsafe {
+                let a = self.p.add(64 * l) as *const i8;
+                _mm_prefetch::<_MM_HINT_T1>(a);
             }
+            l += 1;
         }
     }
 }
@@ -549,12 +572,11 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
     assert!(MB * TB <= 16 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d.is_multiple_of(8));
     let s = &mut s[col..];
     let qp = q.as_ptr();
+    let pf = pf.spread(n.max(1));
     let mut j = 0;
     while j + TB <= n {
-        for t in 0..TB {
-            // SAFETY: per the `Pf` contract.
-            unsafe { pf.row(j + t) };
-        }
+        // SAFETY: per the `Pf` contract.
+        unsafe { pf.part(j, j + TB) };
         let mut a = [_mm256_setzero_ps(); 16];
         for c in (0..d).step_by(8) {
             let mut kv = [_mm256_setzero_ps(); TB];
@@ -594,7 +616,7 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
     }
     while j < n {
         // SAFETY: per the `Pf` contract.
-        unsafe { pf.row(j) };
+        unsafe { pf.part(j, j + 1) };
         for r in 0..MB {
             let mut a = _mm256_setzero_ps();
             for c in (0..d).step_by(8) {
@@ -625,23 +647,30 @@ unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
     assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d.is_multiple_of(8));
     let p = &p[col..];
     let ap = acc.as_mut_ptr();
+    let pf = pf.spread(d / 8);
     let mut c = 0;
     while c + 8 * NV <= d {
-        let pf = if c == 0 { pf } else { Pf::NONE };
         // SAFETY: c + 8 * NV <= d; lengths asserted / per contract.
-        unsafe { pv_cols::<MB, NV, DT>(p, vp, n, d, c, ap, pf) };
+        unsafe {
+            pf.part(c / 8, (c + 8 * NV) / 8);
+            pv_cols::<MB, NV, DT>(p, vp, n, d, c, ap);
+        }
         c += 8 * NV;
     }
     while NV > 2 && c + 16 <= d {
-        let pf = if c == 0 { pf } else { Pf::NONE };
         // SAFETY: c + 16 <= d.
-        unsafe { pv_cols::<MB, 2, DT>(p, vp, n, d, c, ap, pf) };
+        unsafe {
+            pf.part(c / 8, (c + 16) / 8);
+            pv_cols::<MB, 2, DT>(p, vp, n, d, c, ap);
+        }
         c += 16;
     }
     while c < d {
-        let pf = if c == 0 { pf } else { Pf::NONE };
         // SAFETY: c + 8 <= d since d % 8 == 0.
-        unsafe { pv_cols::<MB, 1, DT>(p, vp, n, d, c, ap, pf) };
+        unsafe {
+            pf.part(c / 8, (c + 8) / 8);
+            pv_cols::<MB, 1, DT>(p, vp, n, d, c, ap);
+        }
         c += 8;
     }
 }
@@ -649,7 +678,7 @@ unsafe fn pv_block<const MB: usize, const NV: usize, const DT: u8>(
 /// Columns `c..c + 8 * W` of `pv_block`.
 ///
 /// # Safety
-/// c + 8 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= MB * TILE.
+/// c + 8 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= (MB - 1) * TILE + n.
 #[inline(always)]
 unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(
     p: &[f32],
@@ -658,8 +687,8 @@ unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(
     d: usize,
     c: usize,
     ap: *mut f32,
-    pf: Pf,
 ) {
+    let pp = p.as_ptr();
     let mut a = [[_mm256_setzero_ps(); W]; MB];
     for (r, row) in a.iter_mut().enumerate() {
         for (w, x) in row.iter_mut().enumerate() {
@@ -668,15 +697,14 @@ unsafe fn pv_cols<const MB: usize, const W: usize, const DT: u8>(
         }
     }
     for j in 0..n {
-        // SAFETY: per the `Pf` contract.
-        unsafe { pf.row(j) };
         let mut vv = [_mm256_setzero_ps(); W];
         for (w, x) in vv.iter_mut().enumerate() {
             // SAFETY: j < n, c + 8 * w + 8 <= d: inside v [n, d].
             *x = unsafe { load8::<DT>(vp, j * d + c + 8 * w) };
         }
         for (r, row) in a.iter_mut().enumerate() {
-            let pj = _mm256_set1_ps(p[r * TILE + j]);
+            // SAFETY: r < MB and j < n, so r * TILE + j < p.len() (function contract).
+            let pj = _mm256_set1_ps(unsafe { *pp.add(r * TILE + j) });
             for (w, x) in row.iter_mut().enumerate() {
                 *x = _mm256_fmadd_ps(pj, vv[w], *x);
             }
@@ -729,23 +757,30 @@ unsafe fn pv_block_z<const MB: usize, const NV: usize, const DT: u8>(
     assert!(acc.len() == MB * d && col + n <= TILE && p.len() >= MB * TILE && d.is_multiple_of(16));
     let p = &p[col..];
     let ap = acc.as_mut_ptr();
+    let pf = pf.spread(d / 8);
     let mut c = 0;
     while c + 16 * NV <= d {
-        let pf = if c == 0 { pf } else { Pf::NONE };
         // SAFETY: c + 16 * NV <= d; lengths asserted / per contract.
-        unsafe { pv_cols_z::<MB, NV, DT>(p, vp, n, d, c, ap, pf) };
+        unsafe {
+            pf.part(c / 8, (c + 16 * NV) / 8);
+            pv_cols_z::<MB, NV, DT>(p, vp, n, d, c, ap);
+        }
         c += 16 * NV;
     }
     while NV > 2 && c + 32 <= d {
-        let pf = if c == 0 { pf } else { Pf::NONE };
         // SAFETY: c + 32 <= d.
-        unsafe { pv_cols_z::<MB, 2, DT>(p, vp, n, d, c, ap, pf) };
+        unsafe {
+            pf.part(c / 8, (c + 32) / 8);
+            pv_cols_z::<MB, 2, DT>(p, vp, n, d, c, ap);
+        }
         c += 32;
     }
     while c < d {
-        let pf = if c == 0 { pf } else { Pf::NONE };
         // SAFETY: c + 16 <= d since d % 16 == 0.
-        unsafe { pv_cols_z::<MB, 1, DT>(p, vp, n, d, c, ap, pf) };
+        unsafe {
+            pf.part(c / 8, (c + 16) / 8);
+            pv_cols_z::<MB, 1, DT>(p, vp, n, d, c, ap);
+        }
         c += 16;
     }
 }
@@ -753,7 +788,7 @@ unsafe fn pv_block_z<const MB: usize, const NV: usize, const DT: u8>(
 /// Columns `c..c + 16 * W` of `pv_block_z`.
 ///
 /// # Safety
-/// c + 16 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= MB * TILE;
+/// c + 16 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= (MB - 1) * TILE + n;
 /// the CPU supports AVX-512 F.
 #[inline(always)]
 unsafe fn pv_cols_z<const MB: usize, const W: usize, const DT: u8>(
@@ -763,8 +798,8 @@ unsafe fn pv_cols_z<const MB: usize, const W: usize, const DT: u8>(
     d: usize,
     c: usize,
     ap: *mut f32,
-    pf: Pf,
 ) {
+    let pp = p.as_ptr();
     let mut a = [[_mm512_setzero_ps(); W]; MB];
     for (r, row) in a.iter_mut().enumerate() {
         for (w, x) in row.iter_mut().enumerate() {
@@ -773,15 +808,14 @@ unsafe fn pv_cols_z<const MB: usize, const W: usize, const DT: u8>(
         }
     }
     for j in 0..n {
-        // SAFETY: per the `Pf` contract.
-        unsafe { pf.row(j) };
         let mut vv = [_mm512_setzero_ps(); W];
         for (w, x) in vv.iter_mut().enumerate() {
             // SAFETY: j < n, c + 16 * w + 16 <= d: inside v [n, d].
             *x = unsafe { load16::<DT>(vp, j * d + c + 16 * w) };
         }
         for (r, row) in a.iter_mut().enumerate() {
-            let pj = _mm512_set1_ps(p[r * TILE + j]);
+            // SAFETY: r < MB and j < n, so r * TILE + j < p.len() (function contract).
+            let pj = _mm512_set1_ps(unsafe { *pp.add(r * TILE + j) });
             for (w, x) in row.iter_mut().enumerate() {
                 *x = _mm512_fmadd_ps(pj, vv[w], *x);
             }
