@@ -41,19 +41,19 @@ use super::{tile_order, Args, Scales, MR, PANEL, QBLOCK};
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
     let wide = !a.w.nibbles;
-    tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn| {
+    tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn, first| {
         for p in ps..ps + pn {
             // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
             // activations and panels inside p0..p0+np.
             unsafe {
                 match (wide, rows) {
-                    (false, 2) => tile::<2, false>(a, r0, p),
-                    (false, _) => tile::<1, false>(a, r0, p),
+                    (false, 2) => tile::<2, false>(a, r0, p, first),
+                    (false, _) => tile::<1, false>(a, r0, p, first),
                     (true, 2) => {
-                        wide_half::<2>(a, r0, p, 0);
-                        wide_half::<2>(a, r0, p, 1);
+                        wide_half::<2>(a, r0, p, 0, first);
+                        wide_half::<2>(a, r0, p, 1, false);
                     }
-                    (true, _) => tile::<1, true>(a, r0, p),
+                    (true, _) => tile::<1, true>(a, r0, p, first),
                 }
             }
         }
@@ -92,7 +92,7 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize) {
+unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize, prefetch: bool) {
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
     // A panel's codes: k*PANEL bytes, or k*PANEL/2 in the 4-bit layout (WIDE is false exactly then).
@@ -110,9 +110,11 @@ unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize) 
     for b in 0..nb {
         // Software prefetch PREFETCH bytes ahead in the code stream (panels are contiguous, so
         // past this panel's end it fetches the next one's start; a prefetch never faults).
-        for line in (0..block_bytes).step_by(64) {
-            let ahead = codes.wrapping_add(b * block_bytes + line + PREFETCH);
-            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+        if prefetch {
+            for line in (0..block_bytes).step_by(64) {
+                let ahead = codes.wrapping_add(b * block_bytes + line + PREFETCH);
+                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+            }
         }
         // i16 pair sums [row][digit][8-row vector]: of the codes (nibble mode) or of their low
         // halves, and of their high halves (wide mode only).
@@ -199,7 +201,7 @@ unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize) 
 /// # Safety
 /// As for `tile`, and `v < 2`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn wide_half<const R: usize>(a: &Args, r0: usize, p: usize, v: usize) {
+unsafe fn wide_half<const R: usize>(a: &Args, r0: usize, p: usize, v: usize, prefetch: bool) {
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
     // SAFETY: panel p exists: k*PANEL code bytes from this offset; half v is bytes 32v..32v+32 of
@@ -210,7 +212,7 @@ unsafe fn wide_half<const R: usize>(a: &Args, r0: usize, p: usize, v: usize) {
     let low4 = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
-        if v == 0 {
+        if prefetch {
             // As in `tile`: the whole panel's lines PREFETCH ahead (half 1 then finds them cached).
             for line in (0..QBLOCK * PANEL).step_by(64) {
                 let ahead = codes.wrapping_add(b * QBLOCK * PANEL + line + PREFETCH);

@@ -590,10 +590,20 @@ const ROW_BLOCK_BYTES: usize = 96 << 10;
 
 /// The tile order of a job over panels `p0..p0+np` and rows `0..m`, `mr` rows a tile: rows in
 /// blocks whose activations stay in L2; within a block, panels `PASS_PANELS` at a time (their
-/// codes stay in L1) and for each such pass the block's rows. `f(r0, rows, p, panels)` runs one
-/// pass of tiles. The order changes no result: every output is computed by one tile, alone.
-fn tile_order(m: usize, k: usize, p0: usize, np: usize, mr: usize, mut f: impl FnMut(usize, usize, usize, usize)) {
-    let block = (ROW_BLOCK_BYTES / (2 * k)).max(mr);
+/// codes stay in L1) and for each such pass the block's rows. `f(r0, rows, p, panels, first)` runs
+/// one pass of tiles; `first` is true for the pass's first rows (the tiles that stream the codes in
+/// from memory and prefetch ahead; the block's other rows find them in L1). The order changes no
+/// result: every output is computed by one tile, alone.
+fn tile_order(
+    m: usize,
+    k: usize,
+    p0: usize,
+    np: usize,
+    mr: usize,
+    mut f: impl FnMut(usize, usize, usize, usize, bool),
+) {
+    // A multiple of mr rows (no short tile inside a block), at least one tile.
+    let block = ((ROW_BLOCK_BYTES / (2 * k)) / mr * mr).max(mr);
     let mut rs = 0;
     while rs < m {
         let re = (rs + block).min(m);
@@ -603,7 +613,7 @@ fn tile_order(m: usize, k: usize, p0: usize, np: usize, mr: usize, mut f: impl F
             let mut r0 = rs;
             while r0 < re {
                 let rows = mr.min(re - r0);
-                f(r0, rows, ps, pn);
+                f(r0, rows, ps, pn, r0 == rs);
                 r0 += rows;
             }
             ps += pn;
@@ -804,7 +814,7 @@ fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
             // was computed from the weight's own codes.
             unsafe { avx2::job(a, m, p0, np) }
         }
-        _ => tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn| {
+        _ => tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn, _| {
             for p in ps..ps + pn {
                 tile_scalar(a, r0, rows, p);
             }

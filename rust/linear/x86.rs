@@ -18,7 +18,7 @@ use super::{tile_order, Args, Scales, MR, PANEL, QBLOCK};
 /// `m × n` floats; `p0 + np <= panels`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
-    tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn| {
+    tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn, _| {
         // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
         // activations and panels ps..ps+pn (pn <= PASS_PANELS = 2) inside p0..p0+np.
         unsafe {
