@@ -209,14 +209,23 @@ pub fn to_blocks(
                     (dd, -128.0 * dd)
                 }
                 Unit::K4 | Unit::K5 => k_sub(blk, j, unit == Unit::K5, c),
-                Unit::Q6K => match q6_k_exact(blk, j, c) {
-                    Some(dm) => dm,
-                    None => {
-                        inexact += 1;
-                        q6_k_range(blk, j * BLOCK, &mut vals);
-                        quantize_asym(&vals, c)
+                Unit::Q6K => {
+                    // The sub-block's 32 six-bit values, decoded once for both attempts.
+                    let q: [i32; BLOCK] = std::array::from_fn(|l| q6_value(blk, j * BLOCK + l));
+                    match q6_k_exact(blk, j, &q, c) {
+                        Some(dm) => dm,
+                        None => {
+                            inexact += 1;
+                            // As `q6_k` gives them: (d·s)·q, one f32 rounding each.
+                            let d = f16_at(blk, 208);
+                            for (l, v) in vals.iter_mut().enumerate() {
+                                let ds = d * (blk[192 + (j * BLOCK + l) / 16] as i8) as f32;
+                                *v = ds * q[l] as f32;
+                            }
+                            quantize_asym(&vals, c)
+                        }
                     }
-                },
+                }
                 Unit::Float => {
                     inexact += 1;
                     dequantize(ggml_type, blk, 1, BLOCK, &mut vals)?;
@@ -363,14 +372,8 @@ fn q6_value(b: &[u8], e: usize) -> i32 {
 }
 
 fn q6_k(b: &[u8], o: &mut [f32]) {
-    q6_k_range(b, 0, &mut o[..256]);
-}
-
-/// Elements `from..from + o.len()` of a Q6_K block, as `q6_k` gives them (one sub-block's 32
-/// without decoding the other 224).
-fn q6_k_range(b: &[u8], from: usize, o: &mut [f32]) {
     let d = f16_at(b, 208);
-    for (e, v) in (from..).zip(o.iter_mut()) {
+    for (e, v) in o[..256].iter_mut().enumerate() {
         let ds = d * (b[192 + e / 16] as i8) as f32;
         *v = ds * q6_value(b, e) as f32;
     }
@@ -386,15 +389,15 @@ fn gcd(mut a: i32, mut b: i32) -> i32 {
 /// Sub-block `j` (32 wide: two 16-wide halves with scales s0, s1) of a Q6_K block exactly as
 /// `d·c + m`, when that fits: with g = gcd(|s0|, |s1|) every value is `d·g·v` for an integer
 /// `v = (s/g)·q`; if the block's v span at most 255 and the offset's product is exact in f32,
-/// `c = v - o`, `d' = d·g`, `m = d'·o`. `None` otherwise.
-fn q6_k_exact(b: &[u8], j: usize, c: &mut [u8]) -> Option<(f32, f32)> {
+/// `c = v - o`, `d' = d·g`, `m = d'·o`. `None` otherwise. `q`: the sub-block's 32 values (`q6_value`).
+fn q6_k_exact(b: &[u8], j: usize, q: &[i32; BLOCK], c: &mut [u8]) -> Option<(f32, f32)> {
     let d = f16_at(b, 208);
     let (s0, s1) = (b[192 + 2 * j] as i8 as i32, b[192 + 2 * j + 1] as i8 as i32);
     let g = gcd(s0.abs(), s1.abs()).max(1);
     let mut v = [0i32; BLOCK];
     for (l, x) in v.iter_mut().enumerate() {
         let s = if l < 16 { s0 } else { s1 };
-        *x = s / g * q6_value(b, j * BLOCK + l);
+        *x = s / g * q[l];
     }
     let (lo, hi) = (*v.iter().min()?, *v.iter().max()?);
     if hi - lo > 255 {
