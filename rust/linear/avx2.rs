@@ -31,7 +31,7 @@ use std::arch::x86_64::*;
 /// brought it to ~1.0 (2.9-3.6 -> 1.4-2.4 ms on 2 threads here, probe 11-15 GB/s under load).
 const PREFETCH: usize = 4096;
 
-use super::{tile_order, Args, Scales, MR, PANEL, QBLOCK};
+use super::{tile_order, Args, Scales, GRID_BLOCKS, MR, PANEL, QBLOCK};
 
 /// All row tiles of panels `p0..p0+np`.
 ///
@@ -68,7 +68,8 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
 /// Eight `d` at scale index `at` and the eight `m` PANEL after them, as f32.
 ///
 /// # Safety
-/// AVX2 and F16C are available and `at + PANEL + 8 <= scales.len()`.
+/// AVX2 and F16C are available, `at + PANEL + 8 <= scales.len()` and `at % (2 * PANEL)` is 0 or 8
+/// (half a panel of one block).
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
 unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
@@ -85,6 +86,22 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
                 (
                     _mm256_cvtph_ps(_mm_loadu_si128(sp as *const __m128i)),
                     _mm256_cvtph_ps(_mm_loadu_si128(sp.add(PANEL) as *const __m128i)),
+                )
+            }
+            Scales::Grid { base, dmul, mmul } => {
+                // The f32 layout's index `at` = block·2·PANEL + j (j = 0 or 8): the block's 8
+                // multipliers at block·PANEL + j, its super-block's bases at
+                // (block / GRID_BLOCKS)·2·PANEL + j; base·mul as `Scales::at` computes it.
+                let (blk, j) = (at / (2 * PANEL), at % (2 * PANEL));
+                debug_assert!(j + 8 <= PANEL && blk * PANEL + j + 8 <= dmul.len());
+                let bp = base.as_ptr().add(blk / GRID_BLOCKS * 2 * PANEL + j);
+                let db = _mm256_cvtph_ps(_mm_loadu_si128(bp as *const __m128i));
+                let mb = _mm256_cvtph_ps(_mm_loadu_si128(bp.add(PANEL) as *const __m128i));
+                let dm = _mm_loadl_epi64(dmul.as_ptr().add(blk * PANEL + j) as *const __m128i);
+                let mm = _mm_loadu_si128(mmul.as_ptr().add(blk * PANEL + j) as *const __m128i);
+                (
+                    _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(dm))),
+                    _mm256_mul_ps(mb, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(mm))),
                 )
             }
         }

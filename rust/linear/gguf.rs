@@ -10,9 +10,10 @@
 //! | Q8_0 | 32 / 34                  | d·q (q i8)                             | exact: c = q + 128, m = -128d     |
 //! | Q4_K | 256 / 144                | (d·sc_j)·q - dmin·mn_j, 8 sub-blocks   | exact: d = d·sc_j, m = -dmin·mn_j |
 //! | Q5_K | 256 / 176                | as Q4_K with a 5th bit                 | exact                             |
-//! | Q6_K | 256 / 210                | (d·s_i)·(q - 32), 16 sub-blocks of 16  | exact when the two halves' scales |
-//! |      |                          |                                        | share one 8-bit grid, else 8-bit  |
-//! |      |                          |                                        | requantized: ≤ (max-min)/510      |
+//! | Q6_K | 256 / 210                | (d·s_i)·(q - 32), 16 sub-blocks of 16  | exact when the integers s·(q - 32)|
+//! |      |                          |                                        | of the 32 fit one 8-bit grid, else|
+//! |      |                          |                                        | 8-bit requantized on d's integer  |
+//! |      |                          |                                        | grid: ≤ (max-min)/510 + d/2       |
 //! | F32, F16, BF16 | 1 / 4, 2, 2    | the number                             | 8-bit requantized: ≤ (max-min)/510|
 //!
 //! Q4_K/Q5_K layout (llama.cpp `block_q4_K`): d f16, dmin f16, scales[12] (8 six-bit scale/min
@@ -20,6 +21,14 @@
 //! (sub-blocks 2i and 2i+1 are the low and high nibbles of qs[32i..32i+32]). Q6_K: ql[128],
 //! qh[64], scales i8[16], d f16; element e of a 128-half h: low 4 bits from nibble e/64 of
 //! ql[64h + e%64], high 2 bits from bits 2·(e/32) of qh[32h + e%32].
+//!
+//! Every 32-wide block of the K-quants is also given as a `GridScale`: `d = d_base·d_mul` and
+//! `m = m_base·m_mul`, an f16 per 256-wide super-block times a small integer per 32 (Q4_K/Q5_K:
+//! `d·sc`, `(-dmin)·mn`; Q6_K: `d·t`, `d·o`), each product exact in f32, so `QWeight` can keep
+//! 3 bytes of integers a block instead of two f32 (`Scales::Grid`) and get the same numbers.
+//! Q6_K blocks: with `v = s·(q - 32)` (|v| ≤ 4096) and `o = min v`, exact when every `v - o` is a
+//! multiple of one `t` ≤ 255 with `(max v - o)/t` ≤ 255 (`c = (v - o)/t`); otherwise
+//! `t = ceil((max v - o)/255)` and `c = round((v - o)/t)`, an error ≤ `d·t/2`.
 //!
 //! Every product and sum is one f32 rounding in the order numpy evaluates it, so `dequantize`
 //! equals the reference exactly (the tests compare bit for bit). "Exact" in the last column
@@ -132,6 +141,73 @@ pub fn to_blocks(
     d: &mut [f32],
     m: &mut [f32],
 ) -> Result<usize> {
+    to_blocks_with(ggml_type, raw, n, k, codes, d, m, None)
+}
+
+/// The integer form of a K-quant 32-wide block's scales: `d = d_base·d_mul`, `m = m_base·m_mul`
+/// as f32 products, both exact; `d_base`, `m_base` are the same for the 8 blocks of a 256-wide
+/// super-block.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GridScale {
+    pub d_base: f16,
+    pub d_mul: u8,
+    pub m_base: f16,
+    pub m_mul: i16,
+}
+
+impl GridScale {
+    pub fn d(&self) -> f32 {
+        self.d_base.to_f32() * self.d_mul as f32
+    }
+    pub fn m(&self) -> f32 {
+        self.m_base.to_f32() * self.m_mul as f32
+    }
+}
+
+/// True for the types whose blocks `to_grid_blocks` gives as `GridScale`s.
+pub fn is_k_quant(ggml_type: &str) -> bool {
+    matches!(ggml_type, "Q4_K" | "Q5_K" | "Q6_K")
+}
+
+/// `to_blocks` for a K-quant type, with each block's `d`, `m` also as a `GridScale`
+/// (`grid`: `[n, k/32]`); the same codes, `d` and `m`.
+#[allow(clippy::too_many_arguments)]
+pub fn to_grid_blocks(
+    ggml_type: &str,
+    raw: &[u8],
+    n: usize,
+    k: usize,
+    codes: &mut [u8],
+    d: &mut [f32],
+    m: &mut [f32],
+    grid: &mut [GridScale],
+) -> Result<usize> {
+    if !is_k_quant(ggml_type) {
+        return Err(Error::Invalid(format!(
+            "integer scales need a K-quant type (Q4_K, Q5_K, Q6_K), got {ggml_type}"
+        )));
+    }
+    if grid.len() != d.len() {
+        return Err(Error::Invalid(format!(
+            "need {} grid scales, got {}",
+            d.len(),
+            grid.len()
+        )));
+    }
+    to_blocks_with(ggml_type, raw, n, k, codes, d, m, Some(grid))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn to_blocks_with(
+    ggml_type: &str,
+    raw: &[u8],
+    n: usize,
+    k: usize,
+    codes: &mut [u8],
+    d: &mut [f32],
+    m: &mut [f32],
+    mut grid: Option<&mut [GridScale]>,
+) -> Result<usize> {
     check_raw(ggml_type, raw, n, k)?;
     if !k.is_multiple_of(BLOCK) {
         return Err(Error::Invalid(format!("k must be a multiple of {BLOCK}, got {k}")));
@@ -208,23 +284,17 @@ pub fn to_blocks(
                     let dd = f16_at(blk, 0);
                     (dd, -128.0 * dd)
                 }
-                Unit::K4 | Unit::K5 => k_sub(blk, j, unit == Unit::K5, c),
-                Unit::Q6K => {
-                    // The sub-block's 32 six-bit values, decoded once for both attempts.
-                    let q: [i32; BLOCK] = std::array::from_fn(|l| q6_value(blk, j * BLOCK + l));
-                    match q6_k_exact(blk, j, &q, c) {
-                        Some(dm) => dm,
-                        None => {
-                            inexact += 1;
-                            // As `q6_k` gives them: (d·s)·q, one f32 rounding each.
-                            let d = f16_at(blk, 208);
-                            for (l, v) in vals.iter_mut().enumerate() {
-                                let ds = d * (blk[192 + (j * BLOCK + l) / 16] as i8) as f32;
-                                *v = ds * q[l] as f32;
-                            }
-                            quantize_asym(&vals, c)
-                        }
+                Unit::K4 | Unit::K5 | Unit::Q6K => {
+                    let (gs, exact) = if unit == Unit::Q6K {
+                        q6_k_sub(blk, j, c)
+                    } else {
+                        (k_sub(blk, j, unit == Unit::K5, c), true)
+                    };
+                    inexact += usize::from(!exact);
+                    if let Some(g) = grid.as_deref_mut() {
+                        g[i] = gs;
                     }
+                    (gs.d(), gs.m())
                 }
                 Unit::Float => {
                     inexact += 1;
@@ -257,7 +327,11 @@ pub fn quantize_asym(blk: &[f32], c: &mut [u8]) -> (f32, f32) {
 }
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+    f16_bits(b, at).to_f32()
+}
+
+fn f16_bits(b: &[u8], at: usize) -> f16 {
+    f16::from_le_bytes([b[at], b[at + 1]])
 }
 
 fn nibbles(qs: &[u8], j: usize) -> (u8, u8) {
@@ -336,9 +410,10 @@ fn scale_min_k4(s: &[u8], j: usize) -> (u8, u8) {
     }
 }
 
-/// Codes of sub-block `j` of a Q4_K (`five` false) or Q5_K block, and its `(d·sc, -dmin·mn)`.
-fn k_sub(b: &[u8], j: usize, five: bool, c: &mut [u8]) -> (f32, f32) {
-    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+/// Codes of sub-block `j` of a Q4_K (`five` false) or Q5_K block, and its scales `d·sc`,
+/// `(-dmin)·mn` (= `-(dmin·mn)`: a sign flip is exact).
+fn k_sub(b: &[u8], j: usize, five: bool, c: &mut [u8]) -> GridScale {
+    let (d, dmin) = (f16_bits(b, 0), f16_bits(b, 2));
     let (sc, mn) = scale_min_k4(&b[4..16], j);
     let qs = if five { &b[48..176] } else { &b[16..144] };
     let shift = 4 * (j % 2);
@@ -349,14 +424,19 @@ fn k_sub(b: &[u8], j: usize, five: bool, c: &mut [u8]) -> (f32, f32) {
         }
     }
     // Both products are exact in f32 (11-bit f16 mantissas times 6-bit integers).
-    (d * sc as f32, -(dmin * mn as f32))
+    GridScale {
+        d_base: d,
+        d_mul: sc,
+        m_base: -dmin,
+        m_mul: mn as i16,
+    }
 }
 
 fn k_quant(b: &[u8], o: &mut [f32], five: bool) {
     let mut c = [0u8; BLOCK];
     for j in 0..8 {
-        let (ds, ndm) = k_sub(b, j, five, &mut c);
-        let dm = -ndm;
+        let g = k_sub(b, j, five, &mut c);
+        let (ds, dm) = (g.d(), -g.m());
         for (v, &q) in o[j * BLOCK..][..BLOCK].iter_mut().zip(&c) {
             *v = ds * q as f32 - dm;
         }
@@ -386,37 +466,43 @@ fn gcd(mut a: i32, mut b: i32) -> i32 {
     a
 }
 
-/// Sub-block `j` (32 wide: two 16-wide halves with scales s0, s1) of a Q6_K block exactly as
-/// `d·c + m`, when that fits: with g = gcd(|s0|, |s1|) every value is `d·g·v` for an integer
-/// `v = (s/g)·q`; if the block's v span at most 255 and the offset's product is exact in f32,
-/// `c = v - o`, `d' = d·g`, `m = d'·o`. `None` otherwise. `q`: the sub-block's 32 values (`q6_value`).
-fn q6_k_exact(b: &[u8], j: usize, q: &[i32; BLOCK], c: &mut [u8]) -> Option<(f32, f32)> {
-    let d = f16_at(b, 208);
+/// Sub-block `j` (32 wide: two 16-wide halves with int8 scales s0, s1) of a Q6_K block as `d·c + m`
+/// on the integer grid of the block's f16 `d`: with `v = s·(q - 32)` (|v| <= 4096) and `o = min v`,
+/// `m = d·o`; exact (`true`) when every `v - o` is a multiple of one `t <= 255` with
+/// `(max v - o)/t <= 255`, then `c = (v - o)/t`; else `t = ceil((max v - o)/255)` and
+/// `c = round((v - o)/t)` (error <= d·t/2). `d·t` and `d·o` are exact f32 products.
+fn q6_k_sub(b: &[u8], j: usize, c: &mut [u8]) -> (GridScale, bool) {
+    let d = f16_bits(b, 208);
     let (s0, s1) = (b[192 + 2 * j] as i8 as i32, b[192 + 2 * j + 1] as i8 as i32);
-    let g = gcd(s0.abs(), s1.abs()).max(1);
-    let mut v = [0i32; BLOCK];
-    for (l, x) in v.iter_mut().enumerate() {
-        let s = if l < 16 { s0 } else { s1 };
-        *x = s / g * q[l];
-    }
-    let (lo, hi) = (*v.iter().min()?, *v.iter().max()?);
-    if hi - lo > 255 {
-        return None;
-    }
-    // The offset o in [hi - 255, lo] with the most trailing zeros keeps d'·o short.
-    let o = (0..=12)
-        .rev()
-        .map(|s| lo.div_euclid(1 << s) * (1 << s))
-        .find(|&o| o >= hi - 255)?;
-    let dg = d * g as f32; // exact: 11-bit mantissa times an integer <= 128
-    let m64 = dg as f64 * o as f64;
-    if !d.is_finite() || (m64 as f32) as f64 != m64 {
-        return None;
-    }
+    let v: [i32; BLOCK] = std::array::from_fn(|l| if l < 16 { s0 } else { s1 } * q6_value(b, j * BLOCK + l));
+    let (lo, hi) = (
+        v.iter().fold(i32::MAX, |a, &x| a.min(x)),
+        v.iter().fold(i32::MIN, |a, &x| a.max(x)),
+    );
+    let span = hi - lo;
+    let g = v.iter().fold(0, |a, &x| gcd(a, x - lo));
+    // The largest step <= 255 that divides every v - o and spans the block in 255 codes.
+    let least = (span + 254) / 255;
+    let exact_t = if g == 0 {
+        Some(1)
+    } else {
+        (least.max(1)..=255.min(g)).rev().find(|t| g % t == 0)
+    };
+    let (t, exact) = match exact_t {
+        Some(t) => (t, true),
+        None => (least, false),
+    };
     for (x, &vv) in c.iter_mut().zip(&v) {
-        *x = (vv - o) as u8;
+        // Nearest, halves up (exact when t divides v - o); at most span/t + 1/2 < 256.
+        *x = ((2 * (vv - lo) + t) / (2 * t)).min(255) as u8;
     }
-    Some((dg, m64 as f32))
+    let gs = GridScale {
+        d_base: d,
+        d_mul: t as u8,
+        m_base: d,
+        m_mul: lo as i16,
+    };
+    (gs, exact)
 }
 
 /// Why a GGUF string array could not be read (`item` counts from 0).
@@ -566,7 +652,8 @@ mod tests {
     }
 
     /// Every 32-wide block of `to_blocks` is the same real number as the float64 value of the
-    /// format: exactly for Q4_K/Q5_K (and exact Q6_K blocks), within (max-min)/510 otherwise.
+    /// format: exactly for Q4_K/Q5_K (and exact Q6_K blocks), within (max-min)/510 + d/2
+    /// otherwise; `to_grid_blocks` gives the same codes and scales, as exact integer multiples.
     #[test]
     fn k_quants_fold_onto_32_wide_blocks() {
         let mut r = Rng(0xfeed_5eed);
@@ -584,6 +671,20 @@ mod tests {
                 dequantize(ty, &blk, 1, 256, &mut want).unwrap();
                 let (mut c, mut d, mut m) = (vec![0u8; 256], vec![0f32; 8], vec![0f32; 8]);
                 let inexact = to_blocks(ty, &blk, 1, 256, &mut c, &mut d, &mut m).unwrap();
+                let (mut c2, mut d2, mut m2) = (vec![0u8; 256], vec![0f32; 8], vec![0f32; 8]);
+                let mut g = vec![GridScale::default(); 8];
+                assert_eq!(
+                    to_grid_blocks(ty, &blk, 1, 256, &mut c2, &mut d2, &mut m2, &mut g).unwrap(),
+                    inexact
+                );
+                assert_eq!((&c2, &d2, &m2), (&c, &d, &m));
+                for (b, gs) in g.iter().enumerate() {
+                    assert_eq!((gs.d().to_bits(), gs.m().to_bits()), (d[b].to_bits(), m[b].to_bits()));
+                    // the integer parts are exact multiples: the same number in f64
+                    assert_eq!(gs.d_base.to_f64() * gs.d_mul as f64, d[b] as f64);
+                    assert_eq!(gs.m_base.to_f64() * gs.m_mul as f64, m[b] as f64);
+                    assert_eq!((gs.d_base, gs.m_base), (g[b / 8 * 8].d_base, g[b / 8 * 8].m_base));
+                }
                 for (e, &w) in want.iter().enumerate() {
                     let got = d[e / 32] as f64 * c[e] as f64 + m[e / 32] as f64;
                     // exact: the f32 reference is that real number rounded once
@@ -591,7 +692,13 @@ mod tests {
                     let sub = &want[e / 32 * 32..][..32];
                     let span = sub.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v))
                         - sub.iter().fold(f32::INFINITY, |a, &v| a.min(v));
-                    let bound = span as f64 / 510.0 * (1.0 + 1e-5) + (w as f64).abs() * 1e-6;
+                    // Q6_K requantizes on the integer grid of its f16 d: half a grid step more.
+                    let d6 = if ty == "Q6_K" {
+                        f16_at(&blk, 208).abs() as f64
+                    } else {
+                        0.0
+                    };
+                    let bound = span as f64 / 510.0 * (1.0 + 1e-5) + d6 / 2.0 + (w as f64).abs() * 1e-6;
                     assert!(
                         exact || (ty == "Q6_K" && (got - w as f64).abs() <= bound),
                         "{ty} e={e}: {got} vs {w}"

@@ -400,7 +400,16 @@ fn gguf_parts_pack_as_decode_then_from_parts() {
         assert!(got.nibbles() || !four, "case {case}");
         assert_eq!(got.unpack(), want.unpack(), "case {case}");
         assert_eq!(got.codes, want.codes, "case {case}");
-        assert_eq!(got.scales, want.scales, "case {case}");
+        if parts.iter().all(|p| gguf::is_k_quant(p.0)) {
+            // K-quants keep integer scales on the f16 grid: the same numbers, fewer bytes.
+            assert_eq!(got.scale_format(), "grid", "case {case}");
+            assert_eq!(got.scales.len(), want.scales.len(), "case {case}");
+            let same = (0..got.scales.len()).all(|i| got.scales.at(i).to_bits() == want.scales.at(i).to_bits());
+            assert!(same, "case {case}");
+            assert!(got.nbytes() < want.nbytes() || want.half_scales(), "case {case}");
+        } else {
+            assert_eq!(got.scales, want.scales, "case {case}");
+        }
         // Q4_0/Q4_1/Q5_x/Q8_0 blocks' d and m are f16 numbers (or exact multiples of one by a power of two).
         if parts
             .iter()
@@ -428,6 +437,34 @@ fn gguf_parts_pack_as_decode_then_from_parts() {
     assert_eq!(e.to_string(), "part 1: row 1, block 0: scale is not finite");
 }
 
+/// `w` with its scales as f32 values: the same unpacked numbers, and `w`'s products of `m` random
+/// rows (by `linear` and by one-thread `Product` jobs) on every ISA are its scalar ones bit for bit.
+fn same_products_as_f32_scales(r: &mut Rng, w: &QWeight, m: usize, label: &str) -> QWeight {
+    let (n, k) = (w.n, w.k);
+    let mut w32 = w.clone();
+    w32.scales = Scales::F32((0..w.scales.len()).map(|i| w.scales.at(i)).collect());
+    assert_eq!(w.unpack(), w32.unpack(), "{label}");
+    let x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 2.0 - 1.0).collect();
+    let mut want = vec![f32::NAN; m * n];
+    linear_with(Isa::Scalar, &x, m, &w32, &mut want).unwrap();
+    for isa in crate::runtime::available_isas() {
+        for ww in [w, &w32] {
+            let mut y = vec![f32::NAN; m * n];
+            linear_with(isa, &x, m, ww, &mut y).unwrap();
+            assert_eq!(y, want, "{label} isa {isa:?} {}", ww.scale_format());
+            let mut y = vec![f32::NAN; m * n];
+            let p = Product::new(isa, &x, m, ww, &mut y, 1).unwrap();
+            for j in 0..p.jobs() {
+                // SAFETY: each job once, on this thread.
+                unsafe { p.run(j) };
+            }
+            drop(p);
+            assert_eq!(y, want, "{label} isa {isa:?} {} product", ww.scale_format());
+        }
+    }
+    w32
+}
+
 /// Scales that are all f16 values are held as f16 (half their bytes) and give the products of the
 /// same values held as f32, bit for bit, on every ISA and in both code layouts; one scale that is
 /// not an f16 keeps the whole weight in f32.
@@ -447,26 +484,46 @@ fn half_scales_give_the_f32_products_bit_for_bit() {
         let w = QWeight::from_parts(n, k, &codes, &d, &mm).unwrap();
         assert!(w.half_scales(), "case {case}");
         assert_eq!(w.nibbles(), top == 16);
-        let mut w32 = w.clone();
-        w32.scales = Scales::F32((0..w.scales.len()).map(|i| w.scales.at(i)).collect());
+        let w32 = same_products_as_f32_scales(&mut r, &w, m, &format!("case {case}"));
         assert_eq!(w.nbytes() + 2 * w.scales.len(), w32.nbytes());
-        assert_eq!(w.unpack(), w32.unpack());
         assert_eq!(w.unpack(), (codes.clone(), d.clone(), mm.clone()));
-        let x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 2.0 - 1.0).collect();
-        let mut want = vec![f32::NAN; m * n];
-        linear_with(Isa::Scalar, &x, m, &w32, &mut want).unwrap();
-        for isa in crate::runtime::available_isas() {
-            for ww in [&w, &w32] {
-                let mut y = vec![f32::NAN; m * n];
-                linear_with(isa, &x, m, ww, &mut y).unwrap();
-                assert_eq!(y, want, "case {case} isa {isa:?} half {}", ww.half_scales());
-            }
-        }
         // One m that no f16 holds: the weight keeps f32 scales.
         let mut m2 = mm.clone();
         m2[r.below(n * nb)] = 1.0 + f32::EPSILON;
         assert!(!QWeight::from_parts(n, k, &codes, &d, &m2).unwrap().half_scales());
     }
+}
+
+/// K-quant weights hold integer scales on the f16 super-block grid (`Scales::Grid`): the same
+/// products as the same numbers held as f32, bit for bit, on every ISA, in both code layouts and
+/// for long jobs; 3 bytes a block and column plus 4 per 256 (Q4_K: 0.61 bytes a weight).
+#[test]
+fn grid_scales_give_the_f32_products_bit_for_bit() {
+    let mut r = Rng(0x9e1d);
+    for case in 0..12 {
+        let ty = ["Q4_K", "Q5_K", "Q6_K"][case % 3];
+        let n = [1, 15, 16, 17, 40, 70][r.below(6)];
+        let k = 256 * (1 + r.below(3));
+        let m = [1, 2, 5, 33][r.below(4)];
+        let raw = random_gguf_rows(&mut r, ty, n, k);
+        let w = QWeight::from_gguf(ty, &raw, n, k).unwrap();
+        assert_eq!(w.scale_format(), "grid", "case {case}");
+        assert_eq!(w.nibbles(), ty == "Q4_K");
+        let nb = k / QBLOCK;
+        let panels = n.div_ceil(PANEL);
+        let codes = panels * PANEL * if w.nibbles() { k / 2 } else { k };
+        assert_eq!(
+            w.nbytes(),
+            codes + panels * PANEL * (3 * nb + 4 * nb / 8),
+            "case {case}"
+        );
+        same_products_as_f32_scales(&mut r, &w, m, &format!("case {case} {ty}"));
+    }
+    // Mixed with a type of 32-wide blocks (a Q8_0 part): f16 or f32 scales, as before.
+    let a = random_gguf_rows(&mut r, "Q4_K", 3, 256);
+    let b = random_gguf_rows(&mut r, "Q8_0", 2, 256);
+    let w = QWeight::from_gguf_parts(&[("Q4_K", &a, 3), ("Q8_0", &b, 2)], 256).unwrap();
+    assert_ne!(w.scale_format(), "grid");
 }
 
 #[test]

@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{tile_order, Args, Scales, MR, PANEL, QBLOCK};
+use super::{tile_order, Args, Scales, GRID_BLOCKS, MR, PANEL, QBLOCK};
 
 /// All row tiles of panels `p0..p0+np` (any np: `tile_order` hands the tile one or two panels).
 ///
@@ -77,6 +77,20 @@ unsafe fn tile<const R: usize, const NP: usize>(a: &Args, r0: usize, p0: usize) 
                         _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i)),
                         _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at + PANEL) as *const __m256i)),
                     ),
+                    Scales::Grid { base, dmul, mmul } => {
+                        // As the AVX2 `load_scales`: base·mul, the block's 16 multipliers and its
+                        // super-block's 16 + 16 bases.
+                        let blk = (p0 + p) * nb + b;
+                        let bp = base.as_ptr().add(blk / GRID_BLOCKS * 2 * PANEL);
+                        let db = _mm512_cvtph_ps(_mm256_loadu_si256(bp as *const __m256i));
+                        let mb = _mm512_cvtph_ps(_mm256_loadu_si256(bp.add(PANEL) as *const __m256i));
+                        let dm = _mm_loadu_si128(dmul.as_ptr().add(blk * PANEL) as *const __m128i);
+                        let mm = _mm256_loadu_si256(mmul.as_ptr().add(blk * PANEL) as *const __m256i);
+                        (
+                            _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(dm))),
+                            _mm512_mul_ps(mb, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(mm))),
+                        )
+                    }
                 }
             };
             for r in 0..R {
