@@ -31,7 +31,7 @@ use std::arch::x86_64::*;
 /// brought it to ~1.0 (2.9-3.6 -> 1.4-2.4 ms on 2 threads here, probe 11-15 GB/s under load).
 const PREFETCH: usize = 4096;
 
-use super::{tile_order, Args, Scales, GRID_BLOCKS, MR, PANEL, QBLOCK};
+use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, MR, PANEL, QBLOCK};
 
 /// All row tiles of panels `p0..p0+np`.
 ///
@@ -40,9 +40,9 @@ use super::{tile_order, Args, Scales, GRID_BLOCKS, MR, PANEL, QBLOCK};
 /// floats; `p0 + np <= panels`.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
-    let wide = !a.w.nibbles;
     tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn, first| {
         for p in ps..ps + pn {
+            let wide = !a.w.panel_nibbles(p);
             // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
             // activations and panels inside p0..p0+np.
             unsafe {
@@ -98,10 +98,17 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
                 let db = _mm256_cvtph_ps(_mm_loadu_si128(bp as *const __m128i));
                 let mb = _mm256_cvtph_ps(_mm_loadu_si128(bp.add(PANEL) as *const __m128i));
                 let dm = _mm_loadl_epi64(dmul.as_ptr().add(blk * PANEL + j) as *const __m128i);
-                let mm = _mm_loadu_si128(mmul.as_ptr().add(blk * PANEL + j) as *const __m128i);
+                let mm = match mmul {
+                    Muls::U8(v) => {
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().add(blk * PANEL + j) as *const __m128i))
+                    }
+                    Muls::I16(v) => {
+                        _mm256_cvtepi16_epi32(_mm_loadu_si128(v.as_ptr().add(blk * PANEL + j) as *const __m128i))
+                    }
+                };
                 (
                     _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(dm))),
-                    _mm256_mul_ps(mb, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(mm))),
+                    _mm256_mul_ps(mb, _mm256_cvtepi32_ps(mm)),
                 )
             }
         }
@@ -112,10 +119,9 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
 unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize, prefetch: bool) {
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
-    // A panel's codes: k*PANEL bytes, or k*PANEL/2 in the 4-bit layout (WIDE is false exactly then).
-    let line = if WIDE { k * PANEL } else { k * PANEL / 2 };
-    // SAFETY: panel p exists: `line` code bytes from this offset (and nb*2*PANEL scales from p*nb*2*PANEL).
-    let codes = unsafe { a.w.codes.as_ptr().add(p * line) };
+    // Panel p's codes: k*PANEL bytes, or k*PANEL/2 in the 4-bit layout (WIDE is false exactly then).
+    // SAFETY: panel p exists: its code bytes start at this offset (and nb*2*PANEL scales from p*nb*2*PANEL).
+    let codes = unsafe { a.w.codes.as_ptr().add(a.w.code_at[p]) };
     let scales = p * nb * 2 * PANEL;
     let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
     let ones = _mm256_set1_epi16(1);
@@ -143,7 +149,7 @@ unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize, 
             let mut ch = [zero; 2];
             for v in 0..2 {
                 if WIDE {
-                    // SAFETY: kk*PANEL + 64 <= k*PANEL: the group's two 32-byte vectors in panel p.
+                    // SAFETY: kk*PANEL + 64 <= k*PANEL: the group's two 32-byte vectors in panel p (8-bit).
                     let c = unsafe { _mm256_loadu_si256(codes.add(kk * PANEL + v * 32) as *const __m256i) };
                     cl[v] = _mm256_and_si256(c, low4);
                     ch[v] = _mm256_and_si256(_mm256_srli_epi16::<4>(c), low4);
@@ -221,9 +227,9 @@ unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize, 
 unsafe fn wide_half<const R: usize>(a: &Args, r0: usize, p: usize, v: usize, prefetch: bool) {
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
-    // SAFETY: panel p exists: k*PANEL code bytes from this offset; half v is bytes 32v..32v+32 of
-    // each 64-byte group.
-    let codes = unsafe { a.w.codes.as_ptr().add(p * k * PANEL + v * 32) };
+    // SAFETY: panel p exists and is 8-bit: k*PANEL code bytes from its offset; half v is bytes
+    // 32v..32v+32 of each 64-byte group.
+    let codes = unsafe { a.w.codes.as_ptr().add(a.w.code_at[p] + v * 32) };
     let scales = p * nb * 2 * PANEL + v * 8;
     let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
     let low4 = _mm256_set1_epi8(0x0f);

@@ -38,9 +38,11 @@
 //! L1 (the decoder's jobs hold up to ~100 panels; rows-outer read a Q8_0 lm_head's codes from L3 once
 //! per row).
 //!
-//! 4-bit layout (`nibbles`): when every code fits 4 bits (GGUF Q4_0, Q4_1, Q4_K blocks) the panel
-//! stores two 4-wide k groups in one 64-byte line, group 2q in the low nibbles and 2q+1 in the high
-//! ones, halving the bytes streamed per token (the weights then take about their GGUF file size).
+//! 4-bit layout (per panel): when every code of a panel's rows fits 4 bits (GGUF Q4_0, Q4_1, Q4_K
+//! blocks) the panel stores two 4-wide k groups in one 64-byte line, group 2q in the low nibbles and
+//! 2q+1 in the high ones, halving the bytes streamed per token (the weights then take about their
+//! GGUF file size). Panels choose on their own, so a fused projection of mixed types (a Q4_K_M QKV:
+//! Q4_K q and k, Q6_K v) keeps 4-bit codes where its rows allow.
 //! The scalar and AVX2 tiles read it (the AVX2 one unpacks a line with two masks and runs its exact
 //! single-`vpmaddubsw` mode; the VNNI build hands such weights to the AVX2 tile); the integer dots and
 //! the float sums are the same, so the results are bit for bit those of the 8-bit layout.
@@ -100,10 +102,11 @@ pub fn detected_isa() -> Isa {
 pub struct QWeight {
     n: usize,
     k: usize,
-    /// `panels * k * PANEL` codes (`/ 2` bytes when `nibbles`).
+    /// The panels' codes, one after the other: `k * PANEL` bytes a panel, or `k * PANEL / 2` for a
+    /// panel in the 4-bit layout (two codes a byte, module docs).
     codes: Vec<u8>,
-    /// Two codes per byte (the 4-bit layout of the module docs).
-    nibbles: bool,
+    /// Where each panel's codes start in `codes` (`panels + 1` offsets).
+    code_at: Vec<usize>,
     /// `panels * (k / QBLOCK) * 2 * PANEL` scales.
     scales: Scales,
 }
@@ -113,10 +116,11 @@ pub struct QWeight {
 /// f16 is exact, so both give the same products bit for bit.
 ///
 /// `Grid` (GGUF K-quants, `gguf::GridScale`): per panel and 256-wide super-block, PANEL f16 `d`
-/// bases then PANEL `m` bases; per panel and block, PANEL u8 `d` multipliers and PANEL i16 `m`
-/// multipliers; `d = base·mul` and `m = base·mul` are exact f32 products, so again the same
-/// products bit for bit, in 3 bytes a block and column (plus 4 per 256) instead of 8: a Q4_K
-/// weight takes 0.61 B/weight (file: 0.5625), not 0.75.
+/// bases then PANEL `m` bases; per panel and block, PANEL u8 `d` multipliers and PANEL `m`
+/// multipliers (u8 for Q4_K/Q5_K, i16 where Q6_K rows are present); `d = base·mul` and
+/// `m = base·mul` are exact f32 products, so again the same products bit for bit, in 2 bytes a
+/// block and column (3 with Q6_K) plus 4 per 256 instead of 8: a Q4_K weight takes 0.58 B/weight
+/// (file: 0.5625), not 0.75.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Scales {
     F32(Vec<f32>),
@@ -124,8 +128,31 @@ pub enum Scales {
     Grid {
         base: Vec<half::f16>,
         dmul: Vec<u8>,
-        mmul: Vec<i16>,
+        mmul: Muls,
     },
+}
+
+/// The `m` multipliers of `Scales::Grid`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Muls {
+    U8(Vec<u8>),
+    I16(Vec<i16>),
+}
+
+impl Muls {
+    #[inline]
+    fn at(&self, i: usize) -> f32 {
+        match self {
+            Muls::U8(v) => v[i] as f32,
+            Muls::I16(v) => v[i] as f32,
+        }
+    }
+    fn nbytes(&self) -> usize {
+        match self {
+            Muls::U8(v) => v.len(),
+            Muls::I16(v) => 2 * v.len(),
+        }
+    }
 }
 
 /// Blocks of a `Scales::Grid` super-block (a GGUF K-quant's 256 values).
@@ -166,7 +193,7 @@ impl Scales {
         match self {
             Scales::F32(v) => 4 * v.len(),
             Scales::F16(v) => 2 * v.len(),
-            Scales::Grid { base, dmul, mmul } => 2 * base.len() + dmul.len() + 2 * mmul.len(),
+            Scales::Grid { base, dmul, mmul } => 2 * base.len() + dmul.len() + mmul.nbytes(),
         }
     }
     /// The 2*PANEL scales of one block of one panel from index `at`, as f32.
@@ -199,7 +226,7 @@ impl Scales {
                 if j < PANEL {
                     b * dmul[blk * PANEL + j] as f32
                 } else {
-                    b * mmul[blk * PANEL + j - PANEL] as f32
+                    b * mmul.at(blk * PANEL + j - PANEL)
                 }
             }
         }
@@ -228,9 +255,23 @@ impl QWeight {
             Scales::Grid { .. } => "grid",
         }
     }
-    /// True when the codes are held in the 4-bit layout.
+    /// True when every panel's codes are held in the 4-bit layout.
     pub fn nibbles(&self) -> bool {
-        self.nibbles
+        self.nibble_panels() == self.panels()
+    }
+    /// How many panels (16 rows each) hold their codes in the 4-bit layout.
+    pub fn nibble_panels(&self) -> usize {
+        (0..self.panels()).filter(|&p| self.panel_nibbles(p)).count()
+    }
+    /// Panel `p` holds its codes in the 4-bit layout.
+    #[inline]
+    fn panel_nibbles(&self, p: usize) -> bool {
+        self.code_at[p + 1] - self.code_at[p] < self.k * PANEL
+    }
+    /// Panel `p`'s codes.
+    #[inline]
+    fn panel_codes(&self, p: usize) -> &[u8] {
+        &self.codes[self.code_at[p]..self.code_at[p + 1]]
     }
     fn blocks(&self) -> usize {
         self.k / QBLOCK
@@ -257,34 +298,47 @@ impl QWeight {
         if let Some(i) = bad {
             return Err(Error::Invalid(format!("scale {i} is not finite")));
         }
-        let nibbles = pool.install(|| codes.par_chunks(1 << 16).all(|c| c.iter().all(|&x| x < 16)));
-        Ok(pool.install(|| Self::pack(n, k, codes, d, m, nibbles)))
+        Ok(pool.install(|| Self::pack(n, k, codes, d, m)))
     }
 
-    /// The packed layout of checked parts; `nibbles` only when every code is < 16. Panels are
-    /// packed in parallel (on the caller's rayon pool).
-    fn pack(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32], nibbles: bool) -> Self {
+    /// The packed layout of checked parts: each panel in the 4-bit layout when every code of its
+    /// rows is < 16, else the 8-bit one. Panels are packed in parallel (on the caller's rayon pool).
+    fn pack(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32]) -> Self {
+        use rayon::prelude::*;
+        let four: Vec<bool> = (0..n.div_ceil(PANEL))
+            .into_par_iter()
+            .map(|p| {
+                codes[p * PANEL * k..((p + 1) * PANEL).min(n) * k]
+                    .iter()
+                    .all(|&x| x < 16)
+            })
+            .collect();
+        Self::pack_layout(n, k, codes, d, m, &four)
+    }
+
+    /// `pack` with each panel's layout given (`four[p]`: 4-bit; only where its codes are < 16).
+    fn pack_layout(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32], four: &[bool]) -> Self {
         use rayon::prelude::*;
         let nb = k / QBLOCK;
-        let panels = n.div_ceil(PANEL);
-        let line = if nibbles { k * PANEL / 2 } else { k * PANEL };
-        let mut pc = vec![0u8; panels * line];
-        let mut ps = vec![0f32; panels * nb * 2 * PANEL];
-        pc.par_chunks_mut(line)
+        let code_at = panel_offsets(k, four);
+        let mut pc = vec![0u8; code_at[four.len()]];
+        let mut ps = vec![0f32; four.len() * nb * 2 * PANEL];
+        split_panels(&mut pc, &code_at)
+            .into_par_iter()
             .zip(ps.par_chunks_mut(nb * 2 * PANEL))
             .enumerate()
             .for_each(|(p, (dst, sc))| {
                 for i in 0..PANEL.min(n - p * PANEL) {
                     let row = p * PANEL + i;
                     let r = row * nb..(row + 1) * nb;
-                    pack_row(dst, sc, i, &codes[row * k..][..k], &d[r.clone()], &m[r], nibbles);
+                    pack_row(dst, sc, i, &codes[row * k..][..k], &d[r.clone()], &m[r], four[p]);
                 }
             });
         QWeight {
             n,
             k,
             codes: pc,
-            nibbles,
+            code_at,
             scales: Scales::compact(ps),
         }
     }
@@ -294,13 +348,12 @@ impl QWeight {
         let (n, k, nb) = (self.n, self.k, self.blocks());
         let mut codes = vec![0u8; n * k];
         let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
-        let line = if self.nibbles { k * PANEL / 2 } else { k * PANEL };
         for row in 0..n {
             let (p, i) = (row / PANEL, row % PANEL);
-            let src = &self.codes[p * line..][..line];
+            let (src, nibbles) = (self.panel_codes(p), self.panel_nibbles(p));
             for g in 0..k / 4 {
                 let out = &mut codes[row * k + g * 4..][..4];
-                if self.nibbles {
+                if nibbles {
                     for (o, &b) in out.iter_mut().zip(&src[g / 2 * 4 * PANEL + i * 4..][..4]) {
                         *o = (b >> (4 * (g % 2))) & 0x0f;
                     }
@@ -329,8 +382,9 @@ impl QWeight {
     ///
     /// Decoded and packed panel by panel on the kernel threads, with no row-major copy in between:
     /// each thread decodes one row at a time into a row of scratch and packs it into its panel.
-    /// Tensors of 4-bit types (Q4_0, Q4_1, Q4_K) are packed as nibbles; others too when every
-    /// code they give is < 16 (as `from_parts`).
+    /// A panel whose rows all come from tensors of 4-bit types (Q4_0, Q4_1, Q4_K) is packed as
+    /// nibbles, others too when every code they give is < 16 (as `from_parts`): in a Q4_K_M QKV
+    /// (Q4_K q and k, Q6_K v) the q and k panels keep 4-bit codes.
     pub fn from_gguf_parts(parts: &[(&str, &[u8], usize)], k: usize) -> Result<Self> {
         use rayon::prelude::*;
         let n = parts.iter().try_fold(0usize, |a, p| a.checked_add(p.2));
@@ -350,23 +404,36 @@ impl QWeight {
             starts.push((at, gguf::check_raw(ty, raw, rows, k).map_err(|e| named(i, e))?));
             at += rows;
         }
-        let four_bit = parts.iter().all(|p| matches!(p.0, "Q4_0" | "Q4_1" | "Q4_K"));
         // K-quants only (k a multiple of 256): integer scales on the f16 super-block grid.
         let grid = parts.iter().all(|p| gguf::is_k_quant(p.0)) && k.is_multiple_of(GRID_BLOCKS * QBLOCK);
         let nb = k / QBLOCK;
         let panels = n.div_ceil(PANEL);
-        let line = if four_bit { k * PANEL / 2 } else { k * PANEL };
-        let mut pc = vec![0u8; panels * line];
+        let part_of = |row: usize| starts.partition_point(|s| s.0 <= row) - 1;
+        let four: Vec<bool> = (0..panels)
+            .map(|p| {
+                (p * PANEL..((p + 1) * PANEL).min(n)).all(|r| matches!(parts[part_of(r)].0, "Q4_0" | "Q4_1" | "Q4_K"))
+            })
+            .collect();
+        let code_at = panel_offsets(k, &four);
+        let mut pc = vec![0u8; code_at[panels]];
         let mut ps = Vec::new();
-        let (mut base, mut dmul, mut mmul) = (Vec::new(), Vec::new(), Vec::new());
+        // The m multipliers: mn (6-bit) for Q4_K/Q5_K, min v (|v| <= 4096) for Q6_K.
+        let wide_m = parts.iter().any(|p| p.0 == "Q6_K");
+        let (mut base, mut dmul, mut m8, mut m16) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         // Each panel's own slices of the scales.
         let chunks: Vec<PanelScales> = if grid {
             base = vec![half::f16::ZERO; panels * nb / GRID_BLOCKS * 2 * PANEL];
             dmul = vec![0u8; panels * nb * PANEL];
-            mmul = vec![0i16; panels * nb * PANEL];
+            let mchunks: Vec<MulsMut> = if wide_m {
+                m16 = vec![0i16; panels * nb * PANEL];
+                m16.chunks_mut(nb * PANEL).map(MulsMut::I16).collect()
+            } else {
+                m8 = vec![0u8; panels * nb * PANEL];
+                m8.chunks_mut(nb * PANEL).map(MulsMut::U8).collect()
+            };
             base.chunks_mut(nb / GRID_BLOCKS * 2 * PANEL)
                 .zip(dmul.chunks_mut(nb * PANEL))
-                .zip(mmul.chunks_mut(nb * PANEL))
+                .zip(mchunks)
                 .map(|((base, dmul), mmul)| PanelScales::Grid { base, dmul, mmul })
                 .collect()
         } else {
@@ -374,8 +441,10 @@ impl QWeight {
             ps.chunks_mut(nb * 2 * PANEL).map(PanelScales::F32).collect()
         };
         let pool = crate::runtime::pool()?;
-        let top = pool.install(|| {
-            pc.par_chunks_mut(line)
+        // Whether some 8-bit panel's codes all fit 4 bits after all (then repacked below).
+        let small = pool.install(|| {
+            split_panels(&mut pc, &code_at)
+                .into_par_iter()
                 .zip(chunks.into_par_iter())
                 .enumerate()
                 .map_init(
@@ -383,11 +452,11 @@ impl QWeight {
                         let g = vec![gguf::GridScale::default(); if grid { nb } else { 0 }];
                         (vec![0u8; k], vec![0f32; nb], vec![0f32; nb], g)
                     },
-                    |(c, d, m, g), (p, (dst, mut sc))| -> Result<u8> {
+                    |(c, d, m, g), (p, (dst, mut sc))| -> Result<bool> {
                         let mut top = 0u8;
                         for i in 0..PANEL.min(n - p * PANEL) {
                             let row = p * PANEL + i;
-                            let j = starts.partition_point(|s| s.0 <= row) - 1;
+                            let j = part_of(row);
                             let ((ty, raw, _), (first, rb)) = (parts[j], starts[j]);
                             let src = &raw[(row - first) * rb..][..rb];
                             if grid {
@@ -406,16 +475,20 @@ impl QWeight {
                                     )),
                                 ));
                             }
-                            if !four_bit {
+                            if !four[p] {
                                 top = top.max(c.iter().copied().max().unwrap_or(0));
                             }
-                            pack_codes(dst, i, c, four_bit);
+                            pack_codes(dst, i, c, four[p]);
                             match &mut sc {
                                 PanelScales::F32(sc) => pack_scales(sc, i, d, m),
                                 PanelScales::Grid { base, dmul, mmul } => {
                                     for (b, gs) in g.iter().enumerate() {
                                         dmul[b * PANEL + i] = gs.d_mul;
-                                        mmul[b * PANEL + i] = gs.m_mul;
+                                        match mmul {
+                                            MulsMut::I16(v) => v[b * PANEL + i] = gs.m_mul,
+                                            // Q4_K/Q5_K: mn is a 6-bit integer.
+                                            MulsMut::U8(v) => v[b * PANEL + i] = gs.m_mul as u8,
+                                        }
                                         if b % GRID_BLOCKS == 0 {
                                             let at = b / GRID_BLOCKS * 2 * PANEL + i;
                                             base[at] = gs.d_base;
@@ -425,12 +498,13 @@ impl QWeight {
                                 }
                             }
                         }
-                        Ok(top)
+                        Ok(!four[p] && top < 16)
                     },
                 )
-                .try_reduce(|| 0u8, |a, b| Ok(a.max(b)))
+                .try_reduce(|| false, |a, b| Ok(a || b))
         })?;
         let scales = if grid {
+            let mmul = if wide_m { Muls::I16(m16) } else { Muls::U8(m8) };
             Scales::Grid { base, dmul, mmul }
         } else {
             Scales::compact(ps)
@@ -439,14 +513,14 @@ impl QWeight {
             n,
             k,
             codes: pc,
-            nibbles: four_bit,
+            code_at,
             scales,
         };
-        if !four_bit && top < 16 {
-            // Every code fits in 4 bits after all (e.g. constant blocks): the half-size layout,
-            // with the same scales.
+        if small {
+            // A panel of an 8-bit type whose codes all fit in 4 bits (e.g. constant blocks): the
+            // half-size layout there, as `from_parts` packs it, with the same scales.
             let (c, d, m) = w.unpack();
-            let mut w4 = pool.install(|| Self::pack(n, k, &c, &d, &m, true));
+            let mut w4 = pool.install(|| Self::pack(n, k, &c, &d, &m));
             w4.scales = w.scales;
             return Ok(w4);
         }
@@ -491,14 +565,42 @@ impl QWeight {
     }
 }
 
+/// Where each panel's codes start (and, last, the total): `k * PANEL` bytes a panel, half that
+/// for a panel in the 4-bit layout (`four[p]`).
+fn panel_offsets(k: usize, four: &[bool]) -> Vec<usize> {
+    let mut at = Vec::with_capacity(four.len() + 1);
+    at.push(0);
+    for &f in four {
+        at.push(at.last().copied().unwrap_or(0) + if f { k * PANEL / 2 } else { k * PANEL });
+    }
+    at
+}
+
+/// `codes` cut at the offsets `code_at` into one slice a panel.
+fn split_panels<'a>(mut codes: &'a mut [u8], code_at: &[usize]) -> Vec<&'a mut [u8]> {
+    let mut out = Vec::with_capacity(code_at.len().saturating_sub(1));
+    for w in code_at.windows(2) {
+        let (head, rest) = std::mem::take(&mut codes).split_at_mut(w[1] - w[0]);
+        out.push(head);
+        codes = rest;
+    }
+    out
+}
+
 /// One panel's part of the scales while it is packed.
 enum PanelScales<'a> {
     F32(&'a mut [f32]),
     Grid {
         base: &'a mut [half::f16],
         dmul: &'a mut [u8],
-        mmul: &'a mut [i16],
+        mmul: MulsMut<'a>,
     },
+}
+
+/// One panel's part of the `m` multipliers while it is packed.
+enum MulsMut<'a> {
+    U8(&'a mut [u8]),
+    I16(&'a mut [i16]),
 }
 
 /// Row `i` of a panel: its codes into the panel's code line `dst` and its `d`, `m` into the
@@ -631,8 +733,7 @@ struct Args<'a> {
 /// the SIMD tiles; `mul_add` is a correctly rounded libm `fmaf` here).
 fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
     let (k, nb, n) = (a.w.k, a.w.blocks(), a.w.n);
-    let line = if a.w.nibbles { k * PANEL / 2 } else { k * PANEL };
-    let codes = &a.w.codes[p * line..][..line];
+    let (codes, nibbles) = (a.w.panel_codes(p), a.w.panel_nibbles(p));
     let scales = p * nb * 2 * PANEL; // this panel's first scale
     for r in r0..r0 + mr {
         let (hi, lo) = (&a.acts.hi[r * k..][..k], &a.acts.lo[r * k..][..k]);
@@ -641,7 +742,7 @@ fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
             // Integer dots of the panel's 16 rows with both digits, 4 k at a time as the layout
             // stores them (the loop over 64 contiguous code bytes vectorizes).
             let (mut dh, mut dl) = ([0i32; PANEL], [0i32; PANEL]);
-            if a.w.nibbles {
+            if nibbles {
                 // One 64-byte line holds groups 2q (low nibbles) and 2q+1 (high nibbles).
                 for q in b * QBLOCK / 8..(b + 1) * QBLOCK / 8 {
                     let c = &codes[q * 4 * PANEL..][..4 * PANEL];
@@ -900,24 +1001,43 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
 }
 
 fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
-    // The VNNI tile reads the 8-bit layout only; 4-bit weights run the AVX2 tile there.
-    let v = match variant(isa) {
-        Isa::Avx512 if a.w.nibbles && Isa::Avx2.available() => Isa::Avx2,
-        Isa::Avx512 if a.w.nibbles => Isa::Scalar,
-        v => v,
-    };
+    let v = variant(isa);
+    if v != Isa::Avx512 {
+        return run_panels(v, a, m, p0, np);
+    }
+    // The VNNI tile reads the 8-bit layout only: runs of 4-bit panels go to the AVX2 tile there
+    // (the scalar one without AVX2). Every column is computed by one tile whichever runs it.
+    let mut s = p0;
+    while s < p0 + np {
+        let four = a.w.panel_nibbles(s);
+        let e = (s + 1..p0 + np)
+            .find(|&q| a.w.panel_nibbles(q) != four)
+            .unwrap_or(p0 + np);
+        let v = match four {
+            false => Isa::Avx512,
+            true if Isa::Avx2.available() => Isa::Avx2,
+            true => Isa::Scalar,
+        };
+        run_panels(v, a, m, s, e - s);
+        s = e;
+    }
+}
+
+/// Panels `p0..p0+np` on the tile of build `v` (the Avx512 one only for 8-bit panels).
+fn run_panels(v: Isa, a: &Args, m: usize, p0: usize, np: usize) {
     match v {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
-            // SAFETY: `variant` gives Avx512 only when AVX-512 F/BW/VNNI are detected; the tile
-            // bounds are within the activations, weights and output sized by `linear_with`.
+            // SAFETY: `variant` gives Avx512 only when AVX-512 F/BW/VNNI are detected, and
+            // `run_job` hands it 8-bit panels only; the tile bounds are within the activations,
+            // weights and output sized by `linear_with`.
             unsafe { x86::job(a, m, p0, np) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
-            // SAFETY: `variant` gives Avx2 only when AVX2 and FMA are detected; the tile bounds
-            // are within the activations, weights and output sized by `linear_with`; `nibbles`
-            // was computed from the weight's own codes.
+            // SAFETY: `variant` gives Avx2 only when AVX2 and FMA are detected (and `run_job`
+            // checks it); the tile bounds are within the activations, weights and output sized by
+            // `linear_with`; a panel's layout was chosen from its own codes.
             unsafe { avx2::job(a, m, p0, np) }
         }
         _ => tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn, _| {

@@ -256,7 +256,7 @@ fn saturation_edges_give_the_scalar_bits() {
         let d: Vec<f32> = (0..n * k / QBLOCK).map(|_| 0.01 + r.uniform().abs() * 0.01).collect();
         let mm: Vec<f32> = d.iter().map(|&v| -v * top as f32 / 2.0).collect();
         let w = QWeight::from_parts(n, k, &codes, &d, &mm).unwrap();
-        assert_eq!(w.nibbles, top <= 15, "case {case}");
+        assert_eq!(w.nibbles(), top <= 15, "case {case}");
         let x = edge_acts(&mut r, m, k);
         let mut ys = vec![f32::NAN; m * n];
         linear_with(Isa::Scalar, &x, m, &w, &mut ys).unwrap();
@@ -283,7 +283,7 @@ fn every_code_15_and_digit_127_fills_the_i16_sums_exactly() {
     // The nibble mode's worst case: 8 groups × 2 products of 15·127 in one i16 lane = 30480.
     let (n, k) = (16, 64);
     let w = QWeight::from_parts(n, k, &vec![15; n * k], &vec![1.0; n * 2], &vec![0.0; n * 2]).unwrap();
-    assert!(w.nibbles);
+    assert!(w.nibbles());
     for sign in [1i8, -1] {
         let x = vec![sign as f32; 2 * k];
         let a = quantize_acts(&x, 2, k);
@@ -314,7 +314,7 @@ fn four_bit_layout_equals_the_eight_bit_one_bit_for_bit() {
         let d: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.01).collect();
         let mm: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.05).collect();
         let w4 = QWeight::from_parts(n, k, &codes, &d, &mm).unwrap();
-        let w8 = QWeight::pack(n, k, &codes, &d, &mm, false);
+        let w8 = QWeight::pack_layout(n, k, &codes, &d, &mm, &vec![false; n.div_ceil(PANEL)]);
         assert!(w4.nibbles() && !w8.nibbles());
         assert!(w4.nbytes() < w8.nbytes());
         assert_eq!(w4.unpack(), (codes.clone(), d.clone(), mm.clone()));
@@ -437,6 +437,55 @@ fn gguf_parts_pack_as_decode_then_from_parts() {
     assert_eq!(e.to_string(), "part 1: row 1, block 0: scale is not finite");
 }
 
+/// Each panel picks its code layout: a fused weight of Q4_K rows then Q6_K rows keeps the 4-bit
+/// layout in the panels of Q4_K rows only (a panel holding both is 8-bit), and gives the products of
+/// the all-8-bit layout bit for bit on every ISA, by `linear` and by `Product` jobs.
+#[test]
+fn mixed_layout_panels_give_the_eight_bit_products() {
+    let mut r = Rng(0x3141);
+    for (case, (q4, q6, nibble_panels)) in [(32, 16, 2), (20, 12, 1), (16, 40, 1), (8, 8, 0), (48, 0, 3)]
+        .into_iter()
+        .enumerate()
+    {
+        let k = 256 * (1 + case % 2);
+        let (a, b) = (
+            random_gguf_rows(&mut r, "Q4_K", q4, k),
+            random_gguf_rows(&mut r, "Q6_K", q6, k),
+        );
+        let parts: Vec<(&str, &[u8], usize)> = [("Q4_K", a.as_slice(), q4), ("Q6_K", b.as_slice(), q6)]
+            .into_iter()
+            .filter(|p| p.2 > 0)
+            .collect();
+        let w = QWeight::from_gguf_parts(&parts, k).unwrap();
+        let n = q4 + q6;
+        assert_eq!(w.nibble_panels(), nibble_panels, "case {case}");
+        let (c, d, m) = w.unpack();
+        let w8 = QWeight::pack_layout(n, k, &c, &d, &m, &vec![false; n.div_ceil(PANEL)]);
+        assert_eq!(w.codes.len(), w8.codes.len() - nibble_panels * k * PANEL / 2);
+        // from_parts picks the same layout from the codes alone.
+        let wp = QWeight::from_parts(n, k, &c, &d, &m).unwrap();
+        assert_eq!((&wp.codes, &wp.code_at), (&w.codes, &w.code_at), "case {case}");
+        for rows in [1, 3, 33] {
+            let x: Vec<f32> = (0..rows * k).map(|_| r.uniform() * 2.0 - 1.0).collect();
+            let mut want = vec![f32::NAN; rows * n];
+            linear_with(Isa::Scalar, &x, rows, &w8, &mut want).unwrap();
+            for isa in crate::runtime::available_isas() {
+                let mut y = vec![f32::NAN; rows * n];
+                linear_with(isa, &x, rows, &w, &mut y).unwrap();
+                assert_eq!(y, want, "case {case} isa {isa:?} rows {rows}");
+                let mut y = vec![f32::NAN; rows * n];
+                let p = Product::new(isa, &x, rows, &w, &mut y, 1).unwrap();
+                for j in 0..p.jobs() {
+                    // SAFETY: each job once, on this thread.
+                    unsafe { p.run(j) };
+                }
+                drop(p);
+                assert_eq!(y, want, "case {case} isa {isa:?} rows {rows} product");
+            }
+        }
+    }
+}
+
 /// `w` with its scales as f32 values: the same unpacked numbers, and `w`'s products of `m` random
 /// rows (by `linear` and by one-thread `Product` jobs) on every ISA are its scalar ones bit for bit.
 fn same_products_as_f32_scales(r: &mut Rng, w: &QWeight, m: usize, label: &str) -> QWeight {
@@ -512,9 +561,11 @@ fn grid_scales_give_the_f32_products_bit_for_bit() {
         let nb = k / QBLOCK;
         let panels = n.div_ceil(PANEL);
         let codes = panels * PANEL * if w.nibbles() { k / 2 } else { k };
+        // u8 d and m multipliers (Q6_K: i16 m), f16 bases per 256
+        let per_block = if ty == "Q6_K" { 3 } else { 2 };
         assert_eq!(
             w.nbytes(),
-            codes + panels * PANEL * (3 * nb + 4 * nb / 8),
+            codes + panels * PANEL * (per_block * nb + 4 * nb / 8),
             "case {case}"
         );
         same_products_as_f32_scales(&mut r, &w, m, &format!("case {case} {ty}"));

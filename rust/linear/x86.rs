@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{tile_order, Args, Scales, GRID_BLOCKS, MR, PANEL, QBLOCK};
+use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, MR, PANEL, QBLOCK};
 
 /// All row tiles of panels `p0..p0+np` (any np: `tile_order` hands the tile one or two panels).
 ///
@@ -50,8 +50,9 @@ unsafe fn tile<const R: usize, const NP: usize>(a: &Args, r0: usize, p0: usize) 
             let kk = b * QBLOCK + g * 4;
             let mut wv = [_mm512_setzero_si512(); NP];
             for (p, w) in wv.iter_mut().enumerate() {
-                // SAFETY: panel p0+p exists; its codes are k*PANEL bytes and kk*PANEL + 64 <= k*PANEL.
-                *w = unsafe { _mm512_loadu_si512(codes.add((p0 + p) * k * PANEL + kk * PANEL) as *const _) };
+                // SAFETY: panel p0+p exists and is 8-bit (`run_job`): its codes are k*PANEL bytes
+                // from its offset and kk*PANEL + 64 <= k*PANEL.
+                *w = unsafe { _mm512_loadu_si512(codes.add(a.w.code_at[p0 + p] + kk * PANEL) as *const _) };
             }
             for (r, row) in ia.iter_mut().enumerate() {
                 for (digit, xq) in row.iter_mut().zip([xh, xl]) {
@@ -85,10 +86,17 @@ unsafe fn tile<const R: usize, const NP: usize>(a: &Args, r0: usize, p0: usize) 
                         let db = _mm512_cvtph_ps(_mm256_loadu_si256(bp as *const __m256i));
                         let mb = _mm512_cvtph_ps(_mm256_loadu_si256(bp.add(PANEL) as *const __m256i));
                         let dm = _mm_loadu_si128(dmul.as_ptr().add(blk * PANEL) as *const __m128i);
-                        let mm = _mm256_loadu_si256(mmul.as_ptr().add(blk * PANEL) as *const __m256i);
+                        let mm = match mmul {
+                            Muls::U8(v) => {
+                                _mm512_cvtepu8_epi32(_mm_loadu_si128(v.as_ptr().add(blk * PANEL) as *const __m128i))
+                            }
+                            Muls::I16(v) => {
+                                _mm512_cvtepi16_epi32(_mm256_loadu_si256(v.as_ptr().add(blk * PANEL) as *const __m256i))
+                            }
+                        };
                         (
                             _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(dm))),
-                            _mm512_mul_ps(mb, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(mm))),
+                            _mm512_mul_ps(mb, _mm512_cvtepi32_ps(mm)),
                         )
                     }
                 }

@@ -166,9 +166,9 @@ def test_qlinear_blocks_are_ggufs_values(name):
         d6 = raw.reshape(rows, -1, 210)[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float64)
         grid = np.repeat(np.abs(d6) / 2, 8, axis=-1)
     assert (err.max(axis=-1) <= span / 510 * (1 + 1e-5) + grid + rounding.max(axis=-1) * 4).all()
-    if name in K_TYPES:  # integer scales: 3 bytes a 32-block and row, plus 4 per 256
-        nibbles = name == "Q4_K"
-        assert q.nbytes == 16 * cols * (0.5 if nibbles else 1) + 16 * (cols // 32 * 3 + cols // 256 * 4)
+    if name in K_TYPES:  # integer scales: 2 bytes a 32-block and row (Q6_K: 3), plus 4 per 256
+        nibbles, per_block = name == "Q4_K", 3 if name == "Q6_K" else 2
+        assert q.nbytes == 16 * cols * (0.5 if nibbles else 1) + 16 * (cols // 32 * per_block + cols // 256 * 4)
     if name in EXACT:
         assert exact.all()
     elif name == "Q6_K":
