@@ -459,11 +459,24 @@ fn q6_k(b: &[u8], o: &mut [f32]) {
     }
 }
 
-fn gcd(mut a: i32, mut b: i32) -> i32 {
-    while b != 0 {
-        (a, b) = (b, a % b);
+/// gcd of two non-negative integers (binary: shifts and subtractions, no division).
+fn gcd(a: i32, b: i32) -> i32 {
+    let (mut a, mut b) = (a.unsigned_abs(), b.unsigned_abs());
+    if a == 0 || b == 0 {
+        return (a | b) as i32;
     }
-    a
+    let shift = (a | b).trailing_zeros();
+    a >>= a.trailing_zeros();
+    loop {
+        b >>= b.trailing_zeros();
+        if a > b {
+            std::mem::swap(&mut a, &mut b);
+        }
+        b -= a;
+        if b == 0 {
+            return (a << shift) as i32;
+        }
+    }
 }
 
 /// Sub-block `j` (32 wide: two 16-wide halves with int8 scales s0, s1) of a Q6_K block as `d·c + m`
@@ -480,9 +493,18 @@ fn q6_k_sub(b: &[u8], j: usize, c: &mut [u8]) -> (GridScale, bool) {
         v.iter().fold(i32::MIN, |a, &x| a.max(x)),
     );
     let span = hi - lo;
-    let g = v.iter().fold(0, |a, &x| gcd(a, x - lo));
-    // The largest step <= 255 that divides every v - o and spans the block in 255 codes.
+    // The least step that spans the block in 255 codes.
     let least = (span + 254) / 255;
+    // gcd of every v - o; it only falls as values come in, so once below `least` the block
+    // cannot be exact (most requantized blocks get there within a few values).
+    let mut g = 0;
+    for &x in &v {
+        g = gcd(g, x - lo);
+        if g > 0 && g < least {
+            break;
+        }
+    }
+    // The largest step <= 255 that divides every v - o and spans the block in 255 codes.
     let exact_t = if g == 0 {
         Some(1)
     } else {
@@ -492,9 +514,19 @@ fn q6_k_sub(b: &[u8], j: usize, c: &mut [u8]) -> (GridScale, bool) {
         Some(t) => (t, true),
         None => (least, false),
     };
+    // Nearest, halves up (exact when t divides v - o); at most span/t + 1/2 < 256. The quotient
+    // floor((2(v - o) + t) / 2t) by a reciprocal, then corrected to the exact integer one.
+    let den = 2 * t;
+    let inv = 1.0 / den as f32;
     for (x, &vv) in c.iter_mut().zip(&v) {
-        // Nearest, halves up (exact when t divides v - o); at most span/t + 1/2 < 256.
-        *x = ((2 * (vv - lo) + t) / (2 * t)).min(255) as u8;
+        let num = 2 * (vv - lo) + t;
+        let mut q = (num as f32 * inv) as i32;
+        if q * den > num {
+            q -= 1;
+        } else if (q + 1) * den <= num {
+            q += 1;
+        }
+        *x = q.min(255) as u8;
     }
     let gs = GridScale {
         d_base: d,
@@ -714,6 +746,37 @@ mod tests {
             if ty == "Q6_K" {
                 // Half the blocks have equal scale pairs (800 of 1600 sub-blocks exact at least).
                 assert!(exact_q6 >= 800 && exact_q6 < total_q6, "{exact_q6} of {total_q6}");
+            }
+        }
+    }
+
+    #[test]
+    fn gcd_and_q6_k_codes_are_exact_integers() {
+        for a in 0..300 {
+            for b in 0..300 {
+                let (mut x, mut y) = (a, b);
+                while y != 0 {
+                    (x, y) = (y, x % y);
+                }
+                assert_eq!(gcd(a, b), x, "gcd({a}, {b})");
+            }
+        }
+        // Every code of every (v, t) a Q6_K block can hold is the exact rounded quotient.
+        let mut r = Rng(0x6c0d);
+        for _ in 0..2000 {
+            let mut blk = random_block(&mut r, "Q6_K");
+            if r.below(2) == 0 {
+                blk[192..208].fill(r.below(256) as u8); // one scale: exact blocks
+            }
+            for j in 0..8 {
+                let mut c = [0u8; BLOCK];
+                let (gs, _) = q6_k_sub(&blk, j, &mut c);
+                let t = gs.d_mul as i32;
+                for (l, &cc) in c.iter().enumerate() {
+                    let s = blk[192 + (j * BLOCK + l) / 16] as i8 as i32;
+                    let x = s * q6_value(&blk, j * BLOCK + l) - gs.m_mul as i32;
+                    assert_eq!(cc as i32, ((2 * x + t) / (2 * t)).min(255), "x={x} t={t}");
+                }
             }
         }
     }
