@@ -31,29 +31,57 @@ use std::arch::x86_64::*;
 /// brought it to ~1.0 (2.9-3.6 -> 1.4-2.4 ms on 2 threads here, probe 11-15 GB/s under load).
 const PREFETCH: usize = 4096;
 
-use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, MR, PANEL, QBLOCK};
+use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, MR, PANEL, PASS_PANELS, QBLOCK};
 
 /// All row tiles of panels `p0..p0+np`.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA; `a` describes activations of `m` rows and an output of `m × n`
-/// floats; `p0 + np <= panels`.
-#[target_feature(enable = "avx2,fma")]
+/// The CPU has AVX2, FMA and F16C; `a` describes activations of `m` rows and an output of
+/// `m × n` floats; `p0 + np <= panels`.
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
+    let nb = a.w.k / QBLOCK;
+    // Integer (K-quant) scales are widened once a pass when several row tiles share them: into
+    // f32 here, exactly the values `load_scales` gives (`Scales::Grid`).
+    let hoist = matches!(a.w.scales, Scales::Grid { .. }) && m > MR;
+    let mut pass = Scales::F32(if hoist {
+        vec![0f32; PASS_PANELS * nb * 2 * PANEL]
+    } else {
+        Vec::new()
+    });
     tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn, first| {
+        if hoist && first {
+            if let Scales::F32(buf) = &mut pass {
+                let from = ps * nb * 2 * PANEL;
+                for (i, out) in buf[..pn * nb * 2 * PANEL].chunks_exact_mut(2 * PANEL).enumerate() {
+                    for v in 0..2 {
+                        // SAFETY: block i of panels ps..ps+pn (pn <= PASS_PANELS) is inside the
+                        // weight's scales, half v at offset 8v; `out` holds its 2*PANEL values.
+                        unsafe {
+                            let (d, mm) = load_scales(&a.w.scales, from + i * 2 * PANEL + v * 8);
+                            _mm256_storeu_ps(out.as_mut_ptr().add(v * 8), d);
+                            _mm256_storeu_ps(out.as_mut_ptr().add(PANEL + v * 8), mm);
+                        }
+                    }
+                }
+            }
+        }
+        // The scales the tiles read, and panel ps's index in them.
+        let (sc, base) = if hoist { (&pass, ps) } else { (&a.w.scales, 0) };
         for p in ps..ps + pn {
             let wide = !a.w.panel_nibbles(p);
+            let sp = p - base;
             // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
-            // activations and panels inside p0..p0+np.
+            // activations and panels inside p0..p0+np; panel p's scales are panel sp of `sc`.
             unsafe {
                 match (wide, rows) {
-                    (false, 2) => tile::<2, false>(a, r0, p, first),
-                    (false, _) => tile::<1, false>(a, r0, p, first),
+                    (false, 2) => tile::<2, false>(a, sc, sp, r0, p, first),
+                    (false, _) => tile::<1, false>(a, sc, sp, r0, p, first),
                     (true, 2) => {
-                        wide_half::<2>(a, r0, p, 0, first);
-                        wide_half::<2>(a, r0, p, 1, false);
+                        wide_half::<2>(a, sc, sp, r0, p, 0, first);
+                        wide_half::<2>(a, sc, sp, r0, p, 1, false);
                     }
-                    (true, _) => tile::<1, true>(a, r0, p, first),
+                    (true, _) => tile::<1, true>(a, sc, sp, r0, p, first),
                 }
             }
         }
@@ -116,13 +144,20 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize, prefetch: bool) {
+unsafe fn tile<const R: usize, const WIDE: bool>(
+    a: &Args,
+    sc: &Scales,
+    sp: usize,
+    r0: usize,
+    p: usize,
+    prefetch: bool,
+) {
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
     // Panel p's codes: k*PANEL bytes, or k*PANEL/2 in the 4-bit layout (WIDE is false exactly then).
     // SAFETY: panel p exists: its code bytes start at this offset (and nb*2*PANEL scales from p*nb*2*PANEL).
     let codes = unsafe { a.w.codes.as_ptr().add(a.w.code_at[p]) };
-    let scales = p * nb * 2 * PANEL;
+    let scales = sp * nb * 2 * PANEL;
     let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
     let ones = _mm256_set1_epi16(1);
     let sixteens = _mm256_set1_epi16(16);
@@ -182,7 +217,7 @@ unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize, 
         for v in 0..2 {
             // SAFETY: block b of panel p: 16 `d` then 16 `m`; vector v is 8 of each (F16C is part of
             // the AVX2 ISA's detection).
-            let (dv, mv) = unsafe { load_scales(&a.w.scales, scales + b * 2 * PANEL + v * 8) };
+            let (dv, mv) = unsafe { load_scales(sc, scales + b * 2 * PANEL + v * 8) };
             for r in 0..R {
                 let dot = |digit: usize| {
                     let mut d = _mm256_madd_epi16(lo[r][digit][v], ones);
@@ -224,13 +259,13 @@ unsafe fn tile<const R: usize, const WIDE: bool>(a: &Args, r0: usize, p: usize, 
 /// # Safety
 /// As for `tile`, and `v < 2`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn wide_half<const R: usize>(a: &Args, r0: usize, p: usize, v: usize, prefetch: bool) {
+unsafe fn wide_half<const R: usize>(a: &Args, sc: &Scales, sp: usize, r0: usize, p: usize, v: usize, prefetch: bool) {
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
     // SAFETY: panel p exists and is 8-bit: k*PANEL code bytes from its offset; half v is bytes
     // 32v..32v+32 of each 64-byte group.
     let codes = unsafe { a.w.codes.as_ptr().add(a.w.code_at[p] + v * 32) };
-    let scales = p * nb * 2 * PANEL + v * 8;
+    let scales = sp * nb * 2 * PANEL + v * 8;
     let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
     let low4 = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_ps(); R];
@@ -263,7 +298,7 @@ unsafe fn wide_half<const R: usize>(a: &Args, r0: usize, p: usize, v: usize, pre
             kk += 4;
         }
         // SAFETY: block b of panel p: 16 `d` then 16 `m`; half v is 8 of each.
-        let (dv, mv) = unsafe { load_scales(&a.w.scales, scales + b * 2 * PANEL) };
+        let (dv, mv) = unsafe { load_scales(sc, scales + b * 2 * PANEL) };
         for r in 0..R {
             let dot = |digit: usize| {
                 let l = _mm256_madd_epi16(lo[r][digit], _mm256_set1_epi16(1));
