@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import pagedkv_rs
@@ -50,6 +51,26 @@ def test_bench_kernel_rounds_pair_each_probe_with_a_timing(capsys):
     assert "memory read bandwidth over all 6 probes" in out  # A has two dtype rows
     with pytest.raises(SystemExit):
         cli.main(["bench", "kernel", "--tiny", "--rounds", "0"])
+
+
+def test_bench_kernel_resident_times_decode_configs_only(capsys):
+    args = ["bench", "kernel", "--tiny", "--threads", "1", "--only", "A,Prefill", "--rounds", "1", "--no-scalar"]
+    assert cli.main([*args, "--no-numpy", "--resident"]) == 0
+    out = capsys.readouterr().out
+    assert "resident ms" in out and "overlap" in out
+    rows = {(r[0], r[1]): r for r in (line.split() for line in out.splitlines()) if r[:1] in (["A"], ["Prefill"])}
+    assert float(rows["A", "float16"][-2]) > 0 and float(rows["A", "float32"][-2]) > 0  # resident ms measured
+    assert rows["Prefill", "float16"][-2] == "nan"  # prefill is compute-bound: no resident row
+
+
+def test_bench_kernel_resident_table_keeps_shape_and_stays_in_range():
+    from pagedkv_rs.cli.bench.kernel import CONFIGS, RESIDENT_BYTES, build, resident, tiny
+
+    layers = build(tiny(CONFIGS[1]))
+    for (q, k, _, tables, *_), (q2, k2, _, t2, *_) in zip(layers, resident(layers)):
+        assert q2 is q and k2 is k and t2.shape == tables.shape and t2.dtype == np.int32
+        n = max(1, RESIDENT_BYTES // (2 * k[0].nbytes))
+        assert t2.min() >= 0 and t2.max() < n
 
 
 def test_bench_linear_one_round(capsys):

@@ -22,10 +22,11 @@
 //! Keys are taken in tiles of up to 64 tokens spanning consecutive table blocks. Decode: per
 //! tile, one pass over K block by block with all KV heads of a block in memory order (one
 //! sequential stretch per block), logits for every query head, the online-softmax update, then
-//! the same pass over V. While a piece (one block's keys of one KV head) is computed, the same
-//! head's piece `PF_AHEAD` blocks later (the table is random: hardware prefetchers cannot follow
-//! it) is prefetched into L2, a slice of lines per key pair (logits) or per column group
-//! (`acc += p v`), outside the FMA loops.
+//! the same pass over V. While a piece (one block's keys of one KV head) is computed, the next
+//! piece of the pass (`PF_NEXT`: the next KV head's piece of the block, or the next block's first
+//! one; the table is random, so at block ends hardware prefetchers cannot follow) is prefetched
+//! into L1, a slice of lines per key pair (logits) or per column group (`acc += p v`), outside
+//! the FMA loops.
 //! Prefill: per tile and KV head, the tile is widened once and serves every row and query head
 //! of the unit. Micro-kernels: logits for MB query heads x TB keys with MB*TB independent FMA
 //! chains and 8-way horizontal sums; `acc += p v` with MB x NV accumulators in registers.
@@ -38,9 +39,13 @@ use crate::simd::x86::exp256;
 
 /// Keys per tile; a tile spans consecutive blocks of the table (one segment per block piece).
 const TILE: usize = 64;
-/// Decode prefetches the piece this many pieces (blocks) ahead in the same pass: 2 measured
-/// best on config A (1: f16 -5%, 4: f32 -10%, none: -25% f16 / -45% f32).
-const PF_AHEAD: usize = 2;
+/// Decode prefetches the piece this many pieces ahead in the same pass (pieces in memory order:
+/// the KV heads of a block, then the next block's). Config A on the AVX2 Zen 3 VM, one process
+/// alternating variants call by call, medians: 1 piece ahead into L1 took 0.70x (f32) / 0.85x
+/// (f16) the time of the previous scheme (the same head's piece 2 blocks = 16 pieces ahead, into
+/// L2); 2-4 pieces ahead measured the same as 1 within the noise, 8 (one block) no better than
+/// the old scheme; both schemes together 0.9-0.95x. With no prefetch: 1.3-1.45x.
+const PF_NEXT: usize = 1;
 
 /// Element type codes for the const-generic kernels.
 const F32: u8 = 0;
@@ -176,8 +181,8 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
         let nt_end = (t_end + TILE).min(u.key_hi);
         let nn = pieces(ctx, u.seq, t_end, nt_end, &mut nxt);
         // Touch the first line of every (block, head) tile of the next tile into L1 (page walks
-        // start early). The pieces themselves are prefetched into L2 in the passes below,
-        // PF_AHEAD pieces ahead, a slice per slice of work done (see `Pf`).
+        // start early). The pieces themselves are prefetched in the passes below, PF_NEXT
+        // pieces ahead, a slice per slice of work done (see `Pf`).
         for &(blk, off, _) in &nxt[..nn] {
             for h in u.h0..u.h1 {
                 let b = ctx.shape.offset(blk, h, off);
@@ -209,21 +214,23 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
                 }
             }
             let mut col = 0;
+            let nh = u.h1 - u.h0;
             for i in 0..nc {
                 let (blk, off, n) = cur[i];
-                // The piece PF_AHEAD after this one in the same pass, running on into the next tile
-                // (or the furthest one there is: large blocks make tiles of one piece).
-                let j = (i + PF_AHEAD).min(nc + nn - 1);
-                let ahead = if j <= i {
-                    None
-                } else if j < nc {
-                    Some(cur[j])
-                } else {
-                    Some(nxt[j - nc])
-                };
                 for h in u.h0..u.h1 {
+                    // The piece PF_NEXT after this one in the same pass, in memory order (this
+                    // block's next KV heads, then the next blocks', running on into the next tile).
+                    let q = i * nh + (h - u.h0) + PF_NEXT;
+                    let (j, hn) = (q / nh, u.h0 + q % nh);
+                    let ahead = if j < nc {
+                        Some(cur[j])
+                    } else if j - nc < nn {
+                        Some(nxt[j - nc])
+                    } else {
+                        None
+                    };
                     let pf = match ahead {
-                        Some((nb, no, na)) => Pf::new(tile(kv, ctx.shape.offset(nb, h, no), na * d), na * d * es),
+                        Some((nb, no, na)) => Pf::new(tile(kv, ctx.shape.offset(nb, hn, no), na * d), na * d * es),
                         None => Pf::NONE,
                     };
                     let ptr = tile(kv, ctx.shape.offset(blk, h, off), n * d);
@@ -298,10 +305,11 @@ fn pieces(ctx: &Ctx, seq: usize, t: usize, t_end: usize, out: &mut [(usize, usiz
     np
 }
 
-/// A later piece to prefetch into L2 while the current one is computed, a slice of it per slice
+/// A later piece to prefetch into L1 while the current one is computed, a slice of it per slice
 /// of work done, between the FMA loops (a burst of a whole piece's prefetches per piece, one tile
 /// ahead, was 1.8x slower on config A f16 one thread; a prefetch inside the FMA loops made the
-/// compiler spill the `acc += p v` accumulators to the stack).
+/// compiler spill the `acc += p v` accumulators to the stack; every other line only, 1.2x slower:
+/// no adjacent-line prefetch to lean on).
 #[derive(Clone, Copy)]
 struct Pf {
     p: *const u8,
@@ -333,7 +341,7 @@ impl Pf {
             ..self
         }
     }
-    /// Prefetch parts `lo..hi` into L2.
+    /// Prefetch parts `lo..hi` into L1.
     ///
     /// # Safety
     /// `p` points to the `bytes` bytes given to `new` (or this is `NONE`).
@@ -345,7 +353,7 @@ impl Pf {
             // SAFETY: l < lines, so line l starts inside the piece.
             unsafe {
                 let a = self.p.add(64 * l) as *const i8;
-                _mm_prefetch::<_MM_HINT_T1>(a);
+                _mm_prefetch::<_MM_HINT_T0>(a);
             }
             l += 1;
         }

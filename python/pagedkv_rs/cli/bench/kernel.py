@@ -5,6 +5,9 @@ of ``memory_bandwidth()`` measured in the same run, and the speed-up over a nump
 reference run in the same process (and the forced-scalar Rust kernel). Prefill reports GFLOP/s
 and its fraction of ``fma_peak()``. Every pool exceeds the 32 MiB L3 except Prefill's, which
 is compute-bound. Block ids are a random permutation, as a long-running server's would be.
+``--resident`` adds, for decode configs, the time of the same calls with every table confined to
+a few blocks (the same work with K/V in cache: the kernel's compute alone) and how much of it the
+DRAM-bound run hid under its memory time.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-__all__ = ["Config", "CONFIGS", "NUMPY_CHUNK", "build", "numpy_attention", "main"]
+__all__ = ["Config", "CONFIGS", "NUMPY_CHUNK", "RESIDENT_BYTES", "build", "numpy_attention", "resident", "main"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,18 @@ def build(c: Config, seed: int = 0) -> list[Layer]:
     return layers
 
 
+RESIDENT_BYTES = 256 << 10  # K+V bytes a `--resident` table touches per layer (fits a core's L2)
+
+
+def resident(layers: list[Layer]) -> list[Layer]:
+    """The same calls with each table's ids taken modulo a few blocks: same work, cache-resident K/V."""
+    out = []
+    for q, k, v, tables, seq_lens, qsl in layers:
+        n = max(1, RESIDENT_BYTES // (2 * k[0].nbytes))
+        out.append((q, k, v, (tables % n).astype(np.int32), seq_lens, qsl))
+    return out
+
+
 NUMPY_CHUNK = 128  # query rows per numpy matmul: each chunk reads only the keys it can see
 
 
@@ -153,7 +168,14 @@ def best_time(fn: Callable[[], object], repeat: int, min_time: float = 0.0) -> f
 
 
 def run_config(
-    c: Config, probe: Callable[[], float], fma: float, repeat: int, scalar: bool, numpy_ref: bool, rounds: int = 1
+    c: Config,
+    probe: Callable[[], float],
+    fma: float,
+    repeat: int,
+    scalar: bool,
+    numpy_ref: bool,
+    rounds: int = 1,
+    resident_row: bool = False,
 ) -> dict:
     """One config's row. ``rounds`` times: ``probe()`` (the DRAM read bandwidth, GB/s) next to the
     kernel's best of ``repeat``; the row gives the medians, and ``bw_frac`` is the median of the
@@ -184,6 +206,13 @@ def run_config(
     )
     row["GFLOPs"] = c.flops / t / 1e9
     row["fma_frac"] = row["GFLOPs"] / fma
+    if resident_row and c.q_len == 1:
+        res = resident(layers)
+        tr = best_time(lambda: [pk.paged_attention(*x, out=o) for x, o in zip(res, outs)], repeat)
+        mem = c.kv_bytes / (row["bw_GBps"] * 1e9)
+        row["resident_ms"] = tr * 1e3
+        # 0: time = compute + memory (nothing hidden); 1: time = max(compute, memory).
+        row["overlap"] = (tr + mem - t) / min(tr, mem)
     if scalar and c.q_len == 1:  # the scalar path on a 2k-token prefill takes tens of seconds
         prev = pk.get_isa()
         pk.set_isa("scalar")
@@ -209,6 +238,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--block-size", type=int, default=16, help="tokens per cache block (default 16, vLLM's)")
     ap.add_argument("--no-scalar", action="store_true", help="skip the forced-scalar rows")
     ap.add_argument("--no-numpy", action="store_true", help="skip the numpy gather+matmul rows")
+    ap.add_argument(
+        "--resident",
+        action="store_true",
+        help="decode configs: also time the same work with K/V in cache, and the overlap of compute and memory",
+    )
     ap.add_argument(
         "--rounds",
         type=int,
@@ -249,24 +283,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     hdr = (
         f"{'config':<9}{'dtype':<9}{'KV MiB':>8}{'time ms':>10}{'GB/s':>8}{'bw GB/s':>9}{'of bw':>7}{'(range)':>12}"
         f"{'GFLOP/s':>9}{'of fma':>8}{'scalar ms':>11}{'numpy ms':>10}{'x numpy':>9}"
+        + (f"{'resident ms':>13}{'overlap':>9}" if args.resident else "")
     )
     print(hdr)
     rows = []
     for c in configs:
-        r = run_config(c, probe, fma, repeat, not args.no_scalar, not args.no_numpy, rounds)
+        r = run_config(c, probe, fma, repeat, not args.no_scalar, not args.no_numpy, rounds, args.resident)
         rows.append(r)
         lo, hi = r["bw_frac_range"]
         print(
             f"{r['config']:<9}{r['dtype']:<9}{r['kv_MiB']:>8.0f}{r['time_ms']:>10.2f}{r['GBps']:>8.1f}"
             f"{r['bw_GBps']:>9.1f}{r['bw_frac']:>7.2f}{f'{lo:.2f}-{hi:.2f}':>12}{r['GFLOPs']:>9.1f}{r['fma_frac']:>8.2f}"
             f"{r.get('scalar_ms', math.nan):>11.1f}{r.get('numpy_ms', math.nan):>10.1f}"
-            f"{r.get('vs_numpy', math.nan):>9.1f}",
+            f"{r.get('vs_numpy', math.nan):>9.1f}"
+            + (f"{r.get('resident_ms', math.nan):>13.2f}{r.get('overlap', math.nan):>9.2f}" if args.resident else ""),
             flush=True,
         )
     print(
         f"memory read bandwidth over all {len(bws)} probes: median {statistics.median(bws):.1f} GB/s "
         f"(min {min(bws):.1f}, max {max(bws):.1f})"
     )
+    if args.resident:
+        print(
+            "resident ms: the same calls with each table confined to a few blocks (K/V in cache); overlap: "
+            "(resident + KV bytes / bw - time) / min of the two (0 = compute and memory add up, 1 = fully hidden)"
+        )
     print("targets: A and Long >= 0.75 of bw (A >= 30x numpy); Prefill >= 0.5 of fma")
     return 0
 
