@@ -386,15 +386,30 @@ impl QWeight {
     /// nibbles, others too when every code they give is < 16 (as `from_parts`): in a Q4_K_M QKV
     /// (Q4_K q and k, Q6_K v) the q and k panels keep 4-bit codes.
     pub fn from_gguf_parts(parts: &[(&str, &[u8], usize)], k: usize) -> Result<Self> {
+        Self::from_gguf_named(parts, None, k)
+    }
+
+    /// `from_gguf_parts` whose errors name the part they are about: `tensor 'NAME': ...` with
+    /// `names` (one a part), else `part i: ...` when there is more than one part.
+    pub fn from_gguf_named(parts: &[(&str, &[u8], usize)], names: Option<&[&str]>, k: usize) -> Result<Self> {
         use rayon::prelude::*;
+        if let Some(ns) = names {
+            if ns.len() != parts.len() {
+                return Err(Error::Invalid(format!(
+                    "need one name a part: {} parts, {} names",
+                    parts.len(),
+                    ns.len()
+                )));
+            }
+        }
         let n = parts.iter().try_fold(0usize, |a, p| a.checked_add(p.2));
         let n = n.ok_or_else(|| Error::Invalid("too many rows".into()))?;
         check_dims(n, k)?;
         let named = |i: usize, e: Error| {
-            Error::Invalid(if parts.len() > 1 {
-                format!("part {i}: {e}")
-            } else {
-                e.to_string()
+            Error::Invalid(match names {
+                Some(ns) => format!("tensor '{}': {e}", ns[i]),
+                None if parts.len() > 1 => format!("part {i}: {e}"),
+                None => e.to_string(),
             })
         };
         // (first row, row bytes) of each part, every part checked before any work.

@@ -435,6 +435,14 @@ fn gguf_parts_pack_as_decode_then_from_parts() {
     bad[20 + 20..20 + 22].copy_from_slice(&f16::INFINITY.to_le_bytes()); // row 1, block 0, d
     let e = QWeight::from_gguf_parts(&[("Q4_1", &good, 2), ("Q4_1", &bad, 2)], 64).unwrap_err();
     assert_eq!(e.to_string(), "part 1: row 1, block 0: scale is not finite");
+    // With names, the error names the tensor instead; one name a part.
+    let parts = [("Q4_1", good.as_slice(), 2), ("Q4_1", bad.as_slice(), 2)];
+    let e = QWeight::from_gguf_named(&parts, Some(&["a", "b"]), 64).unwrap_err();
+    assert_eq!(e.to_string(), "tensor 'b': row 1, block 0: scale is not finite");
+    let e = QWeight::from_gguf_named(&[("Q4_1", good.as_slice(), 3)], Some(&["a"]), 64).unwrap_err();
+    assert!(e.to_string().starts_with("tensor 'a': need 3 rows of "), "{e}");
+    let e = QWeight::from_gguf_named(&parts, Some(&["a"]), 64).unwrap_err();
+    assert_eq!(e.to_string(), "need one name a part: 2 parts, 1 names");
 }
 
 /// Each panel picks its code layout: a fused weight of Q4_K rows then Q6_K rows keeps the 4-bit

@@ -44,9 +44,11 @@ impl QLinear {
     }
 
     /// Rows of several GGUF tensors stacked in order: `parts` is a sequence of
-    /// `(data: uint8 [rows, row_bytes], ggml_type)`, all of width `k`.
+    /// `(data: uint8 [rows, row_bytes], ggml_type)`, all of width `k`. With `names` (one a part),
+    /// an error about a part names it (`tensor 'NAME': ...`), else its index (`part i: ...`).
     #[staticmethod]
-    fn stack_gguf(py: Python<'_>, parts: &Bound<'_, PyAny>, k: i64) -> PyResult<Self> {
+    #[pyo3(signature = (parts, k, names=None))]
+    fn stack_gguf(py: Python<'_>, parts: &Bound<'_, PyAny>, k: i64, names: Option<Vec<String>>) -> PyResult<Self> {
         let k = dim("k", k, 1)?;
         let mut held = Vec::new();
         for (i, item) in parts.try_iter()?.enumerate() {
@@ -61,8 +63,9 @@ impl QLinear {
         for (i, (g, rows, ty)) in held.iter().enumerate() {
             slices.push((ty.as_str(), slice_of(g, &format!("parts[{i}] data"))?, *rows));
         }
+        let names: Option<Vec<&str>> = names.as_ref().map(|v| v.iter().map(String::as_str).collect());
         let w = py
-            .detach(|| lin::QWeight::from_gguf_parts(&slices, k))
+            .detach(|| lin::QWeight::from_gguf_named(&slices, names.as_deref(), k))
             .map_err(PyErr::from)?;
         Ok(QLinear {
             w: std::sync::Arc::new(w),

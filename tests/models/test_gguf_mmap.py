@@ -126,6 +126,10 @@ def test_rust_dequantize_rejects_bad_input(name):
         core.QLinear.from_gguf(ok[:, :-1].copy(), name, k)
     with pytest.raises(ValueError, match="part 1: need 1 rows of"):
         core.QLinear.stack_gguf([(ok, name), (ok[:1, 1:].copy(), name)], k)
+    with pytest.raises(ValueError, match="tensor 'v': need 1 rows of"):
+        core.QLinear.stack_gguf([(ok, name), (ok[:1, 1:].copy(), name)], k, ["q", "v"])
+    with pytest.raises(ValueError, match="need one name a part: 2 parts, 1 names"):
+        core.QLinear.stack_gguf([(ok, name), (ok, name)], k, ["q"])
     with pytest.raises(TypeError, match=r"parts\[0\] must be a \(data, ggml_type\) pair"):
         core.QLinear.stack_gguf([ok], k)
 

@@ -253,14 +253,9 @@ class LlamaWeights:
         if kinds <= set(RAW_TYPES) and shape[1] % 32 == 0:
             parts = [(np.ascontiguousarray(self._rows(n)), g.tensors[n].type) for n in names]
             try:
-                q = _core.QLinear.stack_gguf(parts, shape[1])
-            except ValueError as e:
-                # "part i: row r, block b: scale is not finite" -> the file and tensor it is about
-                msg = str(e)
-                name = names[0]
-                if msg.startswith("part ") and msg[5 : msg.find(":")].isdigit():
-                    name, msg = names[int(msg[5 : msg.find(":")])], msg[msg.find(":") + 2 :]
-                raise GGUFError(f"{g.path}: tensor {name!r}: {msg}") from None
+                q = _core.QLinear.stack_gguf(parts, shape[1], names)
+            except ValueError as e:  # "tensor 'NAME': row r, block b: scale is not finite"
+                raise GGUFError(f"{g.path}: {e}") from None
         else:
             q = _core.QLinear.from_float(self._dequantize(names, shape))
         g.release(*names)
