@@ -228,61 +228,30 @@ fn to_blocks_with(
     // The type, matched once (not per block).
     #[derive(Clone, Copy, PartialEq)]
     enum Unit {
-        Q4_0,
-        Q4_1,
-        Q5_0,
-        Q5_1,
-        Q8_0,
+        Legacy(Legacy),
         K4,
         K5,
         Q6K,
         Float,
     }
     let unit = match ggml_type {
-        "Q4_0" => Unit::Q4_0,
-        "Q4_1" => Unit::Q4_1,
-        "Q5_0" => Unit::Q5_0,
-        "Q5_1" => Unit::Q5_1,
-        "Q8_0" => Unit::Q8_0,
         "Q4_K" => Unit::K4,
         "Q5_K" => Unit::K5,
         "Q6_K" => Unit::Q6K,
-        _ => Unit::Float,
+        t => Legacy::of(t).map_or(Unit::Float, Unit::Legacy),
     };
     for (u, blk) in raw.chunks_exact(unit_bytes).enumerate() {
         for j in 0..subs {
             let i = u * subs + j;
             let c = &mut codes[i * BLOCK..][..BLOCK];
             let (db, mb) = match unit {
-                Unit::Q4_0 => {
-                    let dd = f16_at(blk, 0);
-                    nibbles_into(&blk[2..18], c);
-                    (dd, -8.0 * dd)
-                }
-                Unit::Q4_1 => {
-                    nibbles_into(&blk[4..20], c);
-                    (f16_at(blk, 0), f16_at(blk, 2))
-                }
-                Unit::Q5_0 | Unit::Q5_1 => {
-                    let at = if unit == Unit::Q5_0 { 2 } else { 4 };
-                    let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
-                    nibbles_into(&blk[at + 4..at + 20], c);
-                    for (e, v) in c.iter_mut().enumerate() {
-                        *v |= (((qh >> e) & 1) as u8) << 4;
+                Unit::Legacy(lg) => {
+                    let (dd, ms) = lg.block(blk, c);
+                    let dd = dd.to_f32();
+                    match ms {
+                        MScale::File(mm) => (dd, mm.to_f32()),
+                        MScale::NegPow2(e) => (dd, -((1u32 << e) as f32) * dd),
                     }
-                    let dd = f16_at(blk, 0);
-                    if unit == Unit::Q5_0 {
-                        (dd, -16.0 * dd)
-                    } else {
-                        (dd, f16_at(blk, 2))
-                    }
-                }
-                Unit::Q8_0 => {
-                    for (v, &q) in c.iter_mut().zip(&blk[2..34]) {
-                        *v = (q as i8 as i16 + 128) as u8;
-                    }
-                    let dd = f16_at(blk, 0);
-                    (dd, -128.0 * dd)
                 }
                 Unit::K4 | Unit::K5 | Unit::Q6K => {
                     let (gs, exact) = if unit == Unit::Q6K {
@@ -307,6 +276,136 @@ fn to_blocks_with(
         }
     }
     Ok(inexact)
+}
+
+/// The 32-wide types whose `d` is an f16 of the file and whose `m` is one too (Q4_1, Q5_1) or
+/// `-2^e·d` (Q4_0: e = 3, Q5_0: 4, Q8_0: 7).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Legacy {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+}
+
+/// A legacy block's `m`: the file's f16, or `-2^e·d`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MScale {
+    File(f16),
+    NegPow2(u32),
+}
+
+impl Legacy {
+    pub fn of(ggml_type: &str) -> Option<Self> {
+        Some(match ggml_type {
+            "Q4_0" => Legacy::Q4_0,
+            "Q4_1" => Legacy::Q4_1,
+            "Q5_0" => Legacy::Q5_0,
+            "Q5_1" => Legacy::Q5_1,
+            "Q8_0" => Legacy::Q8_0,
+            _ => return None,
+        })
+    }
+
+    /// The codes of the block `blk` into `c` (32), its `d` and its `m`.
+    #[inline(always)]
+    fn block(self, blk: &[u8], c: &mut [u8]) -> (f16, MScale) {
+        let c: &mut [u8; BLOCK] = c.try_into().expect("a block of codes");
+        let d = f16_bits(blk, 0);
+        match self {
+            Legacy::Q4_0 => {
+                nibbles_into(&blk[2..18], c);
+                (d, MScale::NegPow2(3))
+            }
+            Legacy::Q4_1 => {
+                nibbles_into(&blk[4..20], c);
+                (d, MScale::File(f16_bits(blk, 2)))
+            }
+            Legacy::Q5_0 | Legacy::Q5_1 => {
+                let at = if self == Legacy::Q5_0 { 2 } else { 4 };
+                let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+                nibbles_into(&blk[at + 4..at + 20], c);
+                for (e, v) in c.iter_mut().enumerate() {
+                    *v |= (((qh >> e) & 1) as u8) << 4;
+                }
+                if self == Legacy::Q5_0 {
+                    (d, MScale::NegPow2(4))
+                } else {
+                    (d, MScale::File(f16_bits(blk, 2)))
+                }
+            }
+            Legacy::Q8_0 => {
+                for (v, &q) in c.iter_mut().zip(&blk[2..34]) {
+                    *v = q ^ 0x80; // q as i8 + 128
+                }
+                (d, MScale::NegPow2(7))
+            }
+        }
+    }
+}
+
+/// `-2^e·d` as an f16 when it is one exactly (the f32 product `to_blocks` gives, rounded to f16
+/// with no change), else `None`. Non-finite `d` gives a non-finite result.
+#[inline]
+fn neg_pow2_f16(d: f16, e: u32) -> Option<f16> {
+    let b = d.to_bits();
+    let exp = u32::from((b >> 10) & 0x1f);
+    if exp == 0x1f || b & 0x7fff == 0 {
+        return Some(f16::from_bits(b ^ 0x8000)); // ±inf/NaN or ±0: the sign flips
+    }
+    if exp == 0 {
+        // subnormal: through f32 (rare)
+        let v = -((1u32 << e) as f32) * d.to_f32();
+        let h = f16::from_f32(v);
+        return (h.to_f32().to_bits() == v.to_bits()).then_some(h);
+    }
+    (exp + e <= 30).then(|| f16::from_bits((b ^ 0x8000) + ((e as u16) << 10)))
+}
+
+/// One row of `k` weights of a `Legacy` type cut into 32-wide blocks as `to_blocks` does, with
+/// `d` and `m` `[k/32]` as the f16 numbers they are (no float step). `Ok(false)` when some
+/// `m = -2^e·d` is not an f16 number (then `to_blocks` gives the f32 values).
+pub fn row_blocks_f16(
+    lg: Legacy,
+    raw: &[u8],
+    k: usize,
+    codes: &mut [u8],
+    d: &mut [f16],
+    m: &mut [f16],
+) -> Result<bool> {
+    let bb = match lg {
+        Legacy::Q4_0 => 18,
+        Legacy::Q4_1 => 20,
+        Legacy::Q5_0 => 22,
+        Legacy::Q5_1 => 24,
+        Legacy::Q8_0 => 34,
+    };
+    let nb = k / BLOCK;
+    if !k.is_multiple_of(BLOCK) || raw.len() != nb * bb || codes.len() != k || d.len() != nb || m.len() != nb {
+        return Err(Error::Invalid(format!(
+            "need one row of {} bytes ({lg:?}, k={k}), codes [{k}], d and m [{nb}]",
+            nb * bb
+        )));
+    }
+    let mut exact = true;
+    for (((blk, c), dd), mm) in raw
+        .chunks_exact(bb)
+        .zip(codes.chunks_exact_mut(BLOCK))
+        .zip(d.iter_mut())
+        .zip(m.iter_mut())
+    {
+        let (db, ms) = lg.block(blk, c);
+        *dd = db;
+        *mm = match ms {
+            MScale::File(v) => v,
+            MScale::NegPow2(e) => neg_pow2_f16(db, e).unwrap_or_else(|| {
+                exact = false;
+                f16::ZERO
+            }),
+        };
+    }
+    Ok(exact)
 }
 
 /// Asymmetric 8-bit codes of 32 floats: `d = (max - min)/255`, `m = min`, `c = round((w - m)/d)`;
@@ -339,10 +438,12 @@ fn nibbles(qs: &[u8], j: usize) -> (u8, u8) {
 }
 
 /// 32 codes from 16 bytes: low nibbles are elements 0..16, high nibbles 16..32.
+#[inline(always)]
 fn nibbles_into(qs: &[u8], c: &mut [u8]) {
-    for j in 0..16 {
-        c[j] = qs[j] & 0x0f;
-        c[j + 16] = qs[j] >> 4;
+    let (lo, hi) = c[..BLOCK].split_at_mut(16);
+    for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&qs[..16]) {
+        *l = q & 0x0f;
+        *h = q >> 4;
     }
 }
 

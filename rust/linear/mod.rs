@@ -430,107 +430,157 @@ impl QWeight {
             })
             .collect();
         let code_at = panel_offsets(k, &four);
-        let mut pc = vec![0u8; code_at[panels]];
-        let mut ps = Vec::new();
-        // The m multipliers: mn (6-bit) for Q4_K/Q5_K, min v (|v| <= 4096) for Q6_K.
-        let wide_m = parts.iter().any(|p| p.0 == "Q6_K");
-        let (mut base, mut dmul, mut m8, mut m16) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        // Each panel's own slices of the scales.
-        let chunks: Vec<PanelScales> = if grid {
-            base = vec![half::f16::ZERO; panels * nb / GRID_BLOCKS * 2 * PANEL];
-            dmul = vec![0u8; panels * nb * PANEL];
-            let mchunks: Vec<MulsMut> = if wide_m {
-                m16 = vec![0i16; panels * nb * PANEL];
-                m16.chunks_mut(nb * PANEL).map(MulsMut::I16).collect()
-            } else {
-                m8 = vec![0u8; panels * nb * PANEL];
-                m8.chunks_mut(nb * PANEL).map(MulsMut::U8).collect()
-            };
-            base.chunks_mut(nb / GRID_BLOCKS * 2 * PANEL)
-                .zip(dmul.chunks_mut(nb * PANEL))
-                .zip(mchunks)
-                .map(|((base, dmul), mmul)| PanelScales::Grid { base, dmul, mmul })
-                .collect()
+        // Legacy types only (Q4_0..Q8_0): f16 scales straight from the file's bits.
+        let legacy: Option<Vec<gguf::Legacy>> = if grid {
+            None
         } else {
-            ps = vec![0f32; panels * nb * 2 * PANEL];
-            ps.chunks_mut(nb * 2 * PANEL).map(PanelScales::F32).collect()
+            parts.iter().map(|p| gguf::Legacy::of(p.0)).collect()
         };
         let pool = crate::runtime::pool()?;
-        // Whether some 8-bit panel's codes all fit 4 bits after all (then repacked below).
-        let small = pool.install(|| {
-            split_panels(&mut pc, &code_at)
-                .into_par_iter()
-                .zip(chunks.into_par_iter())
-                .enumerate()
-                .map_init(
-                    || {
-                        let g = vec![gguf::GridScale::default(); if grid { nb } else { 0 }];
-                        (vec![0u8; k], vec![0f32; nb], vec![0f32; nb], g)
-                    },
-                    |(c, d, m, g), (p, (dst, mut sc))| -> Result<bool> {
-                        let mut top = 0u8;
-                        for i in 0..PANEL.min(n - p * PANEL) {
-                            let row = p * PANEL + i;
-                            let j = part_of(row);
-                            let ((ty, raw, _), (first, rb)) = (parts[j], starts[j]);
-                            let src = &raw[(row - first) * rb..][..rb];
-                            if grid {
-                                gguf::to_grid_blocks(ty, src, 1, k, c, d, m, g)
-                            } else {
-                                gguf::to_blocks(ty, src, 1, k, c, d, m)
-                            }
-                            .map_err(|e| named(j, e))?;
-                            if let Some(b) = d.iter().chain(m.iter()).position(|v| !v.is_finite()) {
-                                return Err(named(
-                                    j,
-                                    Error::Invalid(format!(
-                                        "row {}, block {}: scale is not finite",
-                                        row - first,
-                                        b % nb
-                                    )),
-                                ));
-                            }
-                            if !four[p] {
-                                top = top.max(c.iter().copied().max().unwrap_or(0));
-                            }
-                            pack_codes(dst, i, c, four[p]);
-                            match &mut sc {
-                                PanelScales::F32(sc) => pack_scales(sc, i, d, m),
-                                PanelScales::Grid { base, dmul, mmul } => {
-                                    for (b, gs) in g.iter().enumerate() {
-                                        dmul[b * PANEL + i] = gs.d_mul;
-                                        match mmul {
-                                            MulsMut::I16(v) => v[b * PANEL + i] = gs.m_mul,
-                                            // Q4_K/Q5_K: mn is a 6-bit integer.
-                                            MulsMut::U8(v) => v[b * PANEL + i] = gs.m_mul as u8,
+        let pass = |half: bool| -> Result<(QWeight, bool, bool)> {
+            let mut pc = vec![0u8; code_at[panels]];
+            let (mut ps, mut ph) = (Vec::new(), Vec::new());
+            // The m multipliers: mn (6-bit) for Q4_K/Q5_K, min v (|v| <= 4096) for Q6_K.
+            let wide_m = parts.iter().any(|p| p.0 == "Q6_K");
+            let (mut base, mut dmul, mut m8, mut m16) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            // Each panel's own slices of the scales.
+            let chunks: Vec<PanelScales> = if grid {
+                base = vec![half::f16::ZERO; panels * nb / GRID_BLOCKS * 2 * PANEL];
+                dmul = vec![0u8; panels * nb * PANEL];
+                let mchunks: Vec<MulsMut> = if wide_m {
+                    m16 = vec![0i16; panels * nb * PANEL];
+                    m16.chunks_mut(nb * PANEL).map(MulsMut::I16).collect()
+                } else {
+                    m8 = vec![0u8; panels * nb * PANEL];
+                    m8.chunks_mut(nb * PANEL).map(MulsMut::U8).collect()
+                };
+                base.chunks_mut(nb / GRID_BLOCKS * 2 * PANEL)
+                    .zip(dmul.chunks_mut(nb * PANEL))
+                    .zip(mchunks)
+                    .map(|((base, dmul), mmul)| PanelScales::Grid { base, dmul, mmul })
+                    .collect()
+            } else if half {
+                ph = vec![half::f16::ZERO; panels * nb * 2 * PANEL];
+                ph.chunks_mut(nb * 2 * PANEL).map(PanelScales::F16).collect()
+            } else {
+                ps = vec![0f32; panels * nb * 2 * PANEL];
+                ps.chunks_mut(nb * 2 * PANEL).map(PanelScales::F32).collect()
+            };
+            let not_finite = |j: usize, row: usize, b: usize| {
+                named(
+                    j,
+                    Error::Invalid(format!(
+                        "row {}, block {}: scale is not finite",
+                        row - starts[j].0,
+                        b % nb
+                    )),
+                )
+            };
+            // (some 8-bit panel's codes all fit 4 bits after all (then repacked below), every
+            // scale an f16 number where `half`)
+            let (small, exact) = pool.install(|| {
+                split_panels(&mut pc, &code_at)
+                    .into_par_iter()
+                    .zip(chunks.into_par_iter())
+                    .enumerate()
+                    .map_init(
+                        || {
+                            let g = vec![gguf::GridScale::default(); if grid { nb } else { 0 }];
+                            let h = vec![half::f16::ZERO; if half { 2 * nb } else { 0 }];
+                            (vec![0u8; k], vec![0f32; nb], vec![0f32; nb], g, h)
+                        },
+                        |(c, d, m, g, h), (p, (dst, mut sc))| -> Result<(bool, bool)> {
+                            let (mut top, mut exact) = (0u8, true);
+                            for i in 0..PANEL.min(n - p * PANEL) {
+                                let row = p * PANEL + i;
+                                let j = part_of(row);
+                                let ((ty, raw, _), (first, rb)) = (parts[j], starts[j]);
+                                let src = &raw[(row - first) * rb..][..rb];
+                                // The row's codes into `c`; its d, m into `d`, `m` (checked finite).
+                                let mut decode = |g: &mut [gguf::GridScale]| -> Result<()> {
+                                    if grid {
+                                        gguf::to_grid_blocks(ty, src, 1, k, c, d, m, g)
+                                    } else {
+                                        gguf::to_blocks(ty, src, 1, k, c, d, m)
+                                    }
+                                    .map_err(|e| named(j, e))?;
+                                    match d.iter().chain(m.iter()).position(|v| !v.is_finite()) {
+                                        Some(b) => Err(not_finite(j, row, b)),
+                                        None => Ok(()),
+                                    }
+                                };
+                                match &mut sc {
+                                    PanelScales::F16(sc) => {
+                                        let lg = legacy
+                                            .as_deref()
+                                            .map(|l| l[j])
+                                            .ok_or_else(|| Error::Invalid("f16 scales need Q4_0..Q8_0 parts".into()))?;
+                                        let (dh, mh) = h.split_at_mut(nb);
+                                        exact &=
+                                            gguf::row_blocks_f16(lg, src, k, c, dh, mh).map_err(|e| named(j, e))?;
+                                        // f16 non-finite: exponent all ones
+                                        if let Some(b) = h.iter().position(|v| v.to_bits() & 0x7c00 == 0x7c00) {
+                                            return Err(not_finite(j, row, b));
                                         }
-                                        if b % GRID_BLOCKS == 0 {
-                                            let at = b / GRID_BLOCKS * 2 * PANEL + i;
-                                            base[at] = gs.d_base;
-                                            base[at + PANEL] = gs.m_base;
+                                        let (dh, mh) = h.split_at(nb);
+                                        for (b, (&db, &mb)) in dh.iter().zip(mh).enumerate() {
+                                            sc[b * 2 * PANEL + i] = db;
+                                            sc[b * 2 * PANEL + PANEL + i] = mb;
+                                        }
+                                    }
+                                    PanelScales::F32(sc) => {
+                                        decode(g)?;
+                                        pack_scales(sc, i, d, m);
+                                    }
+                                    PanelScales::Grid { base, dmul, mmul } => {
+                                        decode(g)?;
+                                        for (b, gs) in g.iter().enumerate() {
+                                            dmul[b * PANEL + i] = gs.d_mul;
+                                            match mmul {
+                                                MulsMut::I16(v) => v[b * PANEL + i] = gs.m_mul,
+                                                // Q4_K/Q5_K: mn is a 6-bit integer.
+                                                MulsMut::U8(v) => v[b * PANEL + i] = gs.m_mul as u8,
+                                            }
+                                            if b % GRID_BLOCKS == 0 {
+                                                let at = b / GRID_BLOCKS * 2 * PANEL + i;
+                                                base[at] = gs.d_base;
+                                                base[at + PANEL] = gs.m_base;
+                                            }
                                         }
                                     }
                                 }
+                                if !four[p] {
+                                    top = top.max(c.iter().copied().max().unwrap_or(0));
+                                }
+                                pack_codes(dst, i, c, four[p]);
                             }
-                        }
-                        Ok(!four[p] && top < 16)
-                    },
-                )
-                .try_reduce(|| false, |a, b| Ok(a || b))
-        })?;
-        let scales = if grid {
-            let mmul = if wide_m { Muls::I16(m16) } else { Muls::U8(m8) };
-            Scales::Grid { base, dmul, mmul }
-        } else {
-            Scales::compact(ps)
+                            Ok((!four[p] && top < 16, exact))
+                        },
+                    )
+                    .try_reduce(|| (false, true), |a, b| Ok((a.0 || b.0, a.1 && b.1)))
+            })?;
+            let scales = if grid {
+                let mmul = if wide_m { Muls::I16(m16) } else { Muls::U8(m8) };
+                Scales::Grid { base, dmul, mmul }
+            } else if half {
+                Scales::F16(ph)
+            } else {
+                Scales::compact(ps)
+            };
+            let w = QWeight {
+                n,
+                k,
+                codes: pc,
+                code_at: code_at.clone(),
+                scales,
+            };
+            Ok((w, small, exact))
         };
-        let w = QWeight {
-            n,
-            k,
-            codes: pc,
-            code_at,
-            scales,
-        };
+        let (mut w, mut small, exact) = pass(legacy.is_some())?;
+        if !exact {
+            // some m = -2^e·d is not an f16 number: the f32 values, as `from_parts` holds them
+            (w, small, _) = pass(false)?;
+        }
         if small {
             // A panel of an 8-bit type whose codes all fit in 4 bits (e.g. constant blocks): the
             // half-size layout there, as `from_parts` packs it, with the same scales.
@@ -605,6 +655,7 @@ fn split_panels<'a>(mut codes: &'a mut [u8], code_at: &[usize]) -> Vec<&'a mut [
 /// One panel's part of the scales while it is packed.
 enum PanelScales<'a> {
     F32(&'a mut [f32]),
+    F16(&'a mut [half::f16]),
     Grid {
         base: &'a mut [half::f16],
         dmul: &'a mut [u8],

@@ -353,6 +353,56 @@ fn random_gguf_rows(r: &mut Rng, ty: &str, rows: usize, k: usize) -> Vec<u8> {
     b
 }
 
+/// The legacy types' f16 route (`gguf::row_blocks_f16`: scales straight from the file's bits,
+/// `m = -2^e·d` by exponent arithmetic) gives what `to_blocks` + `from_parts` give, at the edges
+/// too: ±0, subnormal `d` (exact or not once scaled), the largest `d` whose `-2^e·d` is still an
+/// f16, and `d` past it (then every scale stays f32, as `from_parts` holds them).
+#[test]
+fn legacy_f16_scales_equal_the_f32_route_at_the_edges() {
+    let mut r = Rng(0x0f16);
+    let edges: [u16; 12] = [
+        0x0000, 0x8000, 0x0001, 0x8001, 0x03ff, 0x0400, 0x3c00, 0xbc00, 0x5bff, 0x57ff, 0x6bff, 0x7bff,
+    ];
+    for ty in ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"] {
+        let (_, bb) = gguf::block_shape(ty).unwrap();
+        for (case, &edge) in edges.iter().enumerate() {
+            let (n, k) = (17, 96);
+            let mut raw = random_gguf_rows(&mut r, ty, n, k);
+            // One block in five gets the edge d (and for Q4_1/Q5_1 m too).
+            for (i, blk) in raw.chunks_exact_mut(bb).enumerate() {
+                if i % 5 == case % 5 {
+                    blk[0..2].copy_from_slice(&edge.to_le_bytes());
+                    if matches!(ty, "Q4_1" | "Q5_1") {
+                        blk[2..4].copy_from_slice(&edge.to_le_bytes());
+                    }
+                }
+            }
+            let nb = k / QBLOCK;
+            let (mut c, mut d, mut m) = (vec![0u8; n * k], vec![0f32; n * nb], vec![0f32; n * nb]);
+            gguf::to_blocks(ty, &raw, n, k, &mut c, &mut d, &mut m).unwrap();
+            let want = QWeight::from_parts(n, k, &c, &d, &m).unwrap();
+            let got = QWeight::from_gguf(ty, &raw, n, k).unwrap();
+            assert_eq!(got.scales, want.scales, "{ty} d=0x{edge:04x}");
+            assert_eq!(got.unpack(), want.unpack(), "{ty} d=0x{edge:04x}");
+            assert_eq!(got.codes, want.codes, "{ty} d=0x{edge:04x}");
+            let e = match ty {
+                "Q4_0" => 3,
+                "Q5_0" => 4,
+                "Q8_0" => 7,
+                _ => 0,
+            };
+            let v = -((1u32 << e) as f32) * f16::from_bits(edge).to_f32();
+            let f16_exact = e == 0 || f16::from_f32(v).to_f32().to_bits() == v.to_bits();
+            assert_eq!(got.half_scales(), f16_exact, "{ty} d=0x{edge:04x}");
+        }
+    }
+    // A non-finite d is an error naming the row and block, on either route.
+    let mut raw = random_gguf_rows(&mut r, "Q8_0", 2, 64);
+    raw[34..36].copy_from_slice(&0x7c00u16.to_le_bytes());
+    let e = QWeight::from_gguf("Q8_0", &raw, 2, 64).unwrap_err();
+    assert!(e.to_string().contains("row 0, block 1: scale is not finite"), "{e}");
+}
+
 /// The one-pass panel packer of `from_gguf_parts` gives what decoding every row first and then
 /// `from_parts` gives: the same codes, scales and layout (nibbles exactly when every code < 16).
 #[test]
