@@ -2,7 +2,7 @@
 //!
 //! | entry           | features                        | register blocks (qk: heads x keys, pv: heads x 8-col vectors) |
 //! |-----------------|---------------------------------|---------------------------------------------------------------|
-//! | `attend`        | avx2, fma, f16c (16 ymm)        | qk 4x2 (decode f16/bf16: 4x3) / 3x2 / 2x4 / 1x8, pv 4x2 / 3x2 / 2x4 / 1x8 |
+//! | `attend`        | avx2, fma, f16c (16 ymm)        | qk 4x2 / 3x2 / 2x4 / 1x8, pv 4x2 / 3x2 / 2x4 / 1x8           |
 //! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 regs, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16 (ymm); decode pv with head_dim % 16 == 0: 4x4 / 3x4 / 2x8 / 1x8 16-col **zmm** vectors (else ymm 4x4 / 3x4 / 2x8 / 1x16) |
 //!
 //! Zen 4 executes a 512-bit op as two 256-bit halves, so the AVX-512 build wins mainly through
@@ -170,10 +170,6 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
     // The AVX-512 build runs `acc += p v` with zmm columns when they tile head_dim (the logits
     // stay 256-bit: a zmm qk_block with a 16-way shuffle-tree horizontal sum measured no faster).
     let zmm = WIDE && d % 16 == 0;
-    // AVX2, 4 query heads, 16-bit K: logits 4 heads x 3 keys (12 FMA chains, all 16 ymm) instead
-    // of 4 x 2. Config A on the Zen 3 VM, one process alternating both call by call, medians of
-    // 21-31 calls: f16 0.93-0.96x the time from DRAM (0.97-1.0x cache-resident); f32 1.05-1.08x
-    // from DRAM, so f32 keeps 4 x 2. The AVX-512 build already runs 4 x 4.
     let mut s = vec![0.0f32; nq * TILE];
     let es = if DT == F32 { 4 } else { 2 };
     let mut cur = [(0usize, 0usize, 0usize); TILE];
@@ -256,7 +252,6 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
                             if pass == 0 {
                                 let q = &qbuf[m0 * d..(m0 + mb) * d];
                                 match (mb, WIDE) {
-                                    (4, false) if DT != F32 => qk_block::<4, 3, DT>(q, ptr, n, d, sm, col, pf),
                                     (4, false) => qk_block::<4, 2, DT>(q, ptr, n, d, sm, col, pf),
                                     (3, false) => qk_block::<3, 2, DT>(q, ptr, n, d, sm, col, pf),
                                     (2, false) => qk_block::<2, 4, DT>(q, ptr, n, d, sm, col, pf),
