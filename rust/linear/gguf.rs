@@ -311,7 +311,6 @@ impl Legacy {
     /// The codes of the block `blk` into `c` (32), its `d` and its `m`.
     #[inline(always)]
     fn block(self, blk: &[u8], c: &mut [u8]) -> (f16, MScale) {
-        let c: &mut [u8; BLOCK] = c.try_into().expect("a block of codes");
         let d = f16_bits(blk, 0);
         match self {
             Legacy::Q4_0 => {
@@ -326,7 +325,7 @@ impl Legacy {
                 let at = if self == Legacy::Q5_0 { 2 } else { 4 };
                 let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
                 nibbles_into(&blk[at + 4..at + 20], c);
-                for (e, v) in c.iter_mut().enumerate() {
+                for (e, v) in c[..BLOCK].iter_mut().enumerate() {
                     *v |= (((qh >> e) & 1) as u8) << 4;
                 }
                 if self == Legacy::Q5_0 {
