@@ -308,6 +308,17 @@ impl Legacy {
         })
     }
 
+    /// The `gguf.GGMLQuantizationType` name (`block_shape`'s key).
+    pub fn name(self) -> &'static str {
+        match self {
+            Legacy::Q4_0 => "Q4_0",
+            Legacy::Q4_1 => "Q4_1",
+            Legacy::Q5_0 => "Q5_0",
+            Legacy::Q5_1 => "Q5_1",
+            Legacy::Q8_0 => "Q8_0",
+        }
+    }
+
     /// The codes of the block `blk` into `c` (32), its `d` and its `m`.
     #[inline(always)]
     fn block(self, blk: &[u8], c: &mut [u8]) -> (f16, MScale) {
@@ -373,19 +384,11 @@ pub fn row_blocks_f16(
     d: &mut [f16],
     m: &mut [f16],
 ) -> Result<bool> {
-    let bb = match lg {
-        Legacy::Q4_0 => 18,
-        Legacy::Q4_1 => 20,
-        Legacy::Q5_0 => 22,
-        Legacy::Q5_1 => 24,
-        Legacy::Q8_0 => 34,
-    };
+    // The row's bytes as `to_blocks` checks them (the type's block size from `block_shape`).
+    let bb = check_raw(lg.name(), raw, 1, k)? / (k / BLOCK);
     let nb = k / BLOCK;
-    if !k.is_multiple_of(BLOCK) || raw.len() != nb * bb || codes.len() != k || d.len() != nb || m.len() != nb {
-        return Err(Error::Invalid(format!(
-            "need one row of {} bytes ({lg:?}, k={k}), codes [{k}], d and m [{nb}]",
-            nb * bb
-        )));
+    if codes.len() != k || d.len() != nb || m.len() != nb {
+        return Err(Error::Invalid(format!("need codes [{k}], d and m [{nb}]")));
     }
     let mut exact = true;
     for (((blk, c), dd), mm) in raw
