@@ -43,9 +43,9 @@
 //! 2q+1 in the high ones, halving the bytes streamed per token (the weights then take about their
 //! GGUF file size). Panels choose on their own, so a fused projection of mixed types (a Q4_K_M QKV:
 //! Q4_K q and k, Q6_K v) keeps 4-bit codes where its rows allow.
-//! The scalar and AVX2 tiles read it (the AVX2 one unpacks a line with two masks and runs its exact
-//! single-`vpmaddubsw` mode; the VNNI build hands such weights to the AVX2 tile); the integer dots and
-//! the float sums are the same, so the results are bit for bit those of the 8-bit layout.
+//! Every tile reads it (the AVX2 one unpacks a line with two masks and runs its exact
+//! single-`vpmaddubsw` mode, the VNNI one unpacks the same two vectors for `vpdpbusd`); the integer
+//! dots and the float sums are the same, so the results are bit for bit those of the 8-bit layout.
 //!
 //! Scales (`Scales`): f16 when every `d` and `m` of a weight is exactly an f16 (GGUF Q4_0, Q4_1,
 //! Q5_0, Q5_1, Q8_0 scales are), widened on load (F16C `vcvtph2ps`), else f32; widening is exact,
@@ -1069,35 +1069,31 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
 fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
     let v = variant(isa);
     if v != Isa::Avx512 {
-        return run_panels(v, a, m, p0, np);
+        return run_panels(v, a, m, p0, np, false);
     }
-    // The VNNI tile reads the 8-bit layout only: runs of 4-bit panels go to the AVX2 tile there
-    // (the scalar one without AVX2). Every column is computed by one tile whichever runs it.
+    // The VNNI tile takes one layout a call: runs of panels of one layout (a fused projection of
+    // mixed types mixes them). Every column is computed by one tile whichever run holds it.
     let mut s = p0;
     while s < p0 + np {
         let four = a.w.panel_nibbles(s);
         let e = (s + 1..p0 + np)
             .find(|&q| a.w.panel_nibbles(q) != four)
             .unwrap_or(p0 + np);
-        let v = match four {
-            false => Isa::Avx512,
-            true if Isa::Avx2.available() => Isa::Avx2,
-            true => Isa::Scalar,
-        };
-        run_panels(v, a, m, s, e - s);
+        run_panels(v, a, m, s, e - s, four);
         s = e;
     }
 }
 
-/// Panels `p0..p0+np` on the tile of build `v` (the Avx512 one only for 8-bit panels).
-fn run_panels(v: Isa, a: &Args, m: usize, p0: usize, np: usize) {
+/// Panels `p0..p0+np` on the tile of build `v`; for the Avx512 one, all of them 4-bit exactly
+/// when `nib` (the other tiles read each panel's layout themselves).
+fn run_panels(v: Isa, a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
     match v {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             // SAFETY: `variant` gives Avx512 only when AVX-512 F/BW/VNNI are detected, and
-            // `run_job` hands it 8-bit panels only; the tile bounds are within the activations,
-            // weights and output sized by `linear_with`.
-            unsafe { x86::job(a, m, p0, np) }
+            // `run_job` hands it runs of panels of the layout `nib`; the tile bounds are within
+            // the activations, weights and output sized by `linear_with`.
+            unsafe { x86::job(a, m, p0, np, nib) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {

@@ -1,66 +1,120 @@
 //! AVX-512 VNNI tile of the block-quantized linear layer (layout and formula: `mod.rs`).
 //!
 //! One tile = R rows × NP panels (16 columns each); each row is two activation digit streams.
-//! Per 4-wide k step: NP 64-byte code loads, 2R broadcasts of 4 activation bytes, 2R·NP
+//! Per 4-wide k step: NP 64-byte code vectors, 2R broadcasts of 4 activation bytes, 2R·NP
 //! `vpdpbusd` (u8 codes × i8 activations, 64 MACs each) into int32 accumulators. Per 32-wide
 //! block: the int32 accumulators are converted and folded into the row's f32 accumulator with
 //! three FMAs (`d·s_h`, `d·s_l`, `m·qs`) in the scalar path's order.
 //! R = 2, NP = 2: 8 int32 + 4 f32 accumulators + 2 code registers + scales fit the 32 zmm.
+//!
+//! Both code layouts: an 8-bit panel gives one code vector a 64-byte load; a 4-bit panel (`NIB`)
+//! two a 64-byte line (its low nibbles hold k group 2q, its high ones 2q+1: an AND, or a 16-bit
+//! shift and an AND, make the vector the 8-bit layout holds for that group). The codes are the
+//! same u8 numbers either way, so the int32 dots, and with them the results, are the same bits;
+//! 4-bit panels stream half the bytes. The first row tiles of a pass prefetch the code stream
+//! `PREFETCH` bytes ahead (as the AVX2 tile does).
 
 use std::arch::x86_64::*;
 
 use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, MR, PANEL, QBLOCK};
 
-/// All row tiles of panels `p0..p0+np` (any np: `tile_order` hands the tile one or two panels).
+/// How far ahead of the tile the code stream is prefetched (the AVX2 tile's figure).
+const PREFETCH: usize = 4096;
+
+/// All row tiles of panels `p0..p0+np`, every one of them in the 4-bit layout when `nib`, else
+/// in the 8-bit one.
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `a` describes activations of `m` rows and an output of
-/// `m × n` floats; `p0 + np <= panels`.
+/// `m × n` floats; `p0 + np <= panels`; panels `p0..p0+np` are 4-bit exactly when `nib`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
-    tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn, _| {
+pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
+    tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn, first| {
         // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
         // activations and panels ps..ps+pn (pn <= PASS_PANELS = 2) inside p0..p0+np.
         unsafe {
-            match (rows, pn) {
-                (2, 2) => tile::<2, 2>(a, r0, ps),
-                (1, 2) => tile::<1, 2>(a, r0, ps),
-                (2, _) => tile::<2, 1>(a, r0, ps),
-                _ => tile::<1, 1>(a, r0, ps),
+            match (nib, rows, pn) {
+                (false, 2, 2) => tile::<2, 2, false>(a, r0, ps, first),
+                (false, 1, 2) => tile::<1, 2, false>(a, r0, ps, first),
+                (false, 2, _) => tile::<2, 1, false>(a, r0, ps, first),
+                (false, _, _) => tile::<1, 1, false>(a, r0, ps, first),
+                (true, 2, 2) => tile::<2, 2, true>(a, r0, ps, first),
+                (true, 1, 2) => tile::<1, 2, true>(a, r0, ps, first),
+                (true, 2, _) => tile::<2, 1, true>(a, r0, ps, first),
+                (true, _, _) => tile::<1, 1, true>(a, r0, ps, first),
             }
         }
     });
 }
 
-/// One tile: rows `r0..r0+R` times panels `p0..p0+NP`.
+/// One tile: rows `r0..r0+R` times panels `p0..p0+NP` (4-bit panels when `NIB`); `prefetch`:
+/// prefetch the panels' code stream ahead.
 ///
 /// # Safety
 /// As for `job`; rows `r0..r0+R` are inside the activations and `p0 + NP <= panels`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile<const R: usize, const NP: usize>(a: &Args, r0: usize, p0: usize) {
+unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: usize, p0: usize, prefetch: bool) {
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
     let codes = a.w.codes.as_ptr();
     let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
+    let low4 = _mm512_set1_epi8(0x0f);
+    // Code bytes of one 32-wide block of one panel.
+    let block_bytes = if NIB { QBLOCK * PANEL / 2 } else { QBLOCK * PANEL };
     let mut acc = [[_mm512_setzero_ps(); NP]; R];
     for b in 0..nb {
-        // [row][digit][panel]
+        if prefetch {
+            for p in 0..NP {
+                // Only an address: a prefetch never faults (past the panel's end it fetches the
+                // next one's start).
+                let at = codes.wrapping_add(a.w.code_at[p0 + p] + b * block_bytes + PREFETCH);
+                for line in (0..block_bytes).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line) as *const i8);
+                }
+            }
+        }
+        // [row][digit][panel]; a single row keeps the even and odd k groups' sums apart (`ib`)
+        // so that 4·NP dependency chains, not 2·NP, hide `vpdpbusd`'s latency; the two are added
+        // at the block's end (exact integer sums: the same dots).
         let mut ia = [[[_mm512_setzero_si512(); NP]; 2]; R];
+        let mut ib = [[[_mm512_setzero_si512(); NP]; 2]; R];
         for g in 0..QBLOCK / 4 {
             let kk = b * QBLOCK + g * 4;
             let mut wv = [_mm512_setzero_si512(); NP];
             for (p, w) in wv.iter_mut().enumerate() {
-                // SAFETY: panel p0+p exists and is 8-bit (`run_job`): its codes are k*PANEL bytes
-                // from its offset and kk*PANEL + 64 <= k*PANEL.
-                *w = unsafe { _mm512_loadu_si512(codes.add(a.w.code_at[p0 + p] + kk * PANEL) as *const _) };
+                *w = if NIB {
+                    // SAFETY: panel p0+p exists and is 4-bit (`run_job`): its codes are k*PANEL/2
+                    // bytes from its offset, and line kk/8 ends at (kk/8 + 1)*4*PANEL <= k*PANEL/2.
+                    let line =
+                        unsafe { _mm512_loadu_si512(codes.add(a.w.code_at[p0 + p] + kk / 8 * 4 * PANEL) as *const _) };
+                    if g % 2 == 0 {
+                        _mm512_and_si512(line, low4)
+                    } else {
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(line), low4)
+                    }
+                } else {
+                    // SAFETY: panel p0+p exists and is 8-bit (`run_job`): its codes are k*PANEL
+                    // bytes from its offset and kk*PANEL + 64 <= k*PANEL.
+                    unsafe { _mm512_loadu_si512(codes.add(a.w.code_at[p0 + p] + kk * PANEL) as *const _) }
+                };
             }
-            for (r, row) in ia.iter_mut().enumerate() {
+            let sums = if R == 1 && g % 2 == 1 { &mut ib } else { &mut ia };
+            for (r, row) in sums.iter_mut().enumerate() {
                 for (digit, xq) in row.iter_mut().zip([xh, xl]) {
                     // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
                     let x4 = unsafe { std::ptr::read_unaligned(xq.add((r0 + r) * k + kk) as *const i32) };
                     let xv = _mm512_set1_epi32(x4);
                     for (acc_i, w) in digit.iter_mut().zip(&wv) {
                         *acc_i = _mm512_dpbusd_epi32(*acc_i, *w, xv);
+                    }
+                }
+            }
+        }
+        if R == 1 {
+            for (row, odd) in ia.iter_mut().zip(&ib) {
+                for (digit, od) in row.iter_mut().zip(odd) {
+                    for (s, o) in digit.iter_mut().zip(od) {
+                        *s = _mm512_add_epi32(*s, *o);
                     }
                 }
             }
