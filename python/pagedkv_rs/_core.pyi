@@ -166,7 +166,7 @@ def paged_attention(
     q: _F32,
     k_cache: _Cache,
     v_cache: _Cache,
-    block_tables: npt.NDArray[np.int32],
+    block_tables: Union[npt.NDArray[np.int32], tuple[npt.NDArray[np.int32], ...]],
     seq_lens: npt.NDArray[np.int32],
     query_start_loc: npt.NDArray[np.int32],
     *,

@@ -198,18 +198,37 @@ impl CacheShape {
 }
 
 /// One varlen batch of queries plus its block tables (the arrays `prepare_batch` returns).
+///
+/// Two table forms: padded (`indptr` None): `block_tables` is `[B, max_blocks]`, -1 padded, each
+/// row holding at least `ceil(seq_len / block_size)` ids; CSR (`indptr` `[B + 1]`, as FlashInfer's
+/// `kv_indptr` / `kv_indices`): `block_tables` is the flat `indices`, sequence i's blocks are
+/// `block_tables[indptr[i]..indptr[i + 1]]`, exactly `ceil(seq_len / block_size)` of them, and
+/// `max_blocks` is not read. Both give the same blocks, so the same results bit for bit.
 #[derive(Clone, Copy)]
 pub struct Batch<'a> {
     /// `[num_tokens, num_q_heads, head_dim]` f32.
     pub q: &'a [f32],
     pub num_q_heads: usize,
-    /// `[B, max_blocks]`, -1 padded.
+    /// `[B, max_blocks]`, -1 padded; or, with `indptr`, the CSR `indices`.
     pub block_tables: &'a [i32],
     pub max_blocks: usize,
+    /// `[B + 1]` CSR row offsets into `block_tables` (None: the padded form).
+    pub indptr: Option<&'a [i32]>,
     /// `[B]`.
     pub seq_lens: &'a [i32],
     /// `[B + 1]`.
     pub query_start_loc: &'a [i32],
+}
+
+impl Batch<'_> {
+    /// Where sequence `seq`'s row of block ids starts in `block_tables`.
+    #[inline]
+    pub fn row_start(&self, seq: usize) -> usize {
+        match self.indptr {
+            Some(p) => p[seq] as usize,
+            None => seq * self.max_blocks,
+        }
+    }
 }
 
 /// Scalar attention options.
@@ -280,7 +299,7 @@ impl Ctx<'_> {
     /// Block id holding key position `t` of sequence `seq` (validated: in range).
     #[inline]
     pub fn block(&self, seq: usize, t: usize) -> usize {
-        self.batch.block_tables[seq * self.batch.max_blocks + t / self.shape.block_size] as usize
+        self.batch.block_tables[self.batch.row_start(seq) + t / self.shape.block_size] as usize
     }
     /// Query vectors of row `row` for the query heads of KV heads `u.h0..u.h1`, `[nh * group, d]`.
     #[inline]
@@ -385,8 +404,34 @@ pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, out_len: usize) -
             b.query_start_loc.len()
         ));
     }
-    if b.block_tables.len() != nseq * b.max_blocks {
-        return inval(format!("block_tables must be [{nseq}, max_blocks]"));
+    match b.indptr {
+        None if b.block_tables.len() != nseq * b.max_blocks => {
+            return inval(format!("block_tables must be [{nseq}, max_blocks]"));
+        }
+        None => {}
+        Some(p) => {
+            if p.len() != nseq + 1 {
+                return inval(format!("indptr must have {} entries (B+1), got {}", nseq + 1, p.len()));
+            }
+            if p[0] != 0 {
+                return inval(format!("indptr[0] must be 0, got {}", p[0]));
+            }
+            if let Some(i) = (0..nseq).find(|&i| p[i + 1] < p[i]) {
+                return inval(format!(
+                    "indptr must not decrease: [{i}]={} > [{}]={}",
+                    p[i],
+                    i + 1,
+                    p[i + 1]
+                ));
+            }
+            if p[nseq] as i64 != b.block_tables.len() as i64 {
+                return inval(format!(
+                    "indptr[-1] = {} but indices holds {} block ids",
+                    p[nseq],
+                    b.block_tables.len()
+                ));
+            }
+        }
     }
     if b.query_start_loc[0] != 0 {
         return inval(format!("query_start_loc[0] must be 0, got {}", b.query_start_loc[0]));
@@ -413,21 +458,70 @@ pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, out_len: usize) -
             return inval(format!("sequence {i}: q_len {q_len} > seq_len {seq_len}"));
         }
         let need = (seq_len as usize).div_ceil(shape.block_size);
-        if need > b.max_blocks {
-            return inval(format!(
-                "sequence {i}: seq_len {seq_len} needs {need} blocks, block_tables has {} columns",
-                b.max_blocks
-            ));
+        match b.indptr {
+            None if need > b.max_blocks => {
+                return inval(format!(
+                    "sequence {i}: seq_len {seq_len} needs {need} blocks, block_tables has {} columns",
+                    b.max_blocks
+                ));
+            }
+            Some(p) if (p[i + 1] - p[i]) as usize != need => {
+                return inval(format!(
+                    "sequence {i}: seq_len {seq_len} needs {need} blocks, indptr gives it {} (indptr[{i}..{}] = {}..{})",
+                    p[i + 1] - p[i],
+                    i + 2,
+                    p[i],
+                    p[i + 1]
+                ));
+            }
+            _ => {}
         }
-        let row = &b.block_tables[i * b.max_blocks..i * b.max_blocks + need];
+        let start = b.row_start(i);
+        let row = &b.block_tables[start..start + need];
         if let Some((j, &id)) = row
             .iter()
             .enumerate()
             .find(|(_, &id)| id < 0 || id as usize >= shape.num_blocks)
         {
+            let at = match b.indptr {
+                None => format!("block_tables[{i}, {j}]"),
+                Some(_) => format!("indices[{}]", start + j),
+            };
             return inval(format!(
-                "block_tables[{i}, {j}] = {id} is not a block id in [0, {}) (sequence {i} uses {need} blocks)",
+                "{at} = {id} is not a block id in [0, {}) (sequence {i} uses {need} blocks)",
                 shape.num_blocks
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// FlashInfer's `kv_last_page_len` beside a CSR table: sequence i's last block holds
+/// `last_page_len[i]` tokens, so `seq_lens[i] = (blocks - 1) * block_size + last_page_len[i]`
+/// (0 for a sequence with no blocks). Checked against `seq_lens`, which the kernel reads.
+pub fn check_last_page_len(b: &Batch, block_size: usize, last_page_len: &[i32]) -> Result<()> {
+    let inval = |m: String| Err(Error::Invalid(m));
+    let Some(p) = b.indptr else {
+        return inval("last_page_len goes with the CSR table (indptr, indices)".into());
+    };
+    let nseq = b.seq_lens.len();
+    if last_page_len.len() != nseq || p.len() != nseq + 1 {
+        return inval(format!(
+            "last_page_len must have {nseq} entries (B), got {}",
+            last_page_len.len()
+        ));
+    }
+    for i in 0..nseq {
+        let (n, l) = (p[i + 1] as i64 - p[i] as i64, last_page_len[i] as i64);
+        let ok = match n {
+            0 => l == 0,
+            _ => (1..=block_size as i64).contains(&l),
+        };
+        let implied = if n > 0 { (n - 1) * block_size as i64 + l } else { 0 };
+        if !ok || implied != b.seq_lens[i] as i64 {
+            return inval(format!(
+                "sequence {i}: last_page_len {l} with {n} blocks of {block_size} gives {implied} tokens, seq_lens says {}",
+                b.seq_lens[i]
             ));
         }
     }

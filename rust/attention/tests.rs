@@ -85,6 +85,7 @@ fn run_case(c: &Case, dt: DType, isa: Isa, threads: usize, params: Params) -> Ve
         num_q_heads: c.hq,
         block_tables: &c.tables,
         max_blocks: c.max_blocks,
+        indptr: None,
         seq_lens: &c.seq_lens,
         query_start_loc: &c.qsl,
     };
@@ -183,6 +184,7 @@ fn plan_splits_long_single_sequence() {
         num_q_heads: 1,
         block_tables: &tables,
         max_blocks: 256,
+        indptr: None,
         seq_lens: &[4000],
         query_start_loc: &[0, 1],
     };
@@ -281,6 +283,7 @@ fn validate_rejects_bad_tables() {
             num_q_heads: 1,
             block_tables: tables,
             max_blocks: 2,
+            indptr: None,
             seq_lens: &[seq],
             query_start_loc: &[0, 1],
         };

@@ -382,6 +382,7 @@ impl Decoder {
             num_q_heads: self.num_heads,
             block_tables: b.block_tables,
             max_blocks: b.max_blocks,
+            indptr: None,
             seq_lens: b.seq_lens,
             query_start_loc: b.query_start_loc,
         }

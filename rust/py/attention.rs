@@ -197,6 +197,8 @@ pub fn write_blocks(
 }
 
 /// Causal varlen paged attention; returns `out` float32 `[num_tokens, num_q_heads, head_dim]`.
+/// `block_tables`: int32 `[B, max_blocks]` (padded), or the CSR tuple `(indptr, indices)` /
+/// `(indptr, indices, last_page_len)` (docs/kernel.md).
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale = None,
                     sliding_window = None, soft_cap = None, out = None))]
@@ -229,11 +231,32 @@ pub fn paged_attention<'py>(
             shape.num_kv_heads
         )));
     }
-    let btr = typed::<i32>(block_tables, "block_tables", 2, "int32")?;
     let slr = typed::<i32>(seq_lens, "seq_lens", 1, "int32")?;
     let qslr = typed::<i32>(query_start_loc, "query_start_loc", 1, "int32")?;
     let nseq = slr.shape[0];
-    if btr.shape[0] != nseq || qslr.shape[0] != nseq + 1 {
+    // The table: padded `[B, max_blocks]`, or the CSR tuple `(indptr, indices[, last_page_len])`.
+    let csr = block_tables.cast::<PyTuple>().ok();
+    let (btr, ipr, lplr) = match &csr {
+        None => (typed::<i32>(block_tables, "block_tables", 2, "int32")?, None, None),
+        Some(t) if t.len() == 2 || t.len() == 3 => {
+            let (ip, ix) = (t.get_item(0)?, t.get_item(1)?);
+            let ipr = typed::<i32>(&ip, "indptr", 1, "int32")?;
+            let ixr = typed::<i32>(&ix, "indices", 1, "int32")?;
+            let lplr = match t.len() {
+                3 => Some(typed::<i32>(&t.get_item(2)?, "last_page_len", 1, "int32")?),
+                _ => None,
+            };
+            (ixr, Some(ipr), lplr)
+        }
+        Some(t) => {
+            return Err(PyValueError::new_err(format!(
+                "block_tables must be an int32 [B, max_blocks] array or a tuple (indptr, indices) or \
+                 (indptr, indices, last_page_len), got a tuple of {}",
+                t.len()
+            )))
+        }
+    };
+    if qslr.shape[0] != nseq + 1 || (ipr.is_none() && btr.shape[0] != nseq) {
         return Err(PyValueError::new_err(format!(
             "need block_tables [B, max_blocks], seq_lens [B], query_start_loc [B+1]; got {:?}, {:?}, {:?}",
             btr.shape, slr.shape, qslr.shape
@@ -263,26 +286,38 @@ pub fn paged_attention<'py>(
             return Err(PyValueError::new_err(format!("out must not share memory with {n}")));
         }
     }
+    for (r, n) in [(&ipr, "indptr"), (&lplr, "last_page_len")] {
+        if r.as_ref().is_some_and(|r| outr.overlaps(r)) {
+            return Err(PyValueError::new_err(format!("out must not share memory with {n}")));
+        }
+    }
     let (qg, btg, slg, qslg) = (
         readonly::<f32>(&qr, "q")?,
         readonly::<i32>(&btr, "block_tables")?,
         readonly::<i32>(&slr, "seq_lens")?,
         readonly::<i32>(&qslr, "query_start_loc")?,
     );
+    let ipg = ipr.as_ref().map(|r| readonly::<i32>(r, "indptr")).transpose()?;
+    let lplg = lplr.as_ref().map(|r| readonly::<i32>(r, "last_page_len")).transpose()?;
     let mut og = outr
         .arr
         .cast::<PyArrayDyn<f32>>()
         .map_err(|_| PyTypeError::new_err("out must be float32"))?
         .try_readwrite()
         .map_err(|e| PyValueError::new_err(format!("out must be writeable and not borrowed elsewhere: {e}")))?;
+    let indptr = ipg.as_ref().map(|g| slice_of(g, "indptr")).transpose()?;
     let batch = Batch {
         q: slice_of(&qg, "q")?,
         num_q_heads: hq,
         block_tables: slice_of(&btg, "block_tables")?,
-        max_blocks: btr.shape[1],
+        max_blocks: if indptr.is_some() { 0 } else { btr.shape[1] },
+        indptr,
         seq_lens: slice_of(&slg, "seq_lens")?,
         query_start_loc: slice_of(&qslg, "query_start_loc")?,
     };
+    if let Some(g) = &lplg {
+        att::check_last_page_len(&batch, shape.block_size, slice_of(g, "last_page_len")?).map_err(PyErr::from)?;
+    }
     let o = og
         .as_slice_mut()
         .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;

@@ -235,13 +235,16 @@ def test_copy_blocks_matches_reference(dtype):
         assert (k1.tobytes(), v1.tobytes()) == before
 
 
-def test_end_to_end_with_kv_manager():
-    """Inputs exactly as KVCacheManager.prepare_batch returns them; fork + copy-on-write blocks."""
+@pytest.mark.parametrize("backend", ["rust", "python"])
+def test_end_to_end_with_kv_manager(backend):
+    """Inputs exactly as KVCacheManager.prepare_batch returns them, padded and CSR tables (the same
+    bits); fork + copy-on-write blocks, a fork sharing a partial block."""
     from pagedkv_rs import fallback
 
     rng = np.random.default_rng(8)
     bs, hkv, hq, d = 4, 2, 4, 64
-    m = fallback.KVCacheManager(32, bs, enable_prefix_caching=False)
+    cls = pk.KVCacheManager if backend == "rust" else fallback.KVCacheManager
+    m = cls(32, bs, enable_prefix_caching=False)
     k, v = pk.new_kv_cache(32, bs, hkv, d, "float16")
     k[...] = np.nan
     v[...] = np.nan
@@ -267,7 +270,11 @@ def test_end_to_end_with_kv_manager():
         )
         q = rng.standard_normal((T, hq, d), dtype=np.float32)
         args = (q, k, v, batch.block_tables, batch.seq_lens, batch.query_start_loc)
-        assert max_err(pk.paged_attention(*args), ref.paged_attention(*args).astype(np.float64)) < 3e-5
+        padded = pk.paged_attention(*args)
+        assert max_err(padded, ref.paged_attention(*args).astype(np.float64)) < 3e-5
+        csr = (batch.indptr, batch.indices, batch.last_page_len)
+        got = pk.paged_attention(q, k, v, csr, batch.seq_lens, batch.query_start_loc)
+        assert np.array_equal(got.view(np.uint32), padded.view(np.uint32))
 
 
 def test_validation_messages():

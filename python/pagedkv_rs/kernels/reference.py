@@ -145,11 +145,39 @@ def write_blocks(
         v_cache[b] = v_blocks[j]
 
 
+def _csr_to_padded(csr: tuple, seq_lens: np.ndarray, bs: int) -> np.ndarray:
+    """The padded table of a CSR ``(indptr, indices[, last_page_len])`` (checked as the kernel does)."""
+    if len(csr) not in (2, 3):
+        raise ValueError(f"a CSR block table is (indptr, indices[, last_page_len]), got a tuple of {len(csr)}")
+    n_seq = seq_lens.shape[0]
+    indptr = np.asarray(csr[0], dtype=np.int64)
+    indices = np.asarray(csr[1], dtype=np.int64)
+    if indptr.shape != (n_seq + 1,) or indices.ndim != 1:
+        raise ValueError(f"need indptr [{n_seq + 1}] and indices [nnz], got {indptr.shape} and {indices.shape}")
+    if indptr[0] != 0 or np.any(np.diff(indptr) < 0) or indptr[-1] != indices.shape[0]:
+        raise ValueError("indptr must rise from 0 to len(indices)")
+    counts = np.diff(indptr)
+    need = -(-seq_lens // bs)
+    if np.any(counts != need):
+        i = int(np.flatnonzero(counts != need)[0])
+        raise ValueError(f"sequence {i}: seq_len {seq_lens[i]} needs {need[i]} blocks, indptr gives it {counts[i]}")
+    if len(csr) == 3:
+        lpl = np.asarray(csr[2], dtype=np.int64)
+        implied = np.where(counts > 0, (counts - 1) * bs + lpl, 0)
+        valid = np.where(counts > 0, (lpl >= 1) & (lpl <= bs), lpl == 0)
+        if lpl.shape != (n_seq,) or np.any(~valid) or np.any(implied != seq_lens):
+            raise ValueError("last_page_len must agree with seq_lens and indptr")
+    tables = np.full((n_seq, max(1, int(counts.max(initial=0)))), -1, np.int64)
+    for i in range(n_seq):
+        tables[i, : counts[i]] = indices[indptr[i] : indptr[i + 1]]
+    return tables
+
+
 def paged_attention(
     q: np.ndarray,
     k_cache: np.ndarray,
     v_cache: np.ndarray,
-    block_tables: np.ndarray,
+    block_tables: Any,
     seq_lens: np.ndarray,
     query_start_loc: np.ndarray,
     *,
@@ -158,7 +186,11 @@ def paged_attention(
     soft_cap: Optional[float] = None,
     out: Optional[np.ndarray] = None,
 ) -> np.ndarray:
-    """Causal varlen attention over the paged cache; float64 inside, float32 ``out`` ``[T, Hq, D]``."""
+    """Causal varlen attention over the paged cache; float64 inside, float32 ``out`` ``[T, Hq, D]``.
+
+    ``block_tables``: the padded ``[B, max_blocks]`` table, or the CSR tuple ``(indptr, indices)`` /
+    ``(indptr, indices, last_page_len)`` (sequence ``i``'s blocks ``indices[indptr[i]:indptr[i+1]]``,
+    exactly ``ceil(seq_lens[i] / block_size)`` of them; ``last_page_len`` must agree with ``seq_lens``)."""
     _check_caches(k_cache, v_cache)
     nb, hkv, bs, d = k_cache.shape
     if q.ndim != 3 or q.shape[2] != d or q.shape[1] % hkv:
@@ -167,8 +199,11 @@ def paged_attention(
     group = hq // hkv
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     qsl = np.asarray(query_start_loc, dtype=np.int64)
-    tables = np.asarray(block_tables, dtype=np.int64)
     n_seq = seq_lens.shape[0]
+    if isinstance(block_tables, tuple):
+        tables = _csr_to_padded(block_tables, seq_lens, bs)
+    else:
+        tables = np.asarray(block_tables, dtype=np.int64)
     if qsl.shape != (n_seq + 1,) or tables.ndim != 2 or tables.shape[0] != n_seq:
         raise ValueError("need seq_lens [B], query_start_loc [B+1], block_tables [B, max_blocks]")
     if qsl[0] != 0 or qsl[-1] != t_total or np.any(np.diff(qsl) < 0):
