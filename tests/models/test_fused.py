@@ -128,7 +128,7 @@ def test_fused_equals_numpy_any_thread_count(backend, threads):
         pagedkv_rs.set_num_threads(prev)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 30])
+@pytest.mark.parametrize("tokens", [1, 3, 30, 40])  # 40 > TEAM_MAX_TOKENS: the rayon path
 def test_fused_head_equals_numpy_head(isa, tokens):
     """``LlamaDecoder.forward``: layers, final norm and lm_head in one call; the numpy head's bits."""
     w = tiny_llama_weights(seed=7, vocab_size=300)
