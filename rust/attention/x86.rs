@@ -3,13 +3,16 @@
 //! | entry           | features                        | register blocks (qk: heads x keys, pv: heads x 8-col vectors) |
 //! |-----------------|---------------------------------|---------------------------------------------------------------|
 //! | `attend`        | avx2, fma, f16c (16 ymm)        | qk 4x2 / 3x2 / 2x4 / 1x8, pv 4x2 / 3x2 / 2x4 / 1x8           |
-//! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 regs, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16 (ymm); decode pv with head_dim % 16 == 0: 4x4 / 3x4 / 2x8 / 1x8 16-col **zmm** vectors (else ymm 4x4 / 3x4 / 2x8 / 1x16) |
+//! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 regs, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16 (ymm; decode with head_dim % 16 == 0: the same blocks of **zmm** chains); decode pv with head_dim % 16 == 0: 4x4 / 3x4 / 2x8 / 1x8 16-col **zmm** vectors (else ymm 4x4 / 3x4 / 2x8 / 1x16) |
 //!
 //! Zen 4 executes a 512-bit op as two 256-bit halves, so the AVX-512 build wins mainly through
 //! its 32 registers (twice the independent FMA chains per K/V load). The one zmm kernel is the
 //! decode `acc += p v` (`pv_block_z`: half the loads, broadcasts and loop trips per column);
-//! it measured 2-12% faster than the ymm one (one run, old and new builds side by side), while
-//! a zmm logits kernel (16-way shuffle-tree horizontal sum) measured no faster and was dropped.
+//! it measured 2-12% faster than the ymm one (one run, old and new builds side by side). A zmm
+//! logits kernel measured no faster there and was dropped; on Zen 5 (512-bit datapath) its
+//! successor `qk_block_z` (each zmm chain folded to 8 lanes, then the ymm kernel's 8-way sums)
+//! took config A float16 from 3.5 to 2.3-2.9 ms with K/V in cache (3 interleaved rounds), the
+//! SmolLM2 shape (head_dim 64) within the noise, so decode logits run in zmm when head_dim % 16 == 0.
 //! The body and micro-kernels are `#[inline(always)]` so that each entry compiles them for its
 //! own features.
 //!
@@ -167,8 +170,7 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
     let (g, d) = (ctx.group, ctx.shape.head_dim);
     let nq = u.queries(g);
     debug_assert!(u.row1 - u.row0 == 1);
-    // The AVX-512 build runs `acc += p v` with zmm columns when they tile head_dim (the logits
-    // stay 256-bit: a zmm qk_block with a 16-way shuffle-tree horizontal sum measured no faster).
+    // The AVX-512 build runs the logits and `acc += p v` with zmm columns when they tile head_dim.
     let zmm = WIDE && d % 16 == 0;
     let mut s = vec![0.0f32; nq * TILE];
     let es = if DT == F32 { 4 } else { 2 };
@@ -252,6 +254,10 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
                             if pass == 0 {
                                 let q = &qbuf[m0 * d..(m0 + mb) * d];
                                 match (mb, WIDE) {
+                                    (4, true) if zmm => qk_block_z::<4, 4, DT>(q, ptr, n, d, sm, col, pf),
+                                    (3, true) if zmm => qk_block_z::<3, 4, DT>(q, ptr, n, d, sm, col, pf),
+                                    (2, true) if zmm => qk_block_z::<2, 8, DT>(q, ptr, n, d, sm, col, pf),
+                                    (_, true) if zmm => qk_block_z::<1, 16, DT>(q, ptr, n, d, sm, col, pf),
                                     (4, false) => qk_block::<4, 2, DT>(q, ptr, n, d, sm, col, pf),
                                     (3, false) => qk_block::<3, 2, DT>(q, ptr, n, d, sm, col, pf),
                                     (2, false) => qk_block::<2, 4, DT>(q, ptr, n, d, sm, col, pf),
@@ -745,6 +751,107 @@ unsafe fn load16<const DT: u8>(p: *const u8, i: usize) -> __m512 {
                 (p as *const u16).add(i) as *const __m256i,
             )))),
         }
+    }
+}
+
+/// `qk_block` with zmm: MB query vectors x TB keys, 16 columns of head_dim a step (d % 16 == 0),
+/// MB * TB <= 16 zmm accumulators, each folded to 8 lanes (low + high half) before the same 8-way
+/// horizontal sums. Half the FMAs, loads and widenings of the ymm kernel per key.
+///
+/// # Safety
+/// `kp` points to n * d elements of type DT; the CPU supports AVX-512 F.
+#[inline(always)]
+unsafe fn qk_block_z<const MB: usize, const TB: usize, const DT: u8>(
+    q: &[f32],
+    kp: *const u8,
+    n: usize,
+    d: usize,
+    s: &mut [f32],
+    col: usize,
+    pf: Pf,
+) {
+    assert!(MB * TB <= 16 && q.len() == MB * d && col + n <= TILE && s.len() >= MB * TILE && d.is_multiple_of(16));
+    let s = &mut s[col..];
+    let qp = q.as_ptr();
+    let pf = pf.spread(n.max(1));
+    let fold = |a: __m512| -> __m256 {
+        _mm256_add_ps(
+            _mm512_castps512_ps256(a),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a))),
+        )
+    };
+    let mut j = 0;
+    while j + TB <= n {
+        // SAFETY: per the `Pf` contract.
+        unsafe { pf.part(j, j + TB) };
+        let mut a = [_mm512_setzero_ps(); 16];
+        for c in (0..d).step_by(16) {
+            let mut kv = [_mm512_setzero_ps(); TB];
+            for (t, x) in kv.iter_mut().enumerate() {
+                // SAFETY: (j + t) < n and c + 16 <= d: inside k (function contract).
+                *x = unsafe { load16::<DT>(kp, (j + t) * d + c) };
+            }
+            for r in 0..MB {
+                // SAFETY: r < MB and c + 16 <= d: inside q (asserted length).
+                let qv = unsafe { _mm512_loadu_ps(qp.add(r * d + c)) };
+                for t in 0..TB {
+                    a[r * TB + t] = _mm512_fmadd_ps(qv, kv[t], a[r * TB + t]);
+                }
+            }
+        }
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: lanes holds 16 f32.
+        unsafe {
+            _mm256_storeu_ps(
+                lanes.as_mut_ptr(),
+                hsum8(&[
+                    fold(a[0]),
+                    fold(a[1]),
+                    fold(a[2]),
+                    fold(a[3]),
+                    fold(a[4]),
+                    fold(a[5]),
+                    fold(a[6]),
+                    fold(a[7]),
+                ]),
+            )
+        };
+        if MB * TB > 8 {
+            // SAFETY: as above, lanes 8..16.
+            unsafe {
+                _mm256_storeu_ps(
+                    lanes.as_mut_ptr().add(8),
+                    hsum8(&[
+                        fold(a[8]),
+                        fold(a[9]),
+                        fold(a[10]),
+                        fold(a[11]),
+                        fold(a[12]),
+                        fold(a[13]),
+                        fold(a[14]),
+                        fold(a[15]),
+                    ]),
+                )
+            };
+        }
+        for r in 0..MB {
+            s[r * TILE + j..r * TILE + j + TB].copy_from_slice(&lanes[r * TB..(r + 1) * TB]);
+        }
+        j += TB;
+    }
+    while j < n {
+        // SAFETY: per the `Pf` contract.
+        unsafe { pf.part(j, j + 1) };
+        for r in 0..MB {
+            let mut a = _mm512_setzero_ps();
+            for c in (0..d).step_by(16) {
+                // SAFETY: j < n, r < MB, c + 16 <= d.
+                unsafe { a = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(r * d + c)), load16::<DT>(kp, j * d + c), a) };
+            }
+            // SAFETY: AVX is part of the caller's features.
+            s[r * TILE + j] = unsafe { hsum(fold(a)) };
+        }
+        j += 1;
     }
 }
 
