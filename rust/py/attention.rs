@@ -237,6 +237,13 @@ pub fn paged_attention<'py>(
     // The table: padded `[B, max_blocks]`, or the CSR tuple `(indptr, indices[, last_page_len])`.
     let csr = block_tables.cast::<PyTuple>().ok();
     let (btr, ipr, lplr) = match &csr {
+        None if block_tables.cast::<PyUntypedArray>().is_err() => {
+            return Err(PyTypeError::new_err(format!(
+                "block_tables must be an int32 [B, max_blocks] numpy.ndarray or a tuple (indptr, indices) or \
+                 (indptr, indices, last_page_len) of int32 arrays, got {}",
+                block_tables.get_type().name()?
+            )))
+        }
         None => (typed::<i32>(block_tables, "block_tables", 2, "int32")?, None, None),
         Some(t) if t.len() == 2 || t.len() == 3 => {
             let (ip, ix) = (t.get_item(0)?, t.get_item(1)?);

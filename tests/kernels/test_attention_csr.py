@@ -86,6 +86,7 @@ def _bad_tables(indptr, indices, last, nb):
         ((indptr, indices, last.astype(np.int64)), TypeError, "last_page_len must be int32, got int64"),
         ((indptr,), ValueError, "a tuple of 1"),
         ((indptr, indices, last, last), ValueError, "a tuple of 4"),
+        ([indptr, indices], TypeError, r"or a tuple \(indptr, indices\).*got list"),
     ]
 
 
