@@ -568,6 +568,47 @@ unsafe fn hsum(a: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<0x55>(s, s)))
 }
 
+/// The logits of keys `j..j+TB` for MB query vectors: `s[r * TILE + j + t]` = the 8-lane sum of
+/// chain `f(a[r * TB + t])` (MB * TB <= 16 chains; one or two 8-way horizontal sums). `f` makes a
+/// chain 8 lanes (the identity for ymm, a fold for zmm), applied as the sums read it.
+///
+/// # Safety
+/// The CPU supports AVX (inlined into the AVX2 / AVX-512 entries, which check it).
+#[inline(always)]
+unsafe fn store_sums<const MB: usize, const TB: usize, T: Copy>(
+    a: &[T; 16],
+    f: impl Fn(T) -> __m256,
+    s: &mut [f32],
+    j: usize,
+) {
+    let mut lanes = [0.0f32; 16];
+    // SAFETY: lanes holds 16 f32; hsum8 needs AVX (contract).
+    unsafe {
+        _mm256_storeu_ps(
+            lanes.as_mut_ptr(),
+            hsum8(&[f(a[0]), f(a[1]), f(a[2]), f(a[3]), f(a[4]), f(a[5]), f(a[6]), f(a[7])]),
+        );
+        if MB * TB > 8 {
+            _mm256_storeu_ps(
+                lanes.as_mut_ptr().add(8),
+                hsum8(&[
+                    f(a[8]),
+                    f(a[9]),
+                    f(a[10]),
+                    f(a[11]),
+                    f(a[12]),
+                    f(a[13]),
+                    f(a[14]),
+                    f(a[15]),
+                ]),
+            );
+        }
+    }
+    for r in 0..MB {
+        s[r * TILE + j..r * TILE + j + TB].copy_from_slice(&lanes[r * TB..(r + 1) * TB]);
+    }
+}
+
 /// `s[r * TILE + col + j] = q[r] . k[j]` for MB query vectors `q` `[MB, d]` and keys `k` `[n, d]` of
 /// type DT, TB keys at a time (MB * TB <= 8 independent FMA chains, one 8-way horizontal sum).
 ///
@@ -606,26 +647,8 @@ unsafe fn qk_block<const MB: usize, const TB: usize, const DT: u8>(
                 }
             }
         }
-        let mut lanes = [0.0f32; 16];
-        // SAFETY: lanes holds 16 f32.
-        unsafe {
-            _mm256_storeu_ps(
-                lanes.as_mut_ptr(),
-                hsum8(&[a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]),
-            )
-        };
-        if MB * TB > 8 {
-            // SAFETY: as above, lanes 8..16.
-            unsafe {
-                _mm256_storeu_ps(
-                    lanes.as_mut_ptr().add(8),
-                    hsum8(&[a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]),
-                )
-            };
-        }
-        for r in 0..MB {
-            s[r * TILE + j..r * TILE + j + TB].copy_from_slice(&lanes[r * TB..(r + 1) * TB]);
-        }
+        // SAFETY: AVX is part of the caller's features.
+        unsafe { store_sums::<MB, TB, __m256>(&a, |v| v, s, j) };
         j += TB;
     }
     while j < n {
@@ -799,44 +822,8 @@ unsafe fn qk_block_z<const MB: usize, const TB: usize, const DT: u8>(
                 }
             }
         }
-        let mut lanes = [0.0f32; 16];
-        // SAFETY: lanes holds 16 f32.
-        unsafe {
-            _mm256_storeu_ps(
-                lanes.as_mut_ptr(),
-                hsum8(&[
-                    fold(a[0]),
-                    fold(a[1]),
-                    fold(a[2]),
-                    fold(a[3]),
-                    fold(a[4]),
-                    fold(a[5]),
-                    fold(a[6]),
-                    fold(a[7]),
-                ]),
-            )
-        };
-        if MB * TB > 8 {
-            // SAFETY: as above, lanes 8..16.
-            unsafe {
-                _mm256_storeu_ps(
-                    lanes.as_mut_ptr().add(8),
-                    hsum8(&[
-                        fold(a[8]),
-                        fold(a[9]),
-                        fold(a[10]),
-                        fold(a[11]),
-                        fold(a[12]),
-                        fold(a[13]),
-                        fold(a[14]),
-                        fold(a[15]),
-                    ]),
-                )
-            };
-        }
-        for r in 0..MB {
-            s[r * TILE + j..r * TILE + j + TB].copy_from_slice(&lanes[r * TB..(r + 1) * TB]);
-        }
+        // SAFETY: AVX is part of the caller's features.
+        unsafe { store_sums::<MB, TB, __m512>(&a, fold, s, j) };
         j += TB;
     }
     while j < n {
