@@ -5,7 +5,14 @@
 //! `vpdpbusd` (u8 codes × i8 activations, 64 MACs each) into int32 accumulators. Per 32-wide
 //! block: the int32 accumulators are converted and folded into the row's f32 accumulator with
 //! three FMAs (`d·s_h`, `d·s_l`, `m·qs`) in the scalar path's order.
-//! R = 2, NP = 2: 8 int32 + 4 f32 accumulators + 2 code registers + scales fit the 32 zmm.
+//!
+//! | tile (R x NP) | rows of a pass it takes | registers                                      |
+//! |---------------|-------------------------|------------------------------------------------|
+//! | 8 x 1         | each 8                  | 16 int32 + 8 f32 accumulators, 1 code vector   |
+//! | 4 x 2         | a remaining 4           | 16 int32 + 8 f32, 2 code vectors               |
+//! | 2 x 2, 1 x 2  | a remaining 2, 1        | 8 int32 + 4 f32 (1 row: 2 x 8, even/odd groups) |
+//!
+//! All fit the 32 zmm with the block's scales (`TILE_ROWS` says why 8 rows).
 //!
 //! Both code layouts: an 8-bit panel gives one code vector a 64-byte load; a 4-bit panel (`NIB`)
 //! two a 64-byte line (its low nibbles hold k group 2q, its high ones 2q+1: an AND, or a 16-bit
@@ -16,10 +23,18 @@
 
 use std::arch::x86_64::*;
 
-use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, MR, PANEL, QBLOCK};
+use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, PANEL, QBLOCK};
 
 /// How far ahead of the tile the code stream is prefetched (the AVX2 tile's figure).
 const PREFETCH: usize = 4096;
+
+/// Rows of the largest tile (one panel: 16 int32 sums + 8 f32 accumulators + 1 code vector). Each
+/// code vector meets 16 `vpdpbusd` (the activations as embedded broadcasts), so the tile that
+/// streams a panel in from memory computes 8 rows meanwhile; at 8 rows a pass is that one tile,
+/// where 2-row tiles left 3 of 4 computing with the memory idle. In process, 5 interleaved rounds
+/// on the AVX-512 VNNI VM, medians (tok/s, 2-row -> 4-row -> 8-row tiles): 8 sequences
+/// 669 -> 740 -> 851, 32 sequences 903 -> 961 -> 958, 512-token prefill 1580 -> 1558 -> 1662.
+const TILE_ROWS: usize = 8;
 
 /// All row tiles of panels `p0..p0+np`, every one of them in the 4-bit layout when `nib`, else
 /// in the 8-bit one.
@@ -29,22 +44,47 @@ const PREFETCH: usize = 4096;
 /// `m × n` floats; `p0 + np <= panels`; panels `p0..p0+np` are 4-bit exactly when `nib`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
-    tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn, first| {
-        // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
-        // activations and panels ps..ps+pn (pn <= PASS_PANELS = 2) inside p0..p0+np.
-        unsafe {
-            match (nib, rows, pn) {
-                (false, 2, 2) => tile::<2, 2, false>(a, r0, ps, first),
-                (false, 1, 2) => tile::<1, 2, false>(a, r0, ps, first),
-                (false, 2, _) => tile::<2, 1, false>(a, r0, ps, first),
-                (false, _, _) => tile::<1, 1, false>(a, r0, ps, first),
-                (true, 2, 2) => tile::<2, 2, true>(a, r0, ps, first),
-                (true, 1, 2) => tile::<1, 2, true>(a, r0, ps, first),
-                (true, 2, _) => tile::<2, 1, true>(a, r0, ps, first),
-                (true, _, _) => tile::<1, 1, true>(a, r0, ps, first),
+    tile_order(m, a.w.k, p0, np, TILE_ROWS, |r0, rows, ps, pn, first| {
+        // The pass's rows in tiles of 8 (one panel each), then 4, 2, 1 (two panels each).
+        let (mut r, mut left, mut first) = (r0, rows, first);
+        while left > 0 {
+            let take = [8, 4, 2, 1].into_iter().find(|&t| t <= left).unwrap_or(1);
+            // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
+            // activations (so r..r+take too) and panels ps..ps+pn (pn <= PASS_PANELS = 2)
+            // inside p0..p0+np, all of them 4-bit exactly when `nib`.
+            unsafe {
+                if nib {
+                    rows_tile::<true>(a, r, take, ps, pn, first)
+                } else {
+                    rows_tile::<false>(a, r, take, ps, pn, first)
+                }
             }
+            r += take;
+            left -= take;
+            first = false;
         }
     });
+}
+
+/// Rows `r..r+take` (`take` = 8, 4, 2 or 1) times panels `ps..ps+pn` (`pn` = 1 or 2): one tile,
+/// or one 8-row tile a panel.
+///
+/// # Safety
+/// As for `tile`, for each panel of the range.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn rows_tile<const NIB: bool>(a: &Args, r: usize, take: usize, ps: usize, pn: usize, first: bool) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match (take, pn) {
+            (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, NIB>(a, r, p, first)),
+            (4, 2) => tile::<4, 2, NIB>(a, r, ps, first),
+            (4, _) => tile::<4, 1, NIB>(a, r, ps, first),
+            (2, 2) => tile::<2, 2, NIB>(a, r, ps, first),
+            (2, _) => tile::<2, 1, NIB>(a, r, ps, first),
+            (_, 2) => tile::<1, 2, NIB>(a, r, ps, first),
+            (_, _) => tile::<1, 1, NIB>(a, r, ps, first),
+        }
+    }
 }
 
 /// One tile: rows `r0..r0+R` times panels `p0..p0+NP` (4-bit panels when `NIB`); `prefetch`:

@@ -68,12 +68,15 @@ def _q4(rng, n, k):
     return QLinear.from_parts(rng.integers(0, 16, (n, k), dtype=np.uint8), d, (-8 * d).astype(np.float32))
 
 
+# 37 rows: four 8-row tiles, a 4-row and a 1-row one (AVX-512 VNNI); 15: 8 + 4 + 2 + 1; 70 columns:
+# passes of two panels and a last single one.
+@pytest.mark.parametrize("m", [37, 15])
 @pytest.mark.parametrize("kind", ["float", "q4"])
 @pytest.mark.parametrize("build", list(SIMD_BUILDS))
-def test_every_simd_build_gives_the_scalar_bits(build, kind):
+def test_every_simd_build_gives_the_scalar_bits(build, kind, m):
     rng = np.random.default_rng(3)
     q = QLinear.from_float(_weights(rng, 70, 192)) if kind == "float" else _q4(rng, 70, 192)
-    x = rng.standard_normal((37, 192)).astype(np.float32)
+    x = rng.standard_normal((m, 192)).astype(np.float32)
     x[4, 10] = 500.0  # an outlier block
     with forced_isa("scalar"):
         want = q(x)
