@@ -141,6 +141,67 @@ fn simd_quantization_equals_scalar() {
     }
 }
 
+/// The 16-block quantizer's reduction tree puts vector j's reduction where `LANE_BLOCK` says, and
+/// the ordered form in lane j.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn reduce16_lanes_are_where_lane_block_says() {
+    use std::arch::x86_64::*;
+    if !Isa::Avx512.available() {
+        return;
+    }
+    let mut r = Rng(5);
+    let vals: Vec<[f32; 16]> = (0..16)
+        .map(|_| std::array::from_fn(|_| r.uniform() * 100.0 - 50.0))
+        .collect();
+    let run = || {
+        // SAFETY: AVX-512 F detected (Isa::Avx512); every load reads 16 floats of a [f32; 16].
+        unsafe {
+            let v: [__m512; 16] = std::array::from_fn(|j| _mm512_loadu_ps(vals[j].as_ptr()));
+            let (mut raw, mut ord) = ([0f32; 16], [0f32; 16]);
+            _mm512_storeu_ps(raw.as_mut_ptr(), x86::reduce16(v, |a, b| _mm512_max_ps(a, b)));
+            _mm512_storeu_ps(ord.as_mut_ptr(), x86::reduce16_ordered(v, |a, b| _mm512_max_ps(a, b)));
+            (raw, ord)
+        }
+    };
+    let (raw, ord) = run();
+    let max = |j: usize| vals[j].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for lane in 0..16 {
+        assert_eq!(raw[lane], max(x86::LANE_BLOCK[lane] as usize), "lane {lane}");
+        assert_eq!(ord[lane], max(lane), "lane {lane}");
+    }
+}
+
+/// Many rows, special blocks (NaN, infinity, zero, subnormal, a NaN-free block whose residual is
+/// zero) scattered over the 16-block groups and the remainder: every SIMD quantizer equals the scalar.
+#[test]
+fn simd_quantization_equals_scalar_over_block_groups() {
+    let mut r = Rng(23);
+    let (m, k) = (7, 32 * 18);
+    let mut x: Vec<f32> = (0..m * k).map(|_| (r.uniform() - 0.5) * 20.0).collect();
+    let nb = m * k / QBLOCK;
+    for i in 0..nb {
+        let blk = &mut x[i * QBLOCK..][..QBLOCK];
+        match r.below(12) {
+            0 => blk[r.below(32)] = f32::NAN,
+            1 => blk[r.below(32)] = f32::NEG_INFINITY,
+            2 => blk.fill(0.0),
+            3 => blk.fill(1e-39),
+            4 => blk.iter_mut().for_each(|v| *v = 1.0), // exact: zero residual
+            5 => blk[r.below(32)] = 1e6,
+            _ => {}
+        }
+    }
+    let a = quantize_acts(&x, m, k);
+    let b = quantize_fast(&x, m, k);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(a.hi, b.hi);
+    assert_eq!(a.lo, b.lo);
+    assert_eq!(bits(&a.s_hi), bits(&b.s_hi));
+    assert_eq!(bits(&a.s_lo), bits(&b.s_lo));
+    assert_eq!(bits(&a.qs), bits(&b.qs));
+}
+
 #[test]
 fn a_row_does_not_depend_on_its_neighbours() {
     let mut r = Rng(99);
