@@ -314,13 +314,10 @@ pub(super) const LANE_BLOCK: [u32; 16] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14
 #[inline]
 pub(super) fn reduce16_ordered(v: [__m512; 16], op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
     let r = reduce16(v, op);
-    // inverse of LANE_BLOCK: lane j comes from the lane that holds block j.
-    let mut inv = [0i32; 16];
-    for (lane, &b) in LANE_BLOCK.iter().enumerate() {
-        inv[b as usize] = lane as i32;
-    }
-    // SAFETY: inv holds 16 i32.
-    let idx = unsafe { _mm512_loadu_si512(inv.as_ptr() as *const _) };
+    // Lane j takes the lane that holds vector j: LANE_BLOCK's inverse, which is LANE_BLOCK itself
+    // (a 4x4 transpose).
+    // SAFETY: LANE_BLOCK holds 16 u32.
+    let idx = unsafe { _mm512_loadu_si512(LANE_BLOCK.as_ptr() as *const _) };
     _mm512_permutexvar_ps(idx, r)
 }
 
