@@ -14,9 +14,11 @@
 //! pair is at most 2·15·127 = 3810 in magnitude and the 8 groups of a block sum to at most 30480
 //! < 32767, so the i16 sums are kept over the block. An 8-bit code would saturate a single pair
 //! (2·255·127 = 64770), hence the split: both halves are 4-bit codes and
-//! `Σ c·x = 16·Σ hi·x + Σ lo·x`. Per block `vpmaddwd` with ones (16s for the high half) sums a
-//! lane's two i16 into the exact i32 dot of its row, then the same three FMAs as the scalar
-//! path in its order: the scalar bits exactly (tests compare them, with codes at 0, 15 and 255
+//! `Σ c·x = 16·Σ hi·x + Σ lo·x`. Per block `vpmaddwd` with the digit's weight (the block's ratio
+//! `R` for the first digit, 1 for the second; times 16 for a code's high half, `16·R` < 2^15) sums
+//! a lane's two i16 into i32, and the digits' two (or four) sums add up to the exact `R·Σc·h +
+//! Σc·l` of its row; then the same
+//! two FMAs as the scalar path in its order: the scalar bits exactly (tests compare them, with codes at 0, 15 and 255
 //! and digits at ±127). Tiles: `nibble`, R = 2 rows (or 1) × one panel of 16 columns, its 8 i16
 //! sums in registers; `wide`, 2 rows × half a panel (8 columns, `wide_half`, 8 i16 sums: low and
 //! high halves × 2 digits × 2 rows), or a last single row × the whole panel (`tile::<1, true>`).
@@ -161,8 +163,9 @@ unsafe fn tile<const R: usize, const WIDE: bool>(
     let codes = unsafe { a.w.codes.as_ptr().add(a.w.code_at[p]) };
     let scales = sp * nb * 2 * PANEL;
     let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
-    let ones = _mm256_set1_epi16(1);
-    let sixteens = _mm256_set1_epi16(16);
+    // `vpmaddwd` weights of the second digit [code half] (a code's high half 16 times its low
+    // one); the first digit's are the block's R times these.
+    let weight = [_mm256_set1_epi16(1), _mm256_set1_epi16(16)];
     let low4 = _mm256_set1_epi8(0x0f);
     let zero = _mm256_setzero_si256();
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
@@ -221,19 +224,26 @@ unsafe fn tile<const R: usize, const WIDE: bool>(
             // the AVX2 ISA's detection).
             let (dv, mv) = unsafe { load_scales(sc, scales + b * 2 * PANEL + v * 8) };
             for r in 0..R {
-                let dot = |digit: usize| {
-                    let mut d = _mm256_madd_epi16(lo[r][digit][v], ones);
-                    if WIDE {
-                        d = _mm256_add_epi32(_mm256_madd_epi16(hi[r][digit][v], sixteens), d);
-                    }
-                    _mm256_cvtepi32_ps(d)
-                };
                 let rb = (r0 + r) * nb + b;
-                let sh = _mm256_set1_ps(a.acts.s_hi[rb]);
-                let sl = _mm256_set1_ps(a.acts.s_lo[rb]);
+                // R·Σc·h + Σc·l, exact in i32 (mod.rs); R is an i16, 16·R need not be (the
+                // high halves' R·Σ is shifted instead).
+                let base = _mm256_set1_epi16(a.acts.base[rb] as i16);
+                let mut dot = _mm256_add_epi32(
+                    _mm256_madd_epi16(lo[r][0][v], base),
+                    _mm256_madd_epi16(lo[r][1][v], weight[0]),
+                );
+                if WIDE {
+                    dot = _mm256_add_epi32(
+                        dot,
+                        _mm256_add_epi32(
+                            _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0][v], base)),
+                            _mm256_madd_epi16(hi[r][1][v], weight[1]),
+                        ),
+                    );
+                }
+                let s = _mm256_set1_ps(a.acts.s[rb]);
                 let qs = _mm256_set1_ps(a.acts.qs[rb]);
-                acc[r][v] = _mm256_fmadd_ps(dot(0), _mm256_mul_ps(dv, sh), acc[r][v]);
-                acc[r][v] = _mm256_fmadd_ps(dot(1), _mm256_mul_ps(dv, sl), acc[r][v]);
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, s), acc[r][v]);
                 acc[r][v] = _mm256_fmadd_ps(mv, qs, acc[r][v]);
             }
         }
@@ -254,7 +264,7 @@ unsafe fn tile<const R: usize, const WIDE: bool>(
 }
 
 /// The `wide` mode for rows `r0..r0+R` and the 8 columns of half `v` (0 or 1) of panel `p`: the
-/// same integer sums and the same three FMAs a block as `tile::<R, true>`, in the same order, so
+/// same integer sums and the same two FMAs a block as `tile::<R, true>`, in the same order, so
 /// the same bits; one 32-byte code vector a group instead of two keeps its 8 i16 sums (R = 2), the
 /// unpacked codes and one broadcast in registers (the two-vector form spilled them).
 ///
@@ -302,24 +312,27 @@ unsafe fn wide_half<const R: usize>(a: &Args, sc: &Scales, sp: usize, r0: usize,
         // SAFETY: block b of panel p: 16 `d` then 16 `m`; half v is 8 of each.
         let (dv, mv) = unsafe { load_scales(sc, scales + b * 2 * PANEL) };
         for r in 0..R {
-            let dot = |digit: usize| {
-                let l = _mm256_madd_epi16(lo[r][digit], _mm256_set1_epi16(1));
-                _mm256_cvtepi32_ps(_mm256_add_epi32(
-                    _mm256_madd_epi16(hi[r][digit], _mm256_set1_epi16(16)),
-                    l,
-                ))
-            };
             let rb = (r0 + r) * nb + b;
-            // SAFETY: rb < m * nb: one scale each of row r0+r's block b.
-            let (sh, sl, qs) = unsafe {
+            // SAFETY: rb < m * nb: one scale of row r0+r's block b each.
+            let (s, base, qs) = unsafe {
                 (
-                    _mm256_set1_ps(*a.acts.s_hi.get_unchecked(rb)),
-                    _mm256_set1_ps(*a.acts.s_lo.get_unchecked(rb)),
+                    _mm256_set1_ps(*a.acts.s.get_unchecked(rb)),
+                    *a.acts.base.get_unchecked(rb) as i16,
                     _mm256_set1_ps(*a.acts.qs.get_unchecked(rb)),
                 )
             };
-            acc[r] = _mm256_fmadd_ps(dot(0), _mm256_mul_ps(dv, sh), acc[r]);
-            acc[r] = _mm256_fmadd_ps(dot(1), _mm256_mul_ps(dv, sl), acc[r]);
+            // As in `tile`: R·Σc·h + Σc·l.
+            let dot = _mm256_add_epi32(
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(lo[r][0], _mm256_set1_epi16(base)),
+                    _mm256_madd_epi16(lo[r][1], _mm256_set1_epi16(1)),
+                ),
+                _mm256_add_epi32(
+                    _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0], _mm256_set1_epi16(base))),
+                    _mm256_madd_epi16(hi[r][1], _mm256_set1_epi16(16)),
+                ),
+            );
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, s), acc[r]);
             acc[r] = _mm256_fmadd_ps(mv, qs, acc[r]);
         }
     }
@@ -345,16 +358,7 @@ pub(super) unsafe fn quantize(x: &[f32], a: &mut super::QActs) {
     for (i, blk) in x.chunks_exact(QBLOCK).enumerate() {
         // SAFETY: blk has 32 floats.
         let v: [__m256; 4] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(blk.as_ptr().add(8 * j)) });
-        let (sh, sum_h, h) = digit(v);
-        let s = _mm256_set1_ps(sh);
-        let (sl, sum_l, l) = if sh.is_nan() {
-            (f32::NAN, 0, [_mm256_setzero_si256(); 4])
-        } else {
-            // v - s·h, rounded after the product as the scalar path does (no contraction).
-            digit(std::array::from_fn(|j| {
-                _mm256_sub_ps(v[j], _mm256_mul_ps(s, _mm256_cvtepi32_ps(h[j])))
-            }))
-        };
+        let (s, base, qs, h, l) = digits(v);
         for (dst, q) in [(&mut a.hi, h), (&mut a.lo, l)] {
             // i32 -> i16 -> i8 with saturation (values are in -127..=127), then the lanes back in order.
             let q16 = [_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])];
@@ -365,42 +369,67 @@ pub(super) unsafe fn quantize(x: &[f32], a: &mut super::QActs) {
             // SAFETY: block i has 32 digits in each buffer.
             unsafe { _mm256_storeu_si256(dst.as_mut_ptr().add(i * QBLOCK) as *mut __m256i, q8) };
         }
-        a.s_hi[i] = sh;
-        a.s_lo[i] = sl;
-        a.qs[i] = sh * sum_h as f32 + sl * sum_l as f32;
+        a.s[i] = s;
+        a.base[i] = base;
+        a.qs[i] = qs;
     }
 }
 
-/// One digit of a 32-float block: `(s, Σq, q)` as `quantize_block` computes them.
+/// Both digits of a 32-float block: `(s, R, qs, h, l)` as `quantize_block` computes them.
 #[target_feature(enable = "avx2,fma")]
-fn digit(v: [__m256; 4]) -> (f32, i32, [__m256i; 4]) {
+fn digits(v: [__m256; 4]) -> (f32, i32, f32, [__m256i; 4], [__m256i; 4]) {
     let zero = [_mm256_setzero_si256(); 4];
     let unord = |a: __m256| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(a, a));
     if v.iter().any(|&a| unord(a) != 0) {
-        return (f32::NAN, 0, zero);
+        return (f32::NAN, 0, f32::NAN, zero, zero);
     }
+    let amax = max_abs(v);
+    if amax.is_infinite() {
+        return (f32::NAN, 0, f32::NAN, zero, zero);
+    }
+    if amax < f32::MIN_POSITIVE {
+        return (0.0, 0, 0.0, zero, zero);
+    }
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    // Nearest-even rounding, as `round_half_even` in mod.rs (|v·inv| <= ~127 < 2^22).
+    let code = |a: __m256, inv: __m256| {
+        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(a, inv));
+        _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+    };
+    let s_h = _mm256_set1_ps(amax / 127.0);
+    let h = v.map(|a| code(a, _mm256_set1_ps(127.0 / amax)));
+    // e = v - s_h·h, rounded after the product as the scalar path does (no contraction).
+    let e: [__m256; 4] = std::array::from_fn(|j| _mm256_sub_ps(v[j], _mm256_mul_ps(s_h, _mm256_cvtepi32_ps(h[j]))));
+    let abs_sum = {
+        let t = h.map(|q| _mm256_abs_epi32(q));
+        let t = _mm256_add_epi32(_mm256_add_epi32(t[0], t[1]), _mm256_add_epi32(t[2], t[3]));
+        hsum_i32(t) as f32
+    };
+    let base = super::digit_base(amax, max_abs(e), abs_sum);
+    let units = 127.0 * base;
+    let l = e.map(|a| code(a, _mm256_set1_ps(units / amax)));
+    let sum4 = |q: [__m256i; 4]| _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    let s = _mm256_add_epi32(_mm256_mullo_epi32(sum4(h), _mm256_set1_epi32(base as i32)), sum4(l));
+    let scale = amax / units;
+    (scale, base as i32, scale * hsum_i32(s) as f32, h, l)
+}
+
+/// Sum of the 8 i32 lanes.
+#[target_feature(enable = "avx2,fma")]
+fn hsum_i32(s: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b0100_1110>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b1011_0001>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// max |v| over 32 floats (no NaN among them).
+#[target_feature(enable = "avx2,fma")]
+fn max_abs(v: [__m256; 4]) -> f32 {
     let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
     let m = v.map(|a| _mm256_and_ps(a, abs_mask));
     let m = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
     let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
     let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<0b01>(m, m)));
-    if amax.is_infinite() {
-        return (f32::NAN, 0, zero);
-    }
-    if amax < f32::MIN_POSITIVE {
-        return (0.0, 0, zero);
-    }
-    let inv = _mm256_set1_ps(127.0 / amax);
-    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
-    // Nearest-even rounding, as `round_half_even` in mod.rs (|v·inv| <= ~127 < 2^22).
-    let q = v.map(|a| {
-        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(a, inv));
-        _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
-    });
-    let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b0100_1110>(s));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b1011_0001>(s));
-    (amax / 127.0, _mm_cvtsi128_si32(s), q)
+    _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<0b01>(m, m)))
 }

@@ -14,20 +14,31 @@
 //! (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K exactly, e.g. Q8_0 as `c = q + 128`, `m = -128·d`);
 //! float weights are quantized asymmetrically per block (`c` in 0..=255).
 //!
-//! Activations are quantized per row and 32-wide block in two int8 digits: `h = Q(x)` and
-//! `l = Q(x - s_h·h)`, where `Q(v)`: `a = max|v|`, `q = round_half_even(v · (127/a))` in
-//! -127..=127, `s = a/127`. The second digit quantizes the first one's rounding error, so the
-//! activations keep ~15 bits per block (one int8 digit, as llama.cpp's Q8, loses ~0.7 logits
-//! on SmolLM2 and flips near-tied greedy choices; two digits stay within ~0.01 of float32).
-//! With `qs = s_h·Σh + s_l·Σl`:
+//! Activations are quantized per row and 32-wide block in two int8 digits of one number in an
+//! integer base `R` of the block's own: with `a = max|x|`, `h = Q(x · (127/a))`, the rounding
+//! error `e = x - (a/127)·h`, `R = min(⌊a / max|e|⌋, ⌊8·10⁶ / Σ|h|⌋, 32767)` and
+//! `l = Q(e · (127·R/a))`, where
+//! `Q(v) = round_half_even(v)` clamped to -127..=127; then `x ≈ s·(R·h + l)` with the block's one
+//! scale `s = a/(127·R)`. The second digit quantizes the first one's rounding error at (within
+//! 1/254 of) the finest scale that holds it, as a second scale of its own `max|e|/127` would, so
+//! the activations keep ~15 bits per block, and more where an outlier sets `a` and the other
+//! values are small (their errors are then small too; one int8 digit, as llama.cpp's Q8, loses
+//! ~0.7 logits on SmolLM2 and flips near-tied greedy choices; two digits stay within ~0.01 of
+//! float32). With `qs = s·(R·Σh + Σl)`:
 //!
 //! ```text
-//! y[r, n] = Σ_b (d·s_h)·(Σ_j c·h) + (d·s_l)·(Σ_j c·l) + m·qs      (three fused multiply-adds per block)
+//! y[r, n] = Σ_b (d·s)·(R·Σ_j c·h + Σ_j c·l) + m·qs      (two fused multiply-adds per block)
 //! ```
 //!
-//! The integer dot is exact; only the f32 sum over blocks rounds, in the same order on every
-//! path and for every M: a row's result does not depend on the rows beside it, and the scalar
-//! and SIMD paths agree bit for bit (cargo tests assert it).
+//! The integer dots and their combination are exact in i32 (|R·Σc·h + Σc·l| <= R·255·Σ|h| +
+//! 32·255·127 <= 8·10⁶·255 + 32·255·127 < 2^31, which is what the second cap keeps: a block of one
+//! outlier (Σ|h| = 127) may take R up to the i16 cap, 32767, a dense block ~2000); `qs`'s integer
+//! sum is then below 2^24, exact in f32; the dot's conversion to f32 and the f32 sum over blocks
+//! round, in the same order on every path and for every M: a row's result does not depend on the
+//! rows beside it, and the scalar and SIMD paths agree bit for bit (cargo tests assert it). One
+//! scale a block, with an integer ratio between the digits, is what lets the tiles combine the
+//! digits in integers: a multiply, an add and two FMAs a row, panel and block where a scale a
+//! digit took a conversion, a product and an FMA each, plus the third FMA.
 //!
 //! Packed layout (what the SIMD kernel streams): output rows in panels of 16 (the last padded
 //! with zero rows); a panel's codes are K/4 groups of 64 bytes = 16 rows × 4 consecutive k, so
@@ -64,6 +75,18 @@ use crate::runtime::{self, Isa};
 
 /// K values per quantization block.
 pub const QBLOCK: usize = 32;
+
+/// The ratio `R` between a block's two activation digits (module docs): `⌊a / max|e|⌋` capped so
+/// that `R·Σ|h| <= 8·10⁶` (every dot `R·Σc·h + Σc·l` fits i32) and `R` fits i16 (the AVX2 tile's
+/// `vpmaddwd` weight). The SIMD quantizers compute the same three correctly rounded quotients.
+#[inline(always)]
+pub(super) fn digit_base(amax: f32, emax: f32, abs_sum: f32) -> f32 {
+    (amax / emax).floor().min((BASE_BUDGET / abs_sum).floor()).min(BASE_CAP)
+}
+/// `R·Σ|h|` at most (exact in f32).
+pub(super) const BASE_BUDGET: f32 = 8.0e6;
+/// `R` at most: an i16.
+pub(super) const BASE_CAP: f32 = 32767.0;
 /// Output rows per packed panel.
 pub const PANEL: usize = 16;
 
@@ -720,10 +743,12 @@ pub struct QActs {
     pub hi: Vec<i8>,
     /// Second digit `l` (the first one's rounding error).
     pub lo: Vec<i8>,
-    /// `s_h[r, b]` (NaN when the block holds a NaN or infinity, so that output row is NaN).
-    pub s_hi: Vec<f32>,
-    pub s_lo: Vec<f32>,
-    /// `s_h · Σh + s_l · Σl`.
+    /// The scale `s[r, b]` of block b of row r: `x ≈ s·(R·h + l)` (NaN when the block holds a
+    /// NaN or infinity, so that output row is NaN; 0 for an all-zero block).
+    pub s: Vec<f32>,
+    /// The ratio `R[r, b]` of the two digits (0 for a NaN, infinite or all-zero block).
+    pub base: Vec<i32>,
+    /// `s · (R·Σh + Σl)` over the block.
     pub qs: Vec<f32>,
 }
 
@@ -733,8 +758,8 @@ impl QActs {
         QActs {
             hi: vec![0; m * k],
             lo: vec![0; m * k],
-            s_hi: vec![0.0; m * nb],
-            s_lo: vec![0.0; m * nb],
+            s: vec![0.0; m * nb],
+            base: vec![0; m * nb],
             qs: vec![0.0; m * nb],
         }
     }
@@ -743,16 +768,15 @@ impl QActs {
 /// Quantize `x [m, k]` row by row (see the module docs).
 pub fn quantize_acts(x: &[f32], m: usize, k: usize) -> QActs {
     let mut a = QActs::zeroed(m, k);
-    let mut rest = [0f32; QBLOCK];
     for (i, blk) in x[..m * k].chunks_exact(QBLOCK).enumerate() {
-        let (sh, sum_h) = quantize_block(blk, &mut a.hi[i * QBLOCK..][..QBLOCK]);
-        for ((r, &v), &h) in rest.iter_mut().zip(blk).zip(&a.hi[i * QBLOCK..][..QBLOCK]) {
-            *r = if sh.is_nan() { f32::NAN } else { v - sh * h as f32 };
-        }
-        let (sl, sum_l) = quantize_block(&rest, &mut a.lo[i * QBLOCK..][..QBLOCK]);
-        a.s_hi[i] = sh;
-        a.s_lo[i] = sl;
-        a.qs[i] = sh * sum_h as f32 + sl * sum_l as f32;
+        let (s, base, qs) = quantize_block(
+            blk,
+            &mut a.hi[i * QBLOCK..][..QBLOCK],
+            &mut a.lo[i * QBLOCK..][..QBLOCK],
+        );
+        a.s[i] = s;
+        a.base[i] = base;
+        a.qs[i] = qs;
     }
     a
 }
@@ -766,26 +790,40 @@ fn round_half_even(v: f32) -> f32 {
     (v + MAGIC) - MAGIC
 }
 
-/// One digit: `(s, Σq)`; `s` is NaN for a block holding NaN or infinity, 0 for an all-zero one.
-fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, i32) {
+/// Both digits of one block into `h` and `l`: `(s, R, qs)`; `s` and `qs` are NaN for a block
+/// holding NaN or infinity, 0 for an all-zero (or subnormal) one, `R` 0 for both (digits 0).
+fn quantize_block(x: &[f32], h: &mut [i8], l: &mut [i8]) -> (f32, i32, f32) {
     let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    if x.iter().any(|v| v.is_nan()) || amax.is_infinite() {
-        q.fill(0);
-        return (f32::NAN, 0);
+    let bad = x.iter().any(|v| v.is_nan()) || amax.is_infinite();
+    if bad || amax < f32::MIN_POSITIVE {
+        h.fill(0);
+        l.fill(0);
+        let s = if bad { f32::NAN } else { 0.0 };
+        return (s, 0, s);
     }
-    if amax < f32::MIN_POSITIVE {
-        // All zero (or subnormal): nothing to keep.
-        q.fill(0);
-        return (0.0, 0);
+    let (inv_h, s_h) = (127.0 / amax, amax / 127.0);
+    let mut err = [0f32; QBLOCK];
+    for ((&v, oh), e) in x.iter().zip(h.iter_mut()).zip(err.iter_mut()) {
+        let q = round_half_even(v * inv_h).clamp(-127.0, 127.0);
+        *oh = q as i8;
+        // The product and the difference each rounded (no contraction).
+        *e = v - s_h * q;
     }
-    let inv = 127.0 / amax;
+    let emax = err.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let abs_sum = h.iter().map(|&q| q.unsigned_abs() as i32).sum::<i32>() as f32;
+    // ⌊a / max|e|⌋ (>= ~254: |e| <= s_h/2), capped; an exact block (e = 0) takes a cap.
+    let base = digit_base(amax, emax, abs_sum);
+    let units = 127.0 * base; // exact: an integer < 2^22
+    let inv_l = units / amax;
     let mut sum = 0i32;
-    for (o, &v) in q.iter_mut().zip(x) {
-        let r = round_half_even(v * inv).clamp(-127.0, 127.0) as i8;
-        sum += r as i32;
-        *o = r;
+    for ((&e, ol), &qh) in err.iter().zip(l.iter_mut()).zip(h.iter()) {
+        let q = round_half_even(e * inv_l).clamp(-127.0, 127.0);
+        *ol = q as i8;
+        sum += base as i32 * qh as i32 + q as i32;
     }
-    (amax / 127.0, sum)
+    let s = amax / units;
+    // |sum| <= R·Σ|h| + 32·127 < 2^24: exact in f32.
+    (s, base as i32, s * sum as f32)
 }
 
 /// Arguments of one tile call, shared by the variants.
@@ -835,11 +873,10 @@ fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
             }
             let sc = a.w.scales.block(scales + b * 2 * PANEL);
             let rb = r * nb + b;
-            let (sh, sl, qs) = (a.acts.s_hi[rb], a.acts.s_lo[rb], a.acts.qs[rb]);
+            let (s, base, qs) = (a.acts.s[rb], a.acts.base[rb], a.acts.qs[rb]);
             for i in 0..PANEL {
                 let (d, m) = (sc[i], sc[PANEL + i]);
-                acc[i] = (dh[i] as f32).mul_add(d * sh, acc[i]);
-                acc[i] = (dl[i] as f32).mul_add(d * sl, acc[i]);
+                acc[i] = ((base * dh[i] + dl[i]) as f32).mul_add(d * s, acc[i]);
                 acc[i] = m.mul_add(qs, acc[i]);
             }
         }
@@ -1052,15 +1089,15 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
     let mut a = QActs {
         hi: Vec::with_capacity(m * k),
         lo: Vec::with_capacity(m * k),
-        s_hi: Vec::new(),
-        s_lo: Vec::new(),
+        s: Vec::new(),
+        base: Vec::new(),
         qs: Vec::new(),
     };
     for p in parts {
         a.hi.extend_from_slice(&p.hi);
         a.lo.extend_from_slice(&p.lo);
-        a.s_hi.extend_from_slice(&p.s_hi);
-        a.s_lo.extend_from_slice(&p.s_lo);
+        a.s.extend_from_slice(&p.s);
+        a.base.extend_from_slice(&p.base);
         a.qs.extend_from_slice(&p.qs);
     }
     a

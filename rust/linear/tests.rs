@@ -27,7 +27,7 @@ fn reference(x: &[f32], m: usize, w: &QWeight) -> Vec<f64> {
                         .sum::<i64>() as f64
                 };
                 let (rb, cb) = (r * nb + b, c * nb + b);
-                acc += d[cb] as f64 * (a.s_hi[rb] as f64 * dot(&a.hi) + a.s_lo[rb] as f64 * dot(&a.lo))
+                acc += d[cb] as f64 * a.s[rb] as f64 * (a.base[rb] as f64 * dot(&a.hi) + dot(&a.lo))
                     + mm[cb] as f64 * a.qs[rb] as f64;
             }
             y[r * n + c] = acc;
@@ -135,8 +135,8 @@ fn simd_quantization_equals_scalar() {
     for (name, b) in simd {
         assert_eq!(a.hi, b.hi, "{name}");
         assert_eq!(a.lo, b.lo, "{name}");
-        assert_eq!(bits(&a.s_hi), bits(&b.s_hi), "{name}");
-        assert_eq!(bits(&a.s_lo), bits(&b.s_lo), "{name}");
+        assert_eq!(bits(&a.s), bits(&b.s), "{name}");
+        assert_eq!(a.base, b.base, "{name}");
         assert_eq!(bits(&a.qs), bits(&b.qs), "{name}");
     }
 }
@@ -197,8 +197,8 @@ fn simd_quantization_equals_scalar_over_block_groups() {
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     assert_eq!(a.hi, b.hi);
     assert_eq!(a.lo, b.lo);
-    assert_eq!(bits(&a.s_hi), bits(&b.s_hi));
-    assert_eq!(bits(&a.s_lo), bits(&b.s_lo));
+    assert_eq!(bits(&a.s), bits(&b.s));
+    assert_eq!(a.base, b.base);
     assert_eq!(bits(&a.qs), bits(&b.qs));
 }
 
@@ -775,6 +775,51 @@ fn long_jobs_and_row_blocks_give_the_scalar_bits() {
                     "Product {isa:?} n={n} k={k} m={m} nibble={nibble}"
                 );
             }
+        }
+    }
+}
+
+/// The digit ratio at both caps: a block of ±a (h = ±127, no error) takes the i32 budget
+/// (⌊8e6 / (32·127)⌋ = 1968) and, with codes at 255, the largest dots the tiles see; a block of one
+/// outlier beside exact zeros takes the i16 cap. Every ISA gives the scalar bits and the f64 sum.
+#[test]
+fn digit_ratio_caps_keep_the_dots_exact() {
+    let (n, k, m) = (21, 64, 3);
+    let mut x = vec![0f32; m * k];
+    for (i, v) in x.iter_mut().enumerate() {
+        *v = match (i / QBLOCK) % 2 {
+            0 => {
+                if i % 3 == 0 {
+                    -2.5
+                } else {
+                    2.5
+                }
+            }
+            _ => {
+                if i % QBLOCK == 5 {
+                    1000.0
+                } else {
+                    0.0
+                }
+            }
+        };
+    }
+    let a = quantize_acts(&x, m, k);
+    for (b, &base) in a.base.iter().enumerate() {
+        assert_eq!(base, if b % 2 == 0 { 1968 } else { 32767 }, "block {b}");
+    }
+    let codes = vec![255u8; n * k];
+    let d = vec![1e-3f32; n * k / QBLOCK];
+    let w = QWeight::from_parts(n, k, &codes, &d, &vec![-0.1f32; n * k / QBLOCK]).unwrap();
+    let yr = reference(&x, m, &w);
+    for isa in crate::runtime::available_isas() {
+        let mut y = vec![f32::NAN; m * n];
+        linear_with(isa, &x, m, &w, &mut y).unwrap();
+        for (i, (&a, &b)) in y.iter().zip(&yr).enumerate() {
+            assert!(
+                (a as f64 - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "{isa:?} elem {i}: {a} vs {b}"
+            );
         }
     }
 }

@@ -3,8 +3,9 @@
 //! One tile = R rows × NP panels (16 columns each); each row is two activation digit streams.
 //! Per 4-wide k step: NP 64-byte code vectors, 2R broadcasts of 4 activation bytes, 2R·NP
 //! `vpdpbusd` (u8 codes × i8 activations, 64 MACs each) into int32 accumulators. Per 32-wide
-//! block: the int32 accumulators are converted and folded into the row's f32 accumulator with
-//! three FMAs (`d·s_h`, `d·s_l`, `m·qs`) in the scalar path's order.
+//! block: the two digits' int32 sums are combined in integers (`R·Σc·h + Σc·l`, one `vpmulld`
+//! and one add), converted and folded into the row's f32 accumulator with two FMAs (`d·s`,
+//! `m·qs`) in the scalar path's order.
 //!
 //! | tile (R x NP) | rows of a pass it takes | registers                                      |
 //! |---------------|-------------------------|------------------------------------------------|
@@ -31,7 +32,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, PANEL, QBLOCK};
+use super::{tile_order, Args, Muls, Scales, BASE_BUDGET, BASE_CAP, GRID_BLOCKS, PANEL, QBLOCK};
 
 /// How far ahead of the tile the code stream is prefetched. With the 8-row tiles on the AVX-512
 /// VNNI VM, the bundled model through `LLM.generate` (40-token prompts, 128 out; tok/s, 4 + 4
@@ -209,11 +210,12 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: u
             };
             for r in 0..R {
                 let rb = (r0 + r) * nb + b;
-                let sh = _mm512_set1_ps(a.acts.s_hi[rb]);
-                let sl = _mm512_set1_ps(a.acts.s_lo[rb]);
+                let s = _mm512_set1_ps(a.acts.s[rb]);
                 let qs = _mm512_set1_ps(a.acts.qs[rb]);
-                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][0][p]), _mm512_mul_ps(dv, sh), acc[r][p]);
-                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][1][p]), _mm512_mul_ps(dv, sl), acc[r][p]);
+                // R·Σc·h + Σc·l: exact in i32 (mod.rs).
+                let base = _mm512_set1_epi32(a.acts.base[rb]);
+                let dot = _mm512_add_epi32(_mm512_mullo_epi32(ia[r][0][p], base), ia[r][1][p]);
+                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, s), acc[r][p]);
                 acc[r][p] = _mm512_fmadd_ps(mv, qs, acc[r][p]);
             }
         }
@@ -256,18 +258,7 @@ unsafe fn quantize_each(x: &[f32], a: &mut super::QActs, from: usize) {
     for (i, blk) in x.chunks_exact(QBLOCK).enumerate().skip(from) {
         // SAFETY: blk has 32 floats.
         let v = unsafe { [_mm512_loadu_ps(blk.as_ptr()), _mm512_loadu_ps(blk.as_ptr().add(16))] };
-        let (sh, sum_h, h) = digit(v);
-        let hf = [_mm512_cvtepi32_ps(h[0]), _mm512_cvtepi32_ps(h[1])];
-        let s = _mm512_set1_ps(sh);
-        let rest = [
-            _mm512_sub_ps(v[0], _mm512_mul_ps(s, hf[0])),
-            _mm512_sub_ps(v[1], _mm512_mul_ps(s, hf[1])),
-        ];
-        let (sl, sum_l, l) = if sh.is_nan() {
-            (f32::NAN, 0, [_mm512_setzero_si512(); 2])
-        } else {
-            digit(rest)
-        };
+        let (s, base, qs, h, l) = digits(v);
         // SAFETY: block i has 32 codes in each digit buffer.
         unsafe {
             for (dst, q) in [(a.hi.as_mut_ptr(), h), (a.lo.as_mut_ptr(), l)] {
@@ -275,9 +266,9 @@ unsafe fn quantize_each(x: &[f32], a: &mut super::QActs, from: usize) {
                 _mm_storeu_si128(dst.add(i * QBLOCK + 16) as *mut __m128i, _mm512_cvtsepi32_epi8(q[1]));
             }
         }
-        a.s_hi[i] = sh;
-        a.s_lo[i] = sl;
-        a.qs[i] = sh * sum_h as f32 + sl * sum_l as f32;
+        a.s[i] = s;
+        a.base[i] = base;
+        a.qs[i] = qs;
     }
 }
 
@@ -336,22 +327,17 @@ fn amax16(v: &[[__m512; 2]; 16]) -> (__m512, u16) {
     (reduce16_ordered(m, |a, b| _mm512_max_ps(a, b)), nan)
 }
 
-/// One digit of 16 blocks: `(s, Σq, q)` per block (lane b of `s` and `Σq`) as `digit` gives them,
-/// `skip` blocks (bit b) taken as NaN blocks whatever they hold.
+/// One digit of 16 blocks: `(Σq, Σ|q|, q)` per block (lane b of the sums), `q` = `v · inv` (lane
+/// b of `inv` for block b) rounded to nearest-even and clamped to ±127, as `quantize_block`
+/// computes it; `skip` blocks (bit b) get zeros. `ABS`: compute `Σ|q|` (else zeros).
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline]
-fn digit16(v: &[[__m512; 2]; 16], skip: u16) -> (__m512, __m512i, [[__m512i; 2]; 16]) {
-    let (amax, nan) = amax16(v);
-    let inf = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(amax, _mm512_set1_ps(f32::INFINITY));
-    let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(amax, _mm512_set1_ps(f32::MIN_POSITIVE));
-    let bad = nan | inf | skip;
-    // Correctly rounded divisions, lane by lane as the scalar ones.
-    let inv = _mm512_div_ps(_mm512_set1_ps(127.0), amax);
+fn codes16<const ABS: bool>(v: &[[__m512; 2]; 16], inv: __m512, skip: u16) -> (__m512i, __m512i, [[__m512i; 2]; 16]) {
     let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
     let zero = _mm512_setzero_si512();
     let mut q = [[zero; 2]; 16];
     let sums: [__m512; 16] = std::array::from_fn(|b| {
-        if (bad | tiny) & (1 << b) != 0 {
+        if skip & (1 << b) != 0 {
             return _mm512_setzero_ps();
         }
         let iv = _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), inv);
@@ -366,13 +352,16 @@ fn digit16(v: &[[__m512; 2]; 16], skip: u16) -> (__m512, __m512i, [[__m512i; 2];
         q[b] = r;
         _mm512_castsi512_ps(_mm512_add_epi32(r[0], r[1]))
     });
-    let sum = reduce16_ordered(sums, |a, b| {
-        _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
-    });
-    let scale = _mm512_div_ps(amax, _mm512_set1_ps(127.0));
-    let scale = _mm512_mask_blend_ps(tiny, scale, _mm512_setzero_ps());
-    let scale = _mm512_mask_blend_ps(bad, scale, _mm512_set1_ps(f32::NAN));
-    (scale, _mm512_castps_si512(sum), q)
+    let add =
+        |a: __m512, b: __m512| _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+    let sum = reduce16_ordered(sums, add);
+    let abs = if ABS {
+        let parts = q.map(|r| _mm512_castsi512_ps(_mm512_add_epi32(_mm512_abs_epi32(r[0]), _mm512_abs_epi32(r[1]))));
+        _mm512_castps_si512(reduce16_ordered(parts, add))
+    } else {
+        _mm512_setzero_si512()
+    };
+    (_mm512_castps_si512(sum), abs, q)
 }
 
 /// `quantize_each` for blocks `at..at+16` (`x` = their 512 floats).
@@ -389,14 +378,35 @@ unsafe fn quantize16(x: &[f32], a: &mut super::QActs, at: usize) {
             _mm512_loadu_ps(x.as_ptr().add(b * QBLOCK + 16)),
         ]
     });
-    let (sh, sum_h, h) = digit16(&v, 0);
-    // v - s·h, rounded after the product (no contraction); a NaN block's second digit is a NaN one.
-    let nan_h = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(sh, sh);
-    let rest: [[__m512; 2]; 16] = std::array::from_fn(|b| {
-        let sb = _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), sh);
+    let (amax, nan) = amax16(&v);
+    let inf = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(amax, _mm512_set1_ps(f32::INFINITY));
+    let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(amax, _mm512_set1_ps(f32::MIN_POSITIVE));
+    let skip = nan | inf | tiny;
+    // Correctly rounded divisions, lane by lane as the scalar ones.
+    let inv_h = _mm512_div_ps(_mm512_set1_ps(127.0), amax);
+    let s_h = _mm512_div_ps(amax, _mm512_set1_ps(127.0));
+    let (sum_h, abs_h, h) = codes16::<true>(&v, inv_h, skip);
+    // e = v - s_h·h, rounded after the product (no contraction).
+    let err: [[__m512; 2]; 16] = std::array::from_fn(|b| {
+        let sb = _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), s_h);
         [0, 1].map(|j| _mm512_sub_ps(v[b][j], _mm512_mul_ps(sb, _mm512_cvtepi32_ps(h[b][j]))))
     });
-    let (sl, sum_l, l) = digit16(&rest, nan_h);
+    // R = `digit_base` lane by lane (the skipped blocks' lanes, whatever they hold, are zeroed
+    // below); 127·R exact.
+    let (emax, _) = amax16(&err);
+    let floor = |x: __m512| _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x);
+    let base = _mm512_min_ps(
+        _mm512_min_ps(
+            floor(_mm512_div_ps(amax, emax)),
+            floor(_mm512_div_ps(_mm512_set1_ps(BASE_BUDGET), _mm512_cvtepi32_ps(abs_h))),
+        ),
+        _mm512_set1_ps(BASE_CAP),
+    );
+    let base = _mm512_maskz_mov_ps(!skip, base);
+    let units = _mm512_mul_ps(_mm512_set1_ps(127.0), base);
+    let inv_l = _mm512_div_ps(units, amax);
+    let (sum_l, _, l) = codes16::<false>(&err, inv_l, skip);
+    let base_i = _mm512_cvtps_epi32(base);
     // Both digits of a block in one 64-byte vector: i32 -> i16 -> i8 packs (exact: |q| <= 127), whose
     // 128-bit lane k holds dwords h[4k..], h[16+4k..], l[4k..], l[16+4k..]; the 4x4 dword transpose
     // puts h's 32 bytes, then l's, in order.
@@ -421,44 +431,53 @@ unsafe fn quantize16(x: &[f32], a: &mut super::QActs, at: usize) {
             );
         }
     }
-    // s_h · Σh + s_l · Σl: two products and a sum, each rounded, as the scalar form.
-    let qs = _mm512_add_ps(
-        _mm512_mul_ps(sh, _mm512_cvtepi32_ps(sum_h)),
-        _mm512_mul_ps(sl, _mm512_cvtepi32_ps(sum_l)),
-    );
+    let s = _mm512_div_ps(amax, units);
+    let s = _mm512_mask_blend_ps(tiny, s, _mm512_setzero_ps());
+    let s = _mm512_mask_blend_ps(nan | inf, s, _mm512_set1_ps(f32::NAN));
+    // s · (R·Σh + Σl): the integer sum is exact in f32 (< 2^24), one rounded product.
+    let sum = _mm512_add_epi32(_mm512_mullo_epi32(sum_h, base_i), sum_l);
+    let qs = _mm512_mul_ps(s, _mm512_cvtepi32_ps(sum));
     // SAFETY: entries at..at+16 of the three scale vectors exist (debug-asserted above).
     unsafe {
-        _mm512_storeu_ps(a.s_hi.as_mut_ptr().add(at), sh);
-        _mm512_storeu_ps(a.s_lo.as_mut_ptr().add(at), sl);
+        _mm512_storeu_ps(a.s.as_mut_ptr().add(at), s);
+        _mm512_storeu_si512(a.base.as_mut_ptr().add(at) as *mut _, base_i);
         _mm512_storeu_ps(a.qs.as_mut_ptr().add(at), qs);
     }
 }
 
-/// One digit of a 32-float block: `(s, Σq, q)` as `quantize_block` computes them.
+/// Both digits of a 32-float block: `(s, R, qs, h, l)` as `quantize_block` computes them.
 #[target_feature(enable = "avx512f,avx512bw")]
-fn digit(v: [__m512; 2]) -> (f32, i32, [__m512i; 2]) {
+fn digits(v: [__m512; 2]) -> (f32, i32, f32, [__m512i; 2], [__m512i; 2]) {
     let zero = [_mm512_setzero_si512(); 2];
     let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[0], v[0]) | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[1], v[1]);
     let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
     if nan != 0 || amax.is_infinite() {
-        return (f32::NAN, 0, zero);
+        return (f32::NAN, 0, f32::NAN, zero, zero);
     }
     if amax < f32::MIN_POSITIVE {
-        return (0.0, 0, zero);
+        return (0.0, 0, 0.0, zero, zero);
     }
-    let inv = _mm512_set1_ps(127.0 / amax);
     let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
     // Nearest-even conversion (the default rounding mode), as `round_half_even` in mod.rs.
-    let q = [
+    let code = |x: __m512, inv: __m512| {
         _mm512_cvtps_epi32(_mm512_min_ps(
-            _mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(v[0], inv)), lo),
+            _mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x, inv)), lo),
             hi,
-        )),
-        _mm512_cvtps_epi32(_mm512_min_ps(
-            _mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(v[1], inv)), lo),
-            hi,
-        )),
-    ];
-    let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
-    (amax / 127.0, sum, q)
+        ))
+    };
+    let s_h = _mm512_set1_ps(amax / 127.0);
+    let h = v.map(|x| code(x, _mm512_set1_ps(127.0 / amax)));
+    // e = v - s_h·h, rounded after the product (no contraction).
+    let e = [0, 1].map(|j| _mm512_sub_ps(v[j], _mm512_mul_ps(s_h, _mm512_cvtepi32_ps(h[j]))));
+    let emax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(e[0]), _mm512_abs_ps(e[1])));
+    let abs_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_abs_epi32(h[0]), _mm512_abs_epi32(h[1]))) as f32;
+    let base = super::digit_base(amax, emax, abs_sum);
+    let units = 127.0 * base;
+    let l = e.map(|x| code(x, _mm512_set1_ps(units / amax)));
+    let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(
+        _mm512_mullo_epi32(_mm512_add_epi32(h[0], h[1]), _mm512_set1_epi32(base as i32)),
+        _mm512_add_epi32(l[0], l[1]),
+    ));
+    let s = amax / units;
+    (s, base as i32, s * sum as f32, h, l)
 }

@@ -152,12 +152,19 @@ def test_activation_digits_match_the_spec_on_edge_blocks():
     x[0, 32] = 1e-40  # subnormal beside normal values
     x[0, 33:40] = 0.25
     x[1, :32] = 1e-39  # an all-subnormal block
-    hi, lo, s_hi, s_lo, qs = reference.quantize_activations(x)
-    assert hi.dtype == np.int8 and s_hi.shape == (2, 2)
-    assert s_hi[1, 0] == 0 and not hi[1, :32].any()
-    # the second digit rounds the first one's error: what is left is within half its step
-    err = np.abs(hi * np.repeat(s_hi, 32, 1) + lo * np.repeat(s_lo, 32, 1) - x)
-    assert np.all(err <= 0.5 * np.repeat(s_lo, 32, 1) * (1 + 1e-6) + 1e-38)
+    hi, lo, s, base, qs = reference.quantize_activations(x)
+    assert hi.dtype == np.int8 and s.shape == (2, 2) and base.dtype == np.int32
+    assert s[1, 0] == 0 and base[1, 0] == 0 and not hi[1, :32].any()
+    # the digits' ratio: at least 253 (an error is at most half a step of the first digit); the block
+    # of a subnormal beside 0.25 (error ~1e-40) takes a cap: 8e6 / sum|hi| (7 x 127) = 8998
+    assert 253 <= base[0, 0] <= 1000 and base[0, 1] == 8998
+    # the second digit rounds the first one's error: what is left is within half its step, plus
+    # float32's rounding of s (s*R is a/127 within 2^-23, times |hi| <= 127)
+    s32, r32 = s.repeat(32, 1).astype(np.float64), base.repeat(32, 1)
+    err = np.abs(s32 * (r32 * hi.astype(np.float64) + lo) - x)
+    assert np.all(err <= s32 * (0.5 + 127 * r32 * 2.0**-22) + 1e-38)
+    total = (base[..., None].astype(np.int64) * hi.reshape(2, 2, 32) + lo.reshape(2, 2, 32)).sum(-1)
+    np.testing.assert_array_equal(qs, s * total.astype(np.float32))
     rng = np.random.default_rng(6)
     q = QLinear.from_float(_weights(rng, 20, 64))
     np.testing.assert_allclose(q(x), reference.qlinear(x, *q.unpack()), rtol=1e-5, atol=1e-6)

@@ -56,9 +56,11 @@ class DenseOracle:
             w = codes.reshape(n, -1, 32) * dq[..., None].astype(np.float64) + mq[..., None]
             self._dequant[id(lin)] = (lin, np.ascontiguousarray(w.reshape(n, k).T, np.float32))
         w_t = self._dequant[id(lin)][1]
-        hi, lo, s_hi, s_lo, _ = reference.quantize_activations(x32)
+        hi, lo, s, base, _ = reference.quantize_activations(x32)
         t, k = hi.shape
-        xq = hi.reshape(t, -1, 32) * s_hi[..., None].astype(np.float64) + lo.reshape(t, -1, 32) * s_lo[..., None]
+        xq = s[..., None].astype(np.float64) * (
+            base[..., None] * hi.reshape(t, -1, 32).astype(np.float64) + lo.reshape(t, -1, 32)
+        )
         return (xq.reshape(t, k).astype(np.float32) @ w_t).astype(np.float64)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -175,9 +177,11 @@ class GGUFOracle:
 
     def linear(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         if self.int8_acts:
-            hi, lo, s_hi, s_lo, _ = reference.quantize_activations(np.ascontiguousarray(x, np.float32))
+            hi, lo, s, base, _ = reference.quantize_activations(np.ascontiguousarray(x, np.float32))
             t, k = hi.shape
-            x = hi.reshape(t, -1, 32) * s_hi[..., None].astype(np.float64) + lo.reshape(t, -1, 32) * s_lo[..., None]
+            x = s[..., None].astype(np.float64) * (
+                base[..., None] * hi.reshape(t, -1, 32).astype(np.float64) + lo.reshape(t, -1, 32)
+            )
             x = x.reshape(t, k)
         return x @ w.T
 

@@ -254,41 +254,55 @@ def paged_attention(
 QBLOCK = 32
 
 
-def _digit(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One int8 digit of float32 blocks ``v [..., 32]``: ``(q float32 [..., 32], s float32 [...])``."""
-    amax = np.abs(v).max(-1)
-    bad = np.isnan(v).any(-1) | np.isinf(amax)
-    tiny = ~bad & (amax < np.finfo(np.float32).tiny)
-    safe = np.where(bad | tiny, np.float32(1), amax).astype(np.float32)
-    inv = np.float32(127) / safe
-    q = np.clip(np.rint(v * inv[..., None]), -127, 127).astype(np.float32)
-    q[bad | tiny] = 0
-    s = np.where(bad, np.float32(np.nan), np.where(tiny, np.float32(0), safe / np.float32(127))).astype(np.float32)
-    return q, s
+BASE_BUDGET = 8.0e6  # R * sum|hi| at most (keeps every R * sum(c * hi) + sum(c * lo) in int32)
+BASE_CAP = 32767  # R at most (an int16)
+
+
+def _codes(v: np.ndarray, inv: np.ndarray) -> np.ndarray:
+    """``clip(rint(v * inv), -127, 127)`` per 32-wide block, float32."""
+    return np.clip(np.rint(v * inv[..., None]), -127, 127).astype(np.float32)
 
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """float32 ``x [m, k]`` -> ``(hi, lo int8 [m, k], s_hi, s_lo, qs float32 [m, k/32])``.
+    """float32 ``x [m, k]`` -> ``(hi, lo int8 [m, k], s float32, base int32, qs float32 [m, k/32])``.
 
-    Two int8 digits per 32-wide block: ``hi = Q(x)``, ``lo = Q(x - s_hi*hi)`` with
-    ``Q(v) = clip(rint(v * (127/max|v|)), -127, 127)``, ``s = max|v|/127``; ``qs = s_hi*sum(hi) + s_lo*sum(lo)``.
-    All in float32, in the order the Rust kernel uses, so the digits are identical.
+    Two int8 digits per 32-wide block, one number in the block's own integer base ``R``: with
+    ``a = max|x|``, ``hi = Q(x * (127/a))``, the rounding error ``e = x - (a/127)*hi``,
+    ``R = min(floor(a / max|e|), floor(8e6 / sum|hi|), 32767)``, ``lo = Q(e * (127*R/a))``,
+    ``Q(v) = clip(rint(v), -127, 127)``;
+    then ``x ~= s * (R*hi + lo)`` with ``s = a / (127*R)``, and ``qs = s * sum(R*hi + lo)``. A block
+    holding NaN or infinity gets ``s = qs = NaN``, an all-zero (or subnormal) one ``s = qs = 0``; both
+    ``R = 0`` and zero digits. All in float32, in the order the Rust kernel uses, so the digits are
+    identical.
     """
     x = np.asarray(x, np.float32)
     m, k = x.shape
     v = x.reshape(m, k // QBLOCK, QBLOCK)
-    hi, s_hi = _digit(v)
-    with np.errstate(invalid="ignore"):
-        rest = (v - s_hi[..., None] * hi).astype(np.float32)
-    lo, s_lo = _digit(rest)
-    qs = (s_hi * hi.sum(-1, dtype=np.float32) + s_lo * lo.sum(-1, dtype=np.float32)).astype(np.float32)
-    return hi.reshape(m, k).astype(np.int8), lo.reshape(m, k).astype(np.int8), s_hi, s_lo, qs
+    amax = np.abs(v).max(-1)
+    bad = np.isnan(v).any(-1) | np.isinf(amax)
+    tiny = ~bad & (amax < np.finfo(np.float32).tiny)
+    skip = bad | tiny
+    a = np.where(skip, np.float32(1), amax).astype(np.float32)
+    hi = _codes(v, np.float32(127) / a)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        err = (v - (a / np.float32(127))[..., None] * hi).astype(np.float32)
+        abs_sum = np.abs(hi).sum(-1, dtype=np.float32)
+        base = np.minimum(np.floor(a / np.abs(err).max(-1)), np.floor(np.float32(BASE_BUDGET) / abs_sum))
+        base = np.minimum(base, np.float32(BASE_CAP)).astype(np.float32)
+    units = np.float32(127) * base
+    lo = _codes(err, units / a)
+    hi[skip], lo[skip], base[skip] = 0, 0, 0
+    s = np.where(bad, np.float32(np.nan), np.where(tiny, np.float32(0), a / np.where(skip, 1, units)))
+    s = s.astype(np.float32)
+    total = (base[..., None].astype(np.int64) * hi.astype(np.int64) + lo.astype(np.int64)).sum(-1)
+    qs = (s * total.astype(np.float32)).astype(np.float32)
+    return hi.reshape(m, k).astype(np.int8), lo.reshape(m, k).astype(np.int8), s, base.astype(np.int32), qs
 
 
 def qlinear(x: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     """``x @ W.T`` with ``W[n, k] = d[n, k//32] * codes[n, k] + m[n, k//32]`` and x quantized as
     :func:`quantize_activations` does; float64 sums, returned as float32 ``[rows, n]``."""
-    hi, lo, s_hi, s_lo, qs = quantize_activations(x)
+    hi, lo, s, base, qs = quantize_activations(x)
     rows, k = hi.shape
     n = codes.shape[0]
     nb = k // QBLOCK
@@ -296,8 +310,7 @@ def qlinear(x: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> n
     dot_h = np.einsum("rbj,nbj->rnb", hi.astype(np.float64).reshape(rows, nb, QBLOCK), c)
     dot_l = np.einsum("rbj,nbj->rnb", lo.astype(np.float64).reshape(rows, nb, QBLOCK), c)
     y = (
-        d[None].astype(np.float64)
-        * (s_hi[:, None].astype(np.float64) * dot_h + s_lo[:, None].astype(np.float64) * dot_l)
+        d[None].astype(np.float64) * s[:, None].astype(np.float64) * (base[:, None].astype(np.float64) * dot_h + dot_l)
         + m[None].astype(np.float64) * qs[:, None].astype(np.float64)
     ).sum(-1)
     return y.astype(np.float32)
