@@ -3,7 +3,7 @@
 //! | entry           | features                        | register blocks (qk: heads x keys, pv: heads x 8-col vectors) |
 //! |-----------------|---------------------------------|---------------------------------------------------------------|
 //! | `attend`        | avx2, fma, f16c (16 ymm)        | qk 4x2 / 3x2 / 2x4 / 1x8, pv 4x2 / 3x2 / 2x4 / 1x8           |
-//! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 regs, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16 (ymm; decode with head_dim % 16 == 0: the same blocks of **zmm** chains); decode pv with head_dim % 16 == 0: 4x4 / 3x4 / 2x8 / 1x8 16-col **zmm** vectors (else ymm 4x4 / 3x4 / 2x8 / 1x16) |
+//! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 regs, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16 (ymm; with head_dim % 16 == 0: the same blocks of **zmm** chains); pv with head_dim % 16 == 0: 4x4 / 3x4 / 2x8 / 1x8 16-col **zmm** vectors (else ymm 4x4 / 3x4 / 2x8 / 1x16); decode and prefill alike |
 //!
 //! Zen 4 executes a 512-bit op as two 256-bit halves, so the AVX-512 build wins mainly through
 //! its 32 registers (twice the independent FMA chains per K/V load). The one zmm kernel is the
@@ -13,6 +13,10 @@
 //! successor `qk_block_z` (each zmm chain folded to 8 lanes, then the ymm kernel's 8-way sums)
 //! took config A float16 from 3.5 to 2.3-2.9 ms with K/V in cache (3 interleaved rounds), the
 //! SmolLM2 shape (head_dim 64) within the noise, so decode logits run in zmm when head_dim % 16 == 0.
+//! Prefill (the widened f32 tiles) runs the same zmm kernels: `pagedkv bench kernel --only Prefill`
+//! (head_dim 128), 3 rounds alternating builds, 218 / 234 / 238 ms (ymm) against 218 / 216 / 226 (zmm);
+//! a 512-token SmolLM2 prefill end to end within the noise (its 64-wide logits are bound by the
+//! horizontal sums, not the FMAs).
 //! The body and micro-kernels are `#[inline(always)]` so that each entry compiles them for its
 //! own features.
 //!
@@ -414,6 +418,9 @@ unsafe fn tile_heads<const DT: u8, const WIDE: bool>(
     let (g, d) = (ctx.group, ctx.shape.head_dim);
     let pr = u.per_row(g);
     let es = if DT == F32 { 4 } else { 2 };
+    // The AVX-512 build runs the logits and `acc += p v` with zmm columns when they tile head_dim,
+    // as decode does.
+    let zmm = WIDE && d % 16 == 0;
     for i in 0..u.row1 - u.row0 {
         let (lo, hi) = ctx.key_range(u.pos0 + i, t, t + n);
         if lo >= hi {
@@ -438,10 +445,15 @@ unsafe fn tile_heads<const DT: u8, const WIDE: bool>(
                 let (a, b) = (at.max(j0), (at + sg.n).min(j1));
                 if a < b {
                     // SAFETY: rows a-at..b-at of the segment are inside it (a >= at, b <= at+n);
-                    // columns a-j0..b-j0 are inside 0..TILE; q and sm are sized above.
+                    // columns a-j0..b-j0 are inside 0..TILE; q and sm are sized above; the zmm
+                    // kernels run only when WIDE, i.e. in `attend_avx512` (AVX-512 F detected and enabled).
                     unsafe {
                         let kp = sg.k.add((a - at) * d * es);
                         match (mb, WIDE) {
+                            (4, true) if zmm => qk_block_z::<4, 4, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            (3, true) if zmm => qk_block_z::<3, 4, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            (2, true) if zmm => qk_block_z::<2, 8, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
+                            (_, true) if zmm => qk_block_z::<1, 16, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
                             (4, false) => qk_block::<4, 2, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
                             (3, false) => qk_block::<3, 2, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
                             (2, false) => qk_block::<2, 4, DT>(q, kp, b - a, d, sm, a - j0, Pf::NONE),
@@ -484,6 +496,10 @@ unsafe fn tile_heads<const DT: u8, const WIDE: bool>(
                     unsafe {
                         let vp = sg.v.add((a - at) * d * es);
                         match (mb, WIDE) {
+                            (4, true) if zmm => pv_block_z::<4, 4, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            (3, true) if zmm => pv_block_z::<3, 4, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            (2, true) if zmm => pv_block_z::<2, 8, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
+                            (_, true) if zmm => pv_block_z::<1, 8, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
                             (4, false) => pv_block::<4, 2, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
                             (3, false) => pv_block::<3, 2, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
                             (2, false) => pv_block::<2, 4, DT>(sm, a - j0, vp, b - a, d, acc, Pf::NONE),
