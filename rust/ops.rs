@@ -4,7 +4,8 @@
 //! | variant  | used when                                                                   |
 //! |----------|-----------------------------------------------------------------------------|
 //! | scalar   | ISA `scalar` or `neon` (`runtime::isa()`), or no AVX2                       |
-//! | avx2+fma | ISA `avx2` or `avx512`: the same code compiled with AVX2 + FMA enabled (auto-vectorized), same bits |
+//! | avx2+fma | ISA `avx2`: the same code compiled with AVX2 + FMA enabled (auto-vectorized), same bits |
+//! | avx512   | ISA `avx512`: the same code compiled with AVX-512 F too (16 lanes a vector), same bits |
 //!
 //! Shapes: `x`, `residual`, `out` are row-major `[T, H]`; `gate_up` is `[T, 2F]` (gate columns,
 //! then up columns) and its output `[T, F]`. Sums of squares use 16 interleaved partial sums
@@ -43,12 +44,16 @@ pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut 
     }
     let rows = x.len() / h;
     #[cfg(target_arch = "x86_64")]
-    let fast = use_avx2()?;
+    let isa = runtime::isa()?;
     let run = |x: &[f32], res: Option<&mut [f32]>, out: &mut [f32]| {
         #[cfg(target_arch = "x86_64")]
-        if fast {
-            // SAFETY: AVX2 and FMA are present (`use_avx2`).
-            return unsafe { rms_rows_avx2(x, h, w, eps, res, out) };
+        match isa {
+            // SAFETY: the ISA in use is one the CPU has (`runtime::isa`): AVX-512 F with AVX2
+            // and FMA.
+            runtime::Isa::Avx512 => return unsafe { rms_rows_avx512(x, h, w, eps, res, out) },
+            // SAFETY: as above: AVX2 and FMA.
+            runtime::Isa::Avx2 => return unsafe { rms_rows_avx2(x, h, w, eps, res, out) },
+            _ => {}
         }
         rms_rows(x, h, w, eps, res, out)
     };
@@ -83,12 +88,15 @@ pub fn silu_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
     }
     let rows = out.len() / f;
     #[cfg(target_arch = "x86_64")]
-    let fast = use_avx2()?;
+    let isa = runtime::isa()?;
     let run = |g: &[f32], o: &mut [f32]| {
         #[cfg(target_arch = "x86_64")]
-        if fast {
-            // SAFETY: AVX2 and FMA are present (`use_avx2`).
-            return unsafe { silu_rows_avx2(g, f, o) };
+        match isa {
+            // SAFETY: as in `rms_norm`: AVX-512 F with AVX2 and FMA.
+            runtime::Isa::Avx512 => return unsafe { silu_rows_avx512(g, f, o) },
+            // SAFETY: as in `rms_norm`: AVX2 and FMA.
+            runtime::Isa::Avx2 => return unsafe { silu_rows_avx2(g, f, o) },
+            _ => {}
         }
         silu_rows(g, f, o)
     };
@@ -104,12 +112,6 @@ pub fn silu_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
             .for_each(|(g, o)| run(g, o))
     });
     Ok(())
-}
-
-/// The AVX2 + FMA build runs for the ISAs that include AVX2 (`avx2`, `avx512`).
-#[cfg(target_arch = "x86_64")]
-fn use_avx2() -> Result<bool> {
-    Ok(matches!(runtime::isa()?, runtime::Isa::Avx2 | runtime::Isa::Avx512))
 }
 
 #[inline(always)]
@@ -153,6 +155,16 @@ unsafe fn rms_rows_avx2(x: &[f32], h: usize, w: &[f32], eps: f32, res: Option<&m
     rms_rows(x, h, w, eps, res, out)
 }
 
+/// `rms_rows` compiled with AVX-512 F (and AVX2 + FMA) enabled.
+///
+/// # Safety
+/// The CPU has AVX-512 F, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn rms_rows_avx512(x: &[f32], h: usize, w: &[f32], eps: f32, res: Option<&mut [f32]>, out: &mut [f32]) {
+    rms_rows(x, h, w, eps, res, out)
+}
+
 #[inline(always)]
 fn silu_rows(gate_up: &[f32], f: usize, out: &mut [f32]) {
     for (g, o) in gate_up.chunks_exact(2 * f).zip(out.chunks_exact_mut(f)) {
@@ -173,6 +185,16 @@ unsafe fn silu_rows_avx2(gate_up: &[f32], f: usize, out: &mut [f32]) {
     silu_rows(gate_up, f, out)
 }
 
+/// `silu_rows` compiled with AVX-512 F (and AVX2 + FMA) enabled.
+///
+/// # Safety
+/// The CPU has AVX-512 F, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn silu_rows_avx512(gate_up: &[f32], f: usize, out: &mut [f32]) {
+    silu_rows(gate_up, f, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,6 +203,35 @@ mod tests {
         (0..n)
             .map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2000) as f32 / 250.0 - 4.0)
             .collect()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_simd_build_gives_the_scalar_bits() {
+        let (t, h, f) = (70, 100, 48);
+        let x = data(t * h, 1);
+        let w = data(h, 2);
+        let gu = data(t * 2 * f, 3);
+        let (mut a, mut sa, mut ra) = (vec![0f32; t * h], vec![0f32; t * f], data(t * h, 4));
+        rms_rows(&x, h, &w, 1e-5, Some(&mut ra), &mut a);
+        silu_rows(&gu, f, &mut sa);
+        for isa in [runtime::Isa::Avx2, runtime::Isa::Avx512] {
+            if !isa.available() {
+                continue;
+            }
+            let (mut b, mut sb, mut rb) = (vec![0f32; t * h], vec![0f32; t * f], data(t * h, 4));
+            // SAFETY: the ISA is available (checked above): AVX2 + FMA, and AVX-512 F for Avx512.
+            unsafe {
+                if isa == runtime::Isa::Avx512 {
+                    rms_rows_avx512(&x, h, &w, 1e-5, Some(&mut rb), &mut b);
+                    silu_rows_avx512(&gu, f, &mut sb);
+                } else {
+                    rms_rows_avx2(&x, h, &w, 1e-5, Some(&mut rb), &mut b);
+                    silu_rows_avx2(&gu, f, &mut sb);
+                }
+            }
+            assert_eq!((&a, &ra, &sa), (&b, &rb, &sb), "{isa:?}");
+        }
     }
 
     #[test]
