@@ -100,9 +100,11 @@ pub struct StepBatch<'a> {
     /// `[T]` positions, `[T]` slots (-1 = do not write).
     pub positions: &'a [i64],
     pub slot_mapping: &'a [i64],
-    /// `[B, max_blocks]` (-1 padded), `[B]`, `[B + 1]`.
+    /// `[B, max_blocks]` (-1 padded), or with `indptr` the CSR `indices`; `[B]`, `[B + 1]`.
     pub block_tables: &'a [i32],
     pub max_blocks: usize,
+    /// `[B + 1]` CSR row offsets into `block_tables` (None: the padded form).
+    pub indptr: Option<&'a [i32]>,
     pub seq_lens: &'a [i32],
     pub query_start_loc: &'a [i32],
 }
@@ -384,7 +386,7 @@ impl Decoder {
             num_q_heads: self.num_heads,
             block_tables: b.block_tables,
             max_blocks: b.max_blocks,
-            indptr: None,
+            indptr: b.indptr,
             seq_lens: b.seq_lens,
             query_start_loc: b.query_start_loc,
         }

@@ -165,8 +165,9 @@ impl LlamaDecoder {
 
     /// Every layer over one step: `x` float32 `[T, H]` (the embedded tokens) becomes the residual
     /// stream after the last layer, in place, and is returned. `batch` has `positions`,
-    /// `slot_mapping` (int64 `[T]`), `block_tables` (int32 `[B, max_blocks]`), `seq_lens` (int32
-    /// `[B]`), `query_start_loc` (int32 `[B+1]`), as `prepare_batch` builds them; `kv_caches` one
+    /// `slot_mapping` (int64 `[T]`), `block_tables` (int32 `[B, max_blocks]`, or the CSR tuple
+    /// `(indptr, indices)` of int32 arrays as `paged_attention` takes it), `seq_lens` (int32 `[B]`),
+    /// `query_start_loc` (int32 `[B+1]`), as `prepare_batch` builds them; `kv_caches` one
     /// `(k_cache, v_cache)` per layer, all of one shape and dtype. The GIL is released.
     /// `spin`: the kernel threads spin for the call instead of parking between products (off by
     /// default: on a loaded 2-core VM it measured 2x slower, the spinners taking the cores the
@@ -302,7 +303,21 @@ impl LlamaDecoder {
         );
         let pos = typed::<i64>(&pos_o, "batch.positions", 1, "int64")?;
         let slot = typed::<i64>(&slot_o, "batch.slot_mapping", 1, "int64")?;
-        let bt = typed::<i32>(&bt_o, "batch.block_tables", 2, "int32")?;
+        // The table: padded `[B, max_blocks]`, or the CSR tuple `(indptr, indices)`.
+        let (bt, ipr) = if let Ok(tu) = bt_o.cast::<PyTuple>() {
+            if tu.len() != 2 {
+                return Err(PyValueError::new_err(format!(
+                    "batch.block_tables must be an int32 [B, max_blocks] array or a tuple (indptr, indices), \
+                     got a tuple of {}",
+                    tu.len()
+                )));
+            }
+            let (ip, ix) = (tu.get_item(0)?, tu.get_item(1)?);
+            let ipr = typed::<i32>(&ip, "batch.block_tables indptr", 1, "int32")?;
+            (typed::<i32>(&ix, "batch.block_tables indices", 1, "int32")?, Some(ipr))
+        } else {
+            (typed::<i32>(&bt_o, "batch.block_tables", 2, "int32")?, None)
+        };
         let sl = typed::<i32>(&sl_o, "batch.seq_lens", 1, "int32")?;
         let qsl = typed::<i32>(&qsl_o, "batch.query_start_loc", 1, "int32")?;
         let t = xr.shape[0];
@@ -313,7 +328,7 @@ impl LlamaDecoder {
             )));
         }
         let nseq = sl.shape[0];
-        if bt.shape[0] != nseq || qsl.shape[0] != nseq + 1 {
+        if (ipr.is_none() && bt.shape[0] != nseq) || qsl.shape[0] != nseq + 1 {
             return Err(PyValueError::new_err(format!(
                 "need block_tables [B, max_blocks], seq_lens [B], query_start_loc [B+1]; got {:?}, {:?}, {:?}",
                 bt.shape, sl.shape, qsl.shape
@@ -379,7 +394,10 @@ impl LlamaDecoder {
                 (&bt, "batch.block_tables"),
                 (&sl, "batch.seq_lens"),
                 (&qsl, "batch.query_start_loc"),
-            ] {
+            ]
+            .into_iter()
+            .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
+            {
                 if ra.overlaps(r) {
                     return Err(PyValueError::new_err(format!(
                         "{n} must not share memory with kv_caches"
@@ -393,7 +411,10 @@ impl LlamaDecoder {
             (&bt, "batch.block_tables"),
             (&sl, "batch.seq_lens"),
             (&qsl, "batch.query_start_loc"),
-        ] {
+        ]
+        .into_iter()
+        .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
+        {
             if xr.overlaps(r) {
                 return Err(PyValueError::new_err(format!("x must not share memory with {n}")));
             }
@@ -405,11 +426,19 @@ impl LlamaDecoder {
             readonly::<i32>(&sl, "batch.seq_lens")?,
             readonly::<i32>(&qsl, "batch.query_start_loc")?,
         );
+        let ipg = ipr
+            .as_ref()
+            .map(|r| readonly::<i32>(r, "batch.block_tables indptr"))
+            .transpose()?;
         let step = StepBatch {
             positions: slice_of(&pg, "batch.positions")?,
             slot_mapping: slice_of(&sg, "batch.slot_mapping")?,
             block_tables: slice_of(&btg, "batch.block_tables")?,
-            max_blocks: bt.shape[1],
+            max_blocks: if ipr.is_some() { 0 } else { bt.shape[1] },
+            indptr: ipg
+                .as_ref()
+                .map(|g| slice_of(g, "batch.block_tables indptr"))
+                .transpose()?,
             seq_lens: slice_of(&slg, "batch.seq_lens")?,
             query_start_loc: slice_of(&qslg, "batch.query_start_loc")?,
         };

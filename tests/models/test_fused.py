@@ -235,6 +235,22 @@ def test_forward_hidden_rejects_bad_input(tiny):
     bt[0, 0] = 99
     bad(ValueError, r"block_tables\[0, 0\] = 99", batch=_with(b, block_tables=bt))
     bad(ValueError, "query_start_loc", batch=_with(b, query_start_loc=np.array([0, 4], np.int32)))
+    # the CSR form (indptr, indices), as paged_attention takes it
+    ip, ix = b.indptr.astype(np.int32), b.indices.astype(np.int32)
+    bad(ValueError, "a tuple of 3", batch=_with(b, block_tables=(ip, ix, ix)))
+    bad(TypeError, "indptr must be int32", batch=_with(b, block_tables=(ip.astype(np.int64), ix)))
+    bad(ValueError, "indptr must have 2 entries", batch=_with(b, block_tables=(np.array([0], np.int32), ix)))
+    bad(ValueError, "indptr\\[0\\] must be 0", batch=_with(b, block_tables=(ip + 1, ix)))
+    bad(ValueError, "needs 2 blocks", batch=_with(b, block_tables=(np.array([0, 1], np.int32), ix[:1])))
+    xx = x.copy()
+    alias = xx.view(np.int32).reshape(-1)[:2]  # indptr inside x's memory
+    alias[:] = ip
+    bad(
+        ValueError,
+        "x must not share memory with batch.block_tables indptr",
+        batch=_with(b, block_tables=(alias, ix)),
+        x=xx,
+    )
     bad(ValueError, r"need 2 \(k_cache, v_cache\) pairs", kv=caches[:1])
     bad(TypeError, "list of", kv=None)
     bad(TypeError, r"kv_caches\[1\] must be a \(k_cache, v_cache\) pair", kv=[caches[0], 5])
@@ -405,3 +421,24 @@ def test_generate_cli_model_impl(capsys):
     assert (llm.model.impl, llm.weight_format) == ("fused", "int8")
     with pytest.raises(ValueError, match="impl='fused' is not available"):
         LLM(model_impl="fused", weights="float32", kv_memory="4MiB")
+
+
+def test_forward_hidden_takes_the_csr_table_with_the_padded_ones_bits(tiny):
+    """block_tables as the CSR tuple (indptr, indices) prepare_batch builds: the same bits and the
+    same cache writes as the padded [B, max_blocks] table, here over two sequences of unequal length."""
+    mgr = pagedkv_rs.fallback.KVCacheManager(8, 4, enable_prefix_caching=False)
+    mgr.allocate(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    mgr.allocate(1, [4, 5])
+    b = mgr.prepare_batch([0, 1], [9, 2])
+    x = np.ascontiguousarray(tiny.w.embed[b.input_ids], np.float32)
+    outs = []
+    for table in (b.block_tables, (b.indptr, b.indices)):
+        caches = tiny.model.new_kv_caches(8, 4, "float32")
+        batch = _with(b, block_tables=table)
+        outs.append((tiny.dec.forward_hidden(x.copy(), batch, caches), caches))
+    (y0, c0), (y1, c1) = outs
+    assert np.isfinite(y0).all()
+    np.testing.assert_array_equal(y0.view(np.uint32), y1.view(np.uint32))
+    for (k0, v0), (k1, v1) in zip(c0, c1):
+        np.testing.assert_array_equal(k0, k1)
+        np.testing.assert_array_equal(v0, v1)

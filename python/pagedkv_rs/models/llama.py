@@ -557,7 +557,7 @@ def _kernel_batch(batch: BatchInputs, positions: np.ndarray) -> types.SimpleName
     return types.SimpleNamespace(
         positions=c(positions, np.int64),
         slot_mapping=c(batch.slot_mapping, np.int64),
-        block_tables=c(batch.block_tables, np.int32),
+        block_tables=(c(batch.indptr, np.int32), c(batch.indices, np.int32)),  # CSR: no padding
         seq_lens=c(batch.seq_lens, np.int32),
         query_start_loc=c(batch.query_start_loc, np.int32),
     )
