@@ -13,10 +13,15 @@
 //! successor `qk_block_z` (each zmm chain folded to 8 lanes, then the ymm kernel's 8-way sums)
 //! took config A float16 from 3.5 to 2.3-2.9 ms with K/V in cache (3 interleaved rounds), the
 //! SmolLM2 shape (head_dim 64) within the noise, so decode logits run in zmm when head_dim % 16 == 0.
-//! Prefill (the widened f32 tiles) runs the same zmm kernels: `pagedkv bench kernel --only Prefill`
-//! (head_dim 128), 3 rounds alternating builds, 218 / 234 / 238 ms (ymm) against 218 / 216 / 226 (zmm);
-//! a 512-token SmolLM2 prefill end to end within the noise (its 64-wide logits are bound by the
-//! horizontal sums, not the FMAs).
+//! Prefill (the widened f32 tiles) in the AVX-512 build, head_dim % 16 == 0 and no soft cap, takes
+//! the unit's queries as vector lanes (`lanes_tile`): a key's logits for 16 queries are one zmm
+//! summed over head_dim (4 partial sums) from the queries transposed once per unit and the key's
+//! broadcast elements, so no horizontal sums (the per-query kernels spent as many shuffles and adds
+//! on them as FMAs at head_dim 64), and the mask and online softmax run 16 queries a vector. SmolLM2's
+//! 512-token prefill attention (9 query / 3 KV heads, head_dim 64, one layer), 2 rounds alternating
+//! builds, best of 30: 2.83 / 3.23 ms (per-query zmm kernels) -> 2.19 / 2.44 ms; `pagedkv bench
+//! kernel --only Prefill` (head_dim 128) 251 / 235 -> 207 / 207 ms. Otherwise the per-query kernels
+//! (`tile_heads`), zmm when head_dim % 16 == 0.
 //! The body and micro-kernels are `#[inline(always)]` so that each entry compiles them for its
 //! own features.
 //!
@@ -120,6 +125,30 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
     }
     let (mut kbuf, mut vbuf) = (vec![0.0f32; TILE * d], vec![0.0f32; TILE * d]);
     let mut s = [0.0f32; 4 * TILE];
+    // The AVX-512 build takes the unit's queries as vector lanes (`lanes_tile`) when head_dim is
+    // a multiple of 16 and no soft cap applies: per KV head, its queries transposed once.
+    let lanes = WIDE && d % 16 == 0 && ctx.params.soft_cap.is_none();
+    let rows = u.row1 - u.row0;
+    let lw = (rows * g).div_ceil(16) * 16;
+    let qt: Vec<Vec<f32>> = if lanes {
+        (u.h0..u.h1)
+            .map(|h| {
+                let mut t = vec![0f32; d * lw];
+                for i in 0..rows {
+                    for j in 0..g {
+                        let m = i * pr + (h - u.h0) * g + j;
+                        for c in 0..d {
+                            t[c * lw + i * g + j] = qbuf[m * d + c];
+                        }
+                    }
+                }
+                t
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut sl = if lanes { vec![0f32; TILE * 16] } else { Vec::new() };
     // Block pieces (block, offset, n) of the current tile.
     let mut pieces = [(0usize, 0usize, 0usize); TILE];
     let mut t = u.key_lo;
@@ -155,6 +184,25 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
                 v: vbuf.as_ptr() as *const u8,
                 n,
             }];
+            if lanes {
+                // SAFETY: WIDE: AVX-512 F enabled and detected (`attend_avx512`); kbuf/vbuf hold n*d
+                // f32 written just above; qt[h - h0] is this head's [d, lw] transposed queries.
+                unsafe {
+                    lanes_tile(
+                        ctx,
+                        u,
+                        st,
+                        &qt[h - u.h0],
+                        lw,
+                        &kbuf[..n * d],
+                        &vbuf[..n * d],
+                        t,
+                        h,
+                        &mut sl,
+                    )
+                };
+                continue;
+            }
             // SAFETY: kbuf/vbuf hold n*d f32 written just above and are not touched below.
             unsafe { tile_heads::<F32, WIDE>(ctx, u, st, &qbuf, &sg, t, n, h, &mut s) };
         }
@@ -943,6 +991,258 @@ unsafe fn pv_cols_z<const MB: usize, const W: usize, const DT: u8>(
         for (w, x) in row.iter().enumerate() {
             // SAFETY: as for the loads.
             unsafe { _mm512_storeu_ps(ap.add(r * d + c + 16 * w), *x) };
+        }
+    }
+}
+
+/// `exp` of 16 lanes (`exp256` on each half).
+///
+/// # Safety
+/// The CPU supports AVX-512 F (and AVX2 + FMA).
+#[inline(always)]
+unsafe fn exp512(x: __m512) -> __m512 {
+    let lo = exp256(_mm512_castps512_ps256(x));
+    let hi = exp256(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x))));
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+        _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+        _mm256_castps_pd(hi),
+    ))
+}
+
+/// Prefill tile with the queries as vector lanes (AVX-512, head_dim % 16 == 0, no soft cap): keys
+/// `t..t+n` of KV head `h` (`k`, `v`: `[n, d]` f32), against this head's `rows * group` queries,
+/// 16 a vector (`qt`: `[d, lw]`, query `i * group + j` = row `i`, group head `j`). A key's logits
+/// for 16 queries are one zmm summed over head_dim from `qt` and the key's broadcast elements (no
+/// horizontal sums); the causal / sliding-window mask, the running max, the rescale and the sum
+/// run 16 queries a vector; `acc += p v` takes 4 queries x 4 column vectors a block with the
+/// probabilities broadcast. `sl` holds the tile's `[n, 16]` logits, then probabilities.
+///
+/// # Safety
+/// The CPU supports AVX-512 F (and AVX2 + FMA + F16C); `qt.len() == d * lw`, `lw >= rows * group`,
+/// `k.len() == v.len() == n * d` with `n <= TILE`, `sl.len() >= TILE * 16`; `ctx` validated.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn lanes_tile(
+    ctx: &Ctx,
+    u: &Unit,
+    st: &mut State,
+    qt: &[f32],
+    lw: usize,
+    k: &[f32],
+    v: &[f32],
+    t: usize,
+    h: usize,
+    sl: &mut [f32],
+) {
+    let (g, d) = (ctx.group, ctx.shape.head_dim);
+    let pr = u.per_row(g);
+    let n = k.len() / d;
+    let nq = (u.row1 - u.row0) * g;
+    assert!(qt.len() == d * lw && lw >= nq && v.len() == n * d && n <= TILE && sl.len() >= TILE * 16);
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    for q0 in (0..nq).step_by(16) {
+        let lanes = 16.min(nq - q0);
+        // Each lane's visible keys, relative to t: [lo, hi) (an empty range for padding lanes),
+        // its state index m, and the group's key span.
+        let (mut lo, mut hi, mut ms) = ([0i32; 16], [0i32; 16], [0usize; 16]);
+        let (mut jlo, mut jhi) = (n, 0);
+        for l in 0..lanes {
+            let q = q0 + l;
+            let (i, j) = (q / g, q % g);
+            let (a, b) = ctx.key_range(u.pos0 + i, t, t + n);
+            ms[l] = i * pr + (h - u.h0) * g + j;
+            if a < b {
+                (lo[l], hi[l]) = ((a - t) as i32, (b - t) as i32);
+                jlo = jlo.min(a - t);
+                jhi = jhi.max(b - t);
+            }
+        }
+        if jlo >= jhi {
+            continue;
+        }
+        // SAFETY: the arrays hold 16 i32.
+        let (lov, hiv) = unsafe {
+            (
+                _mm512_loadu_si512(lo.as_ptr() as *const _),
+                _mm512_loadu_si512(hi.as_ptr() as *const _),
+            )
+        };
+        let qp = qt.as_ptr().wrapping_add(q0);
+        // Logits of keys jlo..jhi, 4 keys a pass (16 FMA chains sharing the `qt` loads), masked.
+        let mut tmax = ninf;
+        let mut j = jlo;
+        while j < jhi {
+            // SAFETY: q0 + 16 <= lw (qt's columns), keys j.. inside k, rows j.. inside sl.
+            unsafe {
+                if j + 4 <= jhi {
+                    lane_logits::<4>(qp, lw, k, d, j, (lov, hiv), sl, &mut tmax);
+                    j += 4;
+                } else {
+                    lane_logits::<1>(qp, lw, k, d, j, (lov, hiv), sl, &mut tmax);
+                    j += 1;
+                }
+            }
+        }
+        // Online softmax, 16 queries a vector (padding lanes: max -inf, sum 0, never stored).
+        let (mut old, mut sum) = ([f32::NEG_INFINITY; 16], [0f32; 16]);
+        for l in 0..lanes {
+            (old[l], sum[l]) = (st.max[ms[l]], st.sum[ms[l]]);
+        }
+        // SAFETY: 16 f32 each.
+        let (oldv, sumv) = unsafe { (_mm512_loadu_ps(old.as_ptr()), _mm512_loadu_ps(sum.as_ptr())) };
+        let newv = _mm512_max_ps(oldv, tmax);
+        // A lane with nothing visible yet keeps -inf; exp(x - 0) of its -inf logits is 0.
+        let none = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(newv, ninf);
+        let base = _mm512_mask_blend_ps(none, newv, _mm512_setzero_ps());
+        // SAFETY: AVX-512 F (contract).
+        let alpha = unsafe { exp512(_mm512_sub_ps(oldv, base)) };
+        let mut psum = _mm512_setzero_ps();
+        for j in jlo..jhi {
+            // SAFETY: j < n rows of 16 in sl.
+            unsafe {
+                let pv = exp512(_mm512_sub_ps(_mm512_loadu_ps(sl.as_ptr().add(j * 16)), base));
+                _mm512_storeu_ps(sl.as_mut_ptr().add(j * 16), pv);
+                psum = _mm512_add_ps(psum, pv);
+            }
+        }
+        let (mut nw, mut al, mut ns) = ([0f32; 16], [0f32; 16], [0f32; 16]);
+        // SAFETY: 16 f32 each.
+        unsafe {
+            _mm512_storeu_ps(nw.as_mut_ptr(), newv);
+            _mm512_storeu_ps(al.as_mut_ptr(), alpha);
+            _mm512_storeu_ps(ns.as_mut_ptr(), _mm512_fmadd_ps(sumv, alpha, psum));
+        }
+        for l in 0..lanes {
+            let m = ms[l];
+            if old[l] != f32::NEG_INFINITY && al[l] != 1.0 {
+                scale_in_place(&mut st.acc[m * d..(m + 1) * d], al[l]);
+            }
+            (st.max[m], st.sum[m]) = (nw[l], ns[l]);
+        }
+        // acc[m] += sum_j p[j][lane] v[j]: 4 lanes x 4 column vectors a block (16 chains).
+        let mut l0 = 0;
+        while l0 < lanes {
+            let lb = 4.min(lanes - l0);
+            let mut c = 0;
+            while c < d {
+                let wide = c + 64 <= d;
+                // SAFETY: lanes l0..l0+lb hold state rows ms[..] of st.acc ([nq, d]), columns
+                // c..c+64 (or c..c+16) inside d; rows jlo..jhi of sl and v inside n.
+                unsafe {
+                    match (lb, wide) {
+                        (4, true) => lane_pv::<4, 4>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
+                        (3, true) => lane_pv::<3, 4>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
+                        (2, true) => lane_pv::<2, 4>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
+                        (_, true) => lane_pv::<1, 4>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
+                        (4, false) => lane_pv::<4, 1>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
+                        (3, false) => lane_pv::<3, 1>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
+                        (2, false) => lane_pv::<2, 1>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
+                        (_, false) => lane_pv::<1, 1>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
+                    }
+                }
+                c += if wide { 64 } else { 16 };
+            }
+            l0 += lb;
+        }
+    }
+}
+
+/// Logits of keys `j..j+KB` for the 16 queries whose transposed vectors start at `qp` (row stride
+/// `lw`), masked to each lane's `[lo, hi)` (else -inf), stored as rows of 16 in `sl`, folded into
+/// `tmax`.
+///
+/// # Safety
+/// AVX-512 F; `qp` points to `d` rows of 16 readable f32 at stride `lw`; `j + KB <= k.len() / d`;
+/// `sl` holds `(j + KB) * 16` f32.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn lane_logits<const KB: usize>(
+    qp: *const f32,
+    lw: usize,
+    k: &[f32],
+    d: usize,
+    j: usize,
+    (lov, hiv): (__m512i, __m512i),
+    sl: &mut [f32],
+    tmax: &mut __m512,
+) {
+    debug_assert!((j + KB) * d <= k.len() && sl.len() >= (j + KB) * 16);
+    let kp = k.as_ptr();
+    // PARTS partial sums a key over head_dim (element c into part c % PARTS), added pairwise at
+    // the end: chains of d / PARTS products, as short as the lane-parallel kernels' (one chain of d
+    // measured the SmolLM2 logits 0.019 from the float64 oracle, past LOGIT_TOL).
+    const PARTS: usize = 4;
+    let mut acc = [[_mm512_setzero_ps(); PARTS]; KB];
+    for c0 in (0..d).step_by(PARTS) {
+        for p in 0..PARTS {
+            let c = c0 + p;
+            // SAFETY: c < d rows of qt (d % 16 == 0, contract).
+            let qv = unsafe { _mm512_loadu_ps(qp.add(c * lw)) };
+            for (x, a) in acc.iter_mut().enumerate() {
+                // SAFETY: key j + x < n, element c < d: inside k (contract).
+                a[p] = _mm512_fmadd_ps(qv, _mm512_set1_ps(unsafe { *kp.add((j + x) * d + c) }), a[p]);
+            }
+        }
+    }
+    let acc = acc.map(|a| _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    for (x, a) in acc.iter().enumerate() {
+        let jv = _mm512_set1_epi32((j + x) as i32);
+        let vis = _mm512_cmpge_epi32_mask(jv, lov) & _mm512_cmplt_epi32_mask(jv, hiv);
+        let sv = _mm512_mask_blend_ps(vis, ninf, *a);
+        *tmax = _mm512_max_ps(*tmax, sv);
+        // SAFETY: row j + x of sl (contract).
+        unsafe { _mm512_storeu_ps(sl.as_mut_ptr().add((j + x) * 16), sv) };
+    }
+}
+
+/// `acc[ms[r]][c..c + 16 * CW] += sum_{j in jlo..jhi} sl[j][l0 + r] * v[j][c..]` for `r < LB`.
+///
+/// # Safety
+/// AVX-512 F; `ms[..LB]` are distinct query rows of `st.acc` (`[*, d]`); `c + 16 * CW <= d`;
+/// `jhi * d <= v.len()`, `jhi * 16 <= sl.len()`, `l0 + LB <= 16`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn lane_pv<const LB: usize, const CW: usize>(
+    st: &mut State,
+    ms: &[usize],
+    d: usize,
+    c: usize,
+    v: &[f32],
+    sl: &[f32],
+    l0: usize,
+    jlo: usize,
+    jhi: usize,
+) {
+    debug_assert!(ms.len() >= LB && c + 16 * CW <= d && jhi * d <= v.len() && l0 + LB <= 16);
+    let mut a = [[_mm512_setzero_ps(); CW]; LB];
+    for (r, row) in a.iter_mut().enumerate() {
+        let ap = st.acc[ms[r] * d + c..].as_ptr();
+        for (w, x) in row.iter_mut().enumerate() {
+            // SAFETY: c + 16 * w + 16 <= d: inside query ms[r]'s acc row.
+            *x = unsafe { _mm512_loadu_ps(ap.add(16 * w)) };
+        }
+    }
+    let (vp, sp) = (v.as_ptr(), sl.as_ptr());
+    for j in jlo..jhi {
+        let mut vv = [_mm512_setzero_ps(); CW];
+        for (w, x) in vv.iter_mut().enumerate() {
+            // SAFETY: j < jhi and c + 16 * w + 16 <= d: inside v.
+            *x = unsafe { _mm512_loadu_ps(vp.add(j * d + c + 16 * w)) };
+        }
+        for (r, row) in a.iter_mut().enumerate() {
+            // SAFETY: row j < jhi of sl, lane l0 + r < 16.
+            let pj = _mm512_set1_ps(unsafe { *sp.add(j * 16 + l0 + r) });
+            for (w, x) in row.iter_mut().enumerate() {
+                *x = _mm512_fmadd_ps(pj, vv[w], *x);
+            }
+        }
+    }
+    for (r, row) in a.iter().enumerate() {
+        let ap = st.acc[ms[r] * d + c..].as_mut_ptr();
+        for (w, x) in row.iter().enumerate() {
+            // SAFETY: as for the loads.
+            unsafe { _mm512_storeu_ps(ap.add(16 * w), *x) };
         }
     }
 }

@@ -213,10 +213,14 @@ def paged_greedy(model, mgr, caches, prompts, max_new, *, chunk=1 << 30, first_i
 
 _DENSE: dict = {}
 _ORACLES: dict = {}
-# Logits of the paged model and the float64 oracle differ by < 0.01 here (float32 vs float64 sums;
-# test_paged_logits_track_the_float64_oracle holds them to LOGIT_TOL); a greedy token whose lead over
-# the runner-up is below MARGIN could flip on that noise alone, so comparison stops before it.
-LOGIT_TOL = 0.015
+# Logits of the paged model and the float64 oracle differ by float32's rounding of the same sums,
+# which each kernel path orders its own way (test_paged_logits_track_the_float64_oracle holds them to
+# LOGIT_TOL): the largest error over the three prompts, measured 2026-12-02, int8 / float32 weights,
+# was 0.0151 / 0.0112 on AVX-512 (queries as vector lanes in prefill attention; 0.0109 / 0.0123 with the
+# per-query kernels), 0.0172 / 0.0087 with PAGEDKV_ISA=avx2 and 0.0109 / 0.0166 with scalar: 0.025 is
+# that spread with a margin. A greedy token whose lead over the runner-up is below MARGIN could flip on
+# that noise alone, so comparison stops before it.
+LOGIT_TOL = 0.025
 MARGIN = 2 * LOGIT_TOL
 
 
