@@ -750,6 +750,8 @@ pub struct QActs {
     pub base: Vec<i32>,
     /// `s · (R·Σh + Σl)` over the block.
     pub qs: Vec<f32>,
+    /// Both digits again, in the VNNI tile's order (`pack_tiled`); empty for the other tiles.
+    pub tiled: Vec<i8>,
 }
 
 impl QActs {
@@ -761,9 +763,33 @@ impl QActs {
             s: vec![0.0; m * nb],
             base: vec![0; m * nb],
             qs: vec![0.0; m * nb],
+            tiled: Vec::new(),
         }
     }
+
+    /// Fill `tiled` from `hi` and `lo` (`m` rows of `k`): rows in groups of `TILED_ROWS`, each
+    /// group `[k/4][TILED_ROWS rows][hi, lo][4 bytes]` (`2·TILED_ROWS·k` bytes; the rows past `m`
+    /// of the last group zero). A tile of up to 8 rows inside one group then finds the 4 bytes of
+    /// each of its rows and digits for a 4-wide k step at fixed offsets from one address, and the
+    /// next step 64 bytes on: no per-row address arithmetic in its inner loop.
+    fn pack_tiled(&mut self, m: usize, k: usize) {
+        let groups = m.div_ceil(TILED_ROWS);
+        let mut t = vec![0i8; groups * 2 * TILED_ROWS * k];
+        let step = 2 * TILED_ROWS * 4; // bytes of one 4-wide k step of a group
+        for r in 0..m {
+            let (hi, lo) = (&self.hi[r * k..][..k], &self.lo[r * k..][..k]);
+            let at = (r / TILED_ROWS) * 2 * TILED_ROWS * k + (r % TILED_ROWS) * 8;
+            for (s, (h, l)) in t[at..].chunks_mut(step).zip(hi.chunks_exact(4).zip(lo.chunks_exact(4))) {
+                s[..4].copy_from_slice(h);
+                s[4..8].copy_from_slice(l);
+            }
+        }
+        self.tiled = t;
+    }
 }
+
+/// Rows of one group of `QActs::tiled` (the VNNI tile's largest row count).
+pub(super) const TILED_ROWS: usize = 8;
 
 /// Quantize `x [m, k]` row by row (see the module docs).
 pub fn quantize_acts(x: &[f32], m: usize, k: usize) -> QActs {
@@ -977,11 +1003,14 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
     let pool = runtime::pool()?;
     let out_ptr = SendPtr(out.as_mut_ptr());
     pool.install(|| {
-        let acts = if variant(isa) == Isa::Scalar {
+        let mut acts = if variant(isa) == Isa::Scalar {
             quantize_acts(x, m, k)
         } else {
             quantize_par(x, m, k)
         };
+        if variant(isa) == Isa::Avx512 {
+            acts.pack_tiled(m, k);
+        }
         let jobs = w.panels().div_ceil(JOB_PANELS);
         (0..jobs).into_par_iter().for_each(|j| {
             let a = Args {
@@ -1021,11 +1050,14 @@ impl<'a> Product<'a> {
     pub fn new(isa: Isa, x: &[f32], m: usize, w: &'a QWeight, out: &'a mut [f32], threads: usize) -> Result<Self> {
         let k = w.k;
         check_shapes(x, m, w, out)?;
-        let acts = if variant(isa) == Isa::Scalar {
+        let mut acts = if variant(isa) == Isa::Scalar {
             quantize_acts(x, m, k)
         } else {
             quantize_fast(x, m, k)
         };
+        if variant(isa) == Isa::Avx512 {
+            acts.pack_tiled(m, k);
+        }
         let panels_per_job = JOB_PANELS.max(w.panels().div_ceil(4 * threads.max(1)));
         Ok(Product {
             isa,
@@ -1096,6 +1128,7 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
         s: Vec::new(),
         base: Vec::new(),
         qs: Vec::new(),
+        tiled: Vec::new(),
     };
     for p in parts {
         a.hi.extend_from_slice(&p.hi);
@@ -1108,7 +1141,12 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
 }
 
 fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
-    let v = variant(isa);
+    let mut v = variant(isa);
+    if v == Isa::Avx512 && a.acts.tiled.len() != m.div_ceil(TILED_ROWS) * 2 * TILED_ROWS * a.w.k {
+        // Activations without the VNNI tile's copy (this module's callers always make it): the
+        // scalar tile, which needs none and gives the same bits.
+        v = Isa::Scalar;
+    }
     if v != Isa::Avx512 {
         return run_panels(v, a, m, p0, np, false);
     }

@@ -15,6 +15,14 @@
 //!
 //! All fit the 32 zmm with the block's scales (`TILE_ROWS` says why 8 rows).
 //!
+//! The tile reads the activations from `QActs::tiled` (`pack_tiled` in mod.rs): rows in groups of
+//! 8, each 4-wide k step of a group holding its 8 rows' two digits side by side (64 bytes), so every
+//! broadcast of a block sits at a constant offset from one pointer. Reading `hi` and `lo` row by
+//! row took 16 row pointers for the 8-row tile, more than the general registers hold beside the
+//! loop's own. In one process, 30 SmolLM2-shaped layers of 4-bit products, 9-11 alternating
+//! rounds on the Zen 5 VM, medians of tiled / row-by-row time: M=8 0.99, M=32 0.90, M=128 0.86,
+//! M=512 0.89 (the copy into `tiled` included; the same bits).
+//!
 //! `quantize` (the activations' two digits) takes 16 blocks at a time: their max |x| and digit sums
 //! reduced together by one shuffle tree (`reduce16`), the divisions and scale stores as vectors,
 //! the codes packed and stored both digits at once; a remainder of < 16 blocks goes block by block.
@@ -32,7 +40,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{tile_order, Args, Muls, Scales, BASE_BUDGET, BASE_CAP, GRID_BLOCKS, PANEL, QBLOCK};
+use super::{tile_order, Args, Muls, Scales, BASE_BUDGET, BASE_CAP, GRID_BLOCKS, PANEL, QBLOCK, TILED_ROWS};
 
 /// How far ahead of the tile the code stream is prefetched. With the 8-row tiles on the AVX-512
 /// VNNI VM, the bundled model through `LLM.generate` (40-token prompts, 128 out; tok/s, 4 + 4
@@ -48,6 +56,10 @@ const PREFETCH: usize = 8192;
 /// on the AVX-512 VNNI VM, medians (tok/s, 2-row -> 4-row -> 8-row tiles): 8 sequences
 /// 669 -> 740 -> 851, 32 sequences 903 -> 961 -> 958, 512-token prefill 1580 -> 1558 -> 1662.
 const TILE_ROWS: usize = 8;
+const _: () = assert!(
+    TILE_ROWS == TILED_ROWS,
+    "a tile's rows lie in one group of `QActs::tiled`"
+);
 
 /// All row tiles of panels `p0..p0+np`, every one of them in the 4-bit layout when `nib`, else
 /// in the 8-bit one.
@@ -107,62 +119,92 @@ unsafe fn rows_tile<const NIB: bool>(a: &Args, r: usize, take: usize, ps: usize,
 /// As for `job`; rows `r0..r0+R` are inside the activations and `p0 + NP <= panels`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: usize, p0: usize, prefetch: bool) {
+    const _: () = assert!(
+        QBLOCK == 32 && TILED_ROWS == 8,
+        "the unrolled block below is 8 steps of 4"
+    );
+    debug_assert!(
+        r0 % TILED_ROWS + R <= TILED_ROWS,
+        "a tile's rows lie in one group of `tiled`"
+    );
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
-    let codes = a.w.codes.as_ptr();
-    let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
     let low4 = _mm512_set1_epi8(0x0f);
     // Code bytes of one 32-wide block of one panel.
     let block_bytes = if NIB { QBLOCK * PANEL / 2 } else { QBLOCK * PANEL };
+    // SAFETY: panels p0..p0+NP exist (caller): their codes start at their offsets.
+    let wp: [*const u8; NP] = std::array::from_fn(|p| unsafe { a.w.codes.as_ptr().add(a.w.code_at[p0 + p]) });
+    // Rows r0..r0+R lie in one group of `tiled` (`tile_order` starts passes at multiples of 8 and
+    // `job` cuts them 8, 4, 2, 1): the group's base plus the first row's 8 bytes.
+    // SAFETY: the group of row r0 is inside `tiled` (`run_job` checked its length).
+    let xt = unsafe {
+        a.acts
+            .tiled
+            .as_ptr()
+            .add(r0 / TILED_ROWS * 2 * TILED_ROWS * k + r0 % TILED_ROWS * 8)
+    };
     let mut acc = [[_mm512_setzero_ps(); NP]; R];
     for b in 0..nb {
         if prefetch {
-            for p in 0..NP {
+            for w in wp {
                 // Only an address: a prefetch never faults (past the panel's end it fetches the
                 // next one's start).
-                let at = codes.wrapping_add(a.w.code_at[p0 + p] + b * block_bytes + PREFETCH);
+                let at = w.wrapping_add(b * block_bytes + PREFETCH);
                 for line in (0..block_bytes).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line) as *const i8);
                 }
             }
         }
+        // This block's codes and activations: 8 steps of 4 k, 64 bytes apart in both (the 4-bit
+        // layout: two steps a 64-byte line).
+        // SAFETY: block b < nb of each panel (k*PANEL or k*PANEL/2 bytes from its offset) and of
+        // the rows' group (8 steps of 2*TILED_ROWS*4 bytes each).
+        let wb: [*const u8; NP] = wp.map(|w| unsafe { w.add(b * block_bytes) });
+        // SAFETY: as above.
+        let xb = unsafe { xt.add(b * QBLOCK * 2 * TILED_ROWS) };
         // [row][digit][panel]; a single row keeps the even and odd k groups' sums apart (`ib`)
         // so that 4·NP dependency chains, not 2·NP, hide `vpdpbusd`'s latency; the two are added
         // at the block's end (exact integer sums: the same dots).
         let mut ia = [[[_mm512_setzero_si512(); NP]; 2]; R];
         let mut ib = [[[_mm512_setzero_si512(); NP]; 2]; R];
-        for g in 0..QBLOCK / 4 {
-            let kk = b * QBLOCK + g * 4;
-            let mut wv = [_mm512_setzero_si512(); NP];
-            for (p, w) in wv.iter_mut().enumerate() {
-                *w = if NIB {
-                    // SAFETY: panel p0+p exists and is 4-bit (`run_job`): its codes are k*PANEL/2
-                    // bytes from its offset, and line kk/8 ends at (kk/8 + 1)*4*PANEL <= k*PANEL/2.
-                    let line =
-                        unsafe { _mm512_loadu_si512(codes.add(a.w.code_at[p0 + p] + kk / 8 * 4 * PANEL) as *const _) };
-                    if g % 2 == 0 {
-                        _mm512_and_si512(line, low4)
+        // One 4-wide k step `g` (a literal: every offset below is a constant).
+        macro_rules! step {
+            ($g:literal) => {{
+                let wv: [__m512i; NP] = std::array::from_fn(|p| {
+                    if NIB {
+                        // SAFETY: line g/2 of the block's 4 (see `wb`).
+                        let line = unsafe { _mm512_loadu_si512(wb[p].add($g / 2 * 64) as *const _) };
+                        if $g % 2 == 0 {
+                            _mm512_and_si512(line, low4)
+                        } else {
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(line), low4)
+                        }
                     } else {
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(line), low4)
+                        // SAFETY: step g's 64 bytes of the block's 512 (see `wb`).
+                        unsafe { _mm512_loadu_si512(wb[p].add($g * 64) as *const _) }
                     }
-                } else {
-                    // SAFETY: panel p0+p exists and is 8-bit (`run_job`): its codes are k*PANEL
-                    // bytes from its offset and kk*PANEL + 64 <= k*PANEL.
-                    unsafe { _mm512_loadu_si512(codes.add(a.w.code_at[p0 + p] + kk * PANEL) as *const _) }
-                };
-            }
-            let sums = if R == 1 && g % 2 == 1 { &mut ib } else { &mut ia };
-            for (r, row) in sums.iter_mut().enumerate() {
-                for (digit, xq) in row.iter_mut().zip([xh, xl]) {
-                    // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
-                    let x4 = unsafe { std::ptr::read_unaligned(xq.add((r0 + r) * k + kk) as *const i32) };
-                    let xv = _mm512_set1_epi32(x4);
-                    for (acc_i, w) in digit.iter_mut().zip(&wv) {
-                        *acc_i = _mm512_dpbusd_epi32(*acc_i, *w, xv);
+                });
+                let sums = if R == 1 && $g % 2 == 1 { &mut ib } else { &mut ia };
+                for (r, row) in sums.iter_mut().enumerate() {
+                    for (d, digit) in row.iter_mut().enumerate() {
+                        // SAFETY: step g of row r0+r, digit d: 4 bytes of the block (see `xb`).
+                        let x4 = unsafe { std::ptr::read_unaligned(xb.add($g * 64 + r * 8 + d * 4) as *const i32) };
+                        let xv = _mm512_set1_epi32(x4);
+                        for (acc_i, w) in digit.iter_mut().zip(&wv) {
+                            *acc_i = _mm512_dpbusd_epi32(*acc_i, *w, xv);
+                        }
                     }
                 }
-            }
+            }};
         }
+        step!(0);
+        step!(1);
+        step!(2);
+        step!(3);
+        step!(4);
+        step!(5);
+        step!(6);
+        step!(7);
         if R == 1 {
             for (row, odd) in ia.iter_mut().zip(&ib) {
                 for (digit, od) in row.iter_mut().zip(odd) {
