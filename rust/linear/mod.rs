@@ -767,18 +767,19 @@ impl QActs {
         }
     }
 
-    /// Fill `tiled` from `hi` and `lo` (`m` rows of `k`): rows in groups of `TILED_ROWS`, each
-    /// group `[k/4][TILED_ROWS rows][hi, lo][4 bytes]` (`2·TILED_ROWS·k` bytes; the rows past `m`
-    /// of the last group zero). A tile of up to 8 rows inside one group then finds the 4 bytes of
-    /// each of its rows and digits for a 4-wide k step at fixed offsets from one address, and the
-    /// next step 64 bytes on: no per-row address arithmetic in its inner loop.
+    /// Fill `tiled` from `hi` and `lo` (`m` rows of `k`): rows in groups of `TILED_ROWS` (the last
+    /// one of the `m % TILED_ROWS` rows left, if any), a group of `g` rows laid out
+    /// `[k/4][g rows][hi, lo][4 bytes]`; `2·m·k` bytes, group `j` from byte `j·2·TILED_ROWS·k`
+    /// (`tiled_step` gives a group's bytes a 4-wide k step). A tile of up to 8 rows inside one group
+    /// then finds the 4 bytes of each of its rows and digits for a k step at fixed offsets from one
+    /// address, and the next step one group step on: no per-row address arithmetic in its inner loop.
     fn pack_tiled(&mut self, m: usize, k: usize) {
-        let groups = m.div_ceil(TILED_ROWS);
-        let mut t = vec![0i8; groups * 2 * TILED_ROWS * k];
-        let step = 2 * TILED_ROWS * 4; // bytes of one 4-wide k step of a group
+        let mut t = vec![0i8; 2 * m * k];
         for r in 0..m {
             let (hi, lo) = (&self.hi[r * k..][..k], &self.lo[r * k..][..k]);
-            let at = (r / TILED_ROWS) * 2 * TILED_ROWS * k + (r % TILED_ROWS) * 8;
+            let g0 = r / TILED_ROWS * TILED_ROWS;
+            let step = tiled_step(m, g0);
+            let at = g0 * 2 * k + (r - g0) * 8;
             for (s, (h, l)) in t[at..].chunks_mut(step).zip(hi.chunks_exact(4).zip(lo.chunks_exact(4))) {
                 s[..4].copy_from_slice(h);
                 s[4..8].copy_from_slice(l);
@@ -786,6 +787,12 @@ impl QActs {
         }
         self.tiled = t;
     }
+}
+
+/// Bytes of one 4-wide k step of the `QActs::tiled` group of `m` rows that starts at row `g0`.
+#[inline(always)]
+pub(super) fn tiled_step(m: usize, g0: usize) -> usize {
+    8 * TILED_ROWS.min(m - g0)
 }
 
 /// Rows of one group of `QActs::tiled` (the VNNI tile's largest row count).
@@ -1142,7 +1149,7 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
 
 fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
     let mut v = variant(isa);
-    if v == Isa::Avx512 && a.acts.tiled.len() != m.div_ceil(TILED_ROWS) * 2 * TILED_ROWS * a.w.k {
+    if v == Isa::Avx512 && a.acts.tiled.len() != 2 * m * a.w.k {
         // Activations without the VNNI tile's copy (this module's callers always make it): the
         // scalar tile, which needs none and gives the same bits.
         v = Isa::Scalar;

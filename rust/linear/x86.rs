@@ -40,7 +40,9 @@
 
 use std::arch::x86_64::*;
 
-use super::{tile_order, Args, Muls, Scales, BASE_BUDGET, BASE_CAP, GRID_BLOCKS, PANEL, QBLOCK, TILED_ROWS};
+use super::{
+    tile_order, tiled_step, Args, Muls, Scales, BASE_BUDGET, BASE_CAP, GRID_BLOCKS, PANEL, QBLOCK, TILED_ROWS,
+};
 
 /// How far ahead of the tile the code stream is prefetched. With the 8-row tiles on the AVX-512
 /// VNNI VM, the bundled model through `LLM.generate` (40-token prompts, 128 out; tok/s, 4 + 4
@@ -136,13 +138,10 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: u
     let wp: [*const u8; NP] = std::array::from_fn(|p| unsafe { a.w.codes.as_ptr().add(a.w.code_at[p0 + p]) });
     // Rows r0..r0+R lie in one group of `tiled` (`tile_order` starts passes at multiples of 8 and
     // `job` cuts them 8, 4, 2, 1): the group's base plus the first row's 8 bytes.
-    // SAFETY: the group of row r0 is inside `tiled` (`run_job` checked its length).
-    let xt = unsafe {
-        a.acts
-            .tiled
-            .as_ptr()
-            .add(r0 / TILED_ROWS * 2 * TILED_ROWS * k + r0 % TILED_ROWS * 8)
-    };
+    let g0 = r0 / TILED_ROWS * TILED_ROWS;
+    let gstep = tiled_step(a.acts.tiled.len() / (2 * k), g0);
+    // SAFETY: the group of row r0 is inside `tiled` (`run_job` checked its length: 2·m·k).
+    let xt = unsafe { a.acts.tiled.as_ptr().add(g0 * 2 * k + (r0 - g0) * 8) };
     let mut acc = [[_mm512_setzero_ps(); NP]; R];
     for b in 0..nb {
         if prefetch {
@@ -155,13 +154,13 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: u
                 }
             }
         }
-        // This block's codes and activations: 8 steps of 4 k, 64 bytes apart in both (the 4-bit
-        // layout: two steps a 64-byte line).
+        // This block's codes and activations: 8 steps of 4 k, 64 bytes apart in the codes (the
+        // 4-bit layout: two steps a 64-byte line), `gstep` in the activations.
         // SAFETY: block b < nb of each panel (k*PANEL or k*PANEL/2 bytes from its offset) and of
-        // the rows' group (8 steps of 2*TILED_ROWS*4 bytes each).
+        // the rows' group (8 steps of gstep bytes each).
         let wb: [*const u8; NP] = wp.map(|w| unsafe { w.add(b * block_bytes) });
         // SAFETY: as above.
-        let xb = unsafe { xt.add(b * QBLOCK * 2 * TILED_ROWS) };
+        let xb = unsafe { xt.add(b * QBLOCK / 4 * gstep) };
         // [row][digit][panel]; a single row keeps the even and odd k groups' sums apart (`ib`)
         // so that 4·NP dependency chains, not 2·NP, hide `vpdpbusd`'s latency; the two are added
         // at the block's end (exact integer sums: the same dots).
@@ -188,7 +187,7 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: u
                 for (r, row) in sums.iter_mut().enumerate() {
                     for (d, digit) in row.iter_mut().enumerate() {
                         // SAFETY: step g of row r0+r, digit d: 4 bytes of the block (see `xb`).
-                        let x4 = unsafe { std::ptr::read_unaligned(xb.add($g * 64 + r * 8 + d * 4) as *const i32) };
+                        let x4 = unsafe { std::ptr::read_unaligned(xb.add($g * gstep + r * 8 + d * 4) as *const i32) };
                         let xv = _mm512_set1_epi32(x4);
                         for (acc_i, w) in digit.iter_mut().zip(&wv) {
                             *acc_i = _mm512_dpbusd_epi32(*acc_i, *w, xv);
