@@ -38,7 +38,8 @@
 //! piece of the pass (`PF_NEXT`: the next KV head's piece of the block, or the next block's first
 //! one; the table is random, so at block ends hardware prefetchers cannot follow) is prefetched
 //! into L1, a slice of lines per key pair (logits) or per column group (`acc += p v`), outside
-//! the FMA loops.
+//! the FMA loops; with it, half a tile ahead, the other pass's piece of the same block and head
+//! (this tile's V in the K pass, the next tile's K in the V pass) into L2 (`Pf`).
 //! Prefill: per tile and KV head, the tile is widened once and serves every row and query head
 //! of the unit. Micro-kernels: logits for MB query heads x TB keys with MB*TB independent FMA
 //! chains and 8-way horizontal sums; `acc += p v` with MB x NV accumulators in registers.
@@ -283,10 +284,19 @@ unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st:
                     } else {
                         None
                     };
-                    let pf = match ahead {
+                    let mut pf = match ahead {
                         Some((nb, no, na)) => Pf::new(tile(kv, ctx.shape.offset(nb, hn, no), na * d), na * d * es),
                         None => Pf::NONE,
                     };
+                    // Half a tile further (`Pf::far`): in the K pass this piece's V, in the V pass
+                    // the next tile's K piece in the same place (block i, head h).
+                    let far = match pass {
+                        0 => Some((ctx.v, cur[i])),
+                        _ => (i < nn).then(|| (ctx.k, nxt[i])),
+                    };
+                    if let Some((fkv, (fb, fo, fa))) = far {
+                        pf = pf.with_far(tile(fkv, ctx.shape.offset(fb, h, fo), fa * d), fa * d * es);
+                    }
                     let ptr = tile(kv, ctx.shape.offset(blk, h, off), n * d);
                     let mut hg = 0;
                     while hg < g {
@@ -368,11 +378,20 @@ fn pieces(ctx: &Ctx, seq: usize, t: usize, t_end: usize, out: &mut [(usize, usiz
 /// ahead, was 1.8x slower on config A f16 one thread; a prefetch inside the FMA loops made the
 /// compiler spill the `acc += p v` accumulators to the stack; every other line only, 1.2x slower:
 /// no adjacent-line prefetch to lean on).
+///
+/// Beside it a far piece, half a tile ahead (the other pass's piece of the same block and head),
+/// goes to L2 (`_MM_HINT_T1`) in the same slices: with the next piece alone the prefetch ran
+/// 2-8 KiB ahead of a random table. In one process on the Zen 5 VM, calls alternating with and
+/// without it, 7-11 rounds, medians: SmolLM2's shape (head_dim 64, 2 KiB pieces) float16 0.79 of
+/// the time, config A float32 0.87, float16 0.88-1.02 (three runs).
 #[derive(Clone, Copy)]
 struct Pf {
     p: *const u8,
     /// 64-byte lines from `p` inside the piece (`bytes.div_ceil(64)`).
     lines: usize,
+    /// The far piece (null: none) and its lines.
+    far: *const u8,
+    far_lines: usize,
     /// Lines per part (see `spread`).
     step: usize,
 }
@@ -381,6 +400,8 @@ impl Pf {
     const NONE: Pf = Pf {
         p: std::ptr::null(),
         lines: 0,
+        far: std::ptr::null(),
+        far_lines: 0,
         step: 0,
     };
     /// The piece at `p`, `bytes` long.
@@ -388,7 +409,17 @@ impl Pf {
         Pf {
             p,
             lines: bytes.div_ceil(64),
+            far: std::ptr::null(),
+            far_lines: 0,
             step: 0,
+        }
+    }
+    /// The same, with the far piece at `p`, `bytes` long (cut into the near piece's slices).
+    fn with_far(self, p: *const u8, bytes: usize) -> Pf {
+        Pf {
+            far: p,
+            far_lines: bytes.div_ceil(64),
+            ..self
         }
     }
     /// The same piece cut into `parts` (> 0) parts of whole lines, for `part`.
@@ -399,10 +430,11 @@ impl Pf {
             ..self
         }
     }
-    /// Prefetch parts `lo..hi` into L1.
+    /// Prefetch parts `lo..hi` into L1 (the far piece's into L2).
     ///
     /// # Safety
-    /// `p` points to the `bytes` bytes given to `new` (or this is `NONE`).
+    /// `p` points to the `bytes` bytes given to `new` (or this is `NONE`), `far` to those given
+    /// to `with_far` (or is null with no lines).
     #[inline(always)]
     unsafe fn part(&self, lo: usize, hi: usize) {
         let end = (hi * self.step).min(self.lines);
@@ -413,6 +445,12 @@ impl Pf {
                 let a = self.p.add(64 * l) as *const i8;
                 _mm_prefetch::<_MM_HINT_T0>(a);
             }
+            l += 1;
+        }
+        let (end, mut l) = ((hi * self.step).min(self.far_lines), lo * self.step);
+        while l < end {
+            // SAFETY: l < far_lines, so line l starts inside the far piece.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(self.far.add(64 * l) as *const i8) };
             l += 1;
         }
     }
