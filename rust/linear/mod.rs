@@ -750,7 +750,8 @@ pub struct QActs {
     pub base: Vec<i32>,
     /// `s · (R·Σh + Σl)` over the block.
     pub qs: Vec<f32>,
-    /// Both digits again, in the VNNI tile's order (`pack_tiled`); empty for the other tiles.
+    /// Both digits in the VNNI tile's order (`pack_tiled`): that tile's activations hold only
+    /// these (`hi` and `lo` then empty); empty for the other tiles.
     pub tiled: Vec<i8>,
 }
 
@@ -1010,14 +1011,10 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
     let pool = runtime::pool()?;
     let out_ptr = SendPtr(out.as_mut_ptr());
     pool.install(|| {
-        let mut acts = if variant(isa) == Isa::Scalar {
-            quantize_acts(x, m, k)
-        } else {
-            quantize_par(x, m, k)
+        let acts = match variant(isa) {
+            Isa::Scalar => quantize_acts(x, m, k),
+            v => quantize_par(x, m, k, v == Isa::Avx512),
         };
-        if variant(isa) == Isa::Avx512 {
-            acts.pack_tiled(m, k);
-        }
         let jobs = w.panels().div_ceil(JOB_PANELS);
         (0..jobs).into_par_iter().for_each(|j| {
             let a = Args {
@@ -1057,14 +1054,11 @@ impl<'a> Product<'a> {
     pub fn new(isa: Isa, x: &[f32], m: usize, w: &'a QWeight, out: &'a mut [f32], threads: usize) -> Result<Self> {
         let k = w.k;
         check_shapes(x, m, w, out)?;
-        let mut acts = if variant(isa) == Isa::Scalar {
-            quantize_acts(x, m, k)
-        } else {
-            quantize_fast(x, m, k)
+        let acts = match variant(isa) {
+            Isa::Scalar => quantize_acts(x, m, k),
+            Isa::Avx512 => quantize_tiled(x, m, k),
+            _ => quantize_fast(x, m, k),
         };
-        if variant(isa) == Isa::Avx512 {
-            acts.pack_tiled(m, k);
-        }
         let panels_per_job = JOB_PANELS.max(w.panels().div_ceil(4 * threads.max(1)));
         Ok(Product {
             isa,
@@ -1108,7 +1102,7 @@ fn quantize_fast(x: &[f32], m: usize, k: usize) -> QActs {
     if Isa::Avx512.available() {
         let mut a = QActs::zeroed(m, k);
         // SAFETY: AVX-512 F/BW detected (`Isa::Avx512` includes them); x[..m*k] and the buffers are sized for m rows.
-        unsafe { x86::quantize(&x[..m * k], &mut a) };
+        unsafe { x86::quantize(&x[..m * k], &mut a, x86::Digits::Rows) };
         return a;
     } else if Isa::Avx2.available() {
         let mut a = QActs::zeroed(m, k);
@@ -1119,25 +1113,58 @@ fn quantize_fast(x: &[f32], m: usize, k: usize) -> QActs {
     quantize_acts(x, m, k)
 }
 
-fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
+/// The VNNI tile's activations: the digits in `tiled` only (`hi` and `lo` empty), straight from
+/// the AVX-512 quantizer (the same bytes `pack_tiled` makes of `quantize_acts`; cargo tests).
+fn quantize_tiled(x: &[f32], m: usize, k: usize) -> QActs {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::Avx512.available() {
+        let nb = k / QBLOCK;
+        let mut a = QActs {
+            hi: Vec::new(),
+            lo: Vec::new(),
+            s: vec![0.0; m * nb],
+            base: vec![0; m * nb],
+            qs: vec![0.0; m * nb],
+            tiled: vec![0; 2 * m * k],
+        };
+        // SAFETY: AVX-512 F/BW detected; x[..m*k] holds m rows of k, `tiled` 2·m·k bytes and the
+        // scales m·k/32 entries.
+        unsafe { x86::quantize(&x[..m * k], &mut a, x86::Digits::Tiled { k }) };
+        return a;
+    }
+    let mut a = quantize_acts(x, m, k);
+    a.pack_tiled(m, k);
+    a
+}
+
+/// `quantize_fast` (or `quantize_tiled` when `tiled`) over chunks of 64 rows in parallel. A chunk
+/// starts at a multiple of `TILED_ROWS` rows, so its `tiled` bytes are those of its rows in the whole.
+fn quantize_par(x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
     use rayon::prelude::*;
     const ROWS: usize = 64;
+    const _: () = assert!(ROWS.is_multiple_of(TILED_ROWS));
+    let one = |c: &[f32], rows: usize| {
+        if tiled {
+            quantize_tiled(c, rows, k)
+        } else {
+            quantize_fast(c, rows, k)
+        }
+    };
     if m <= ROWS {
-        return quantize_fast(x, m, k);
+        return one(x, m);
     }
-    let parts: Vec<QActs> = x
-        .par_chunks(ROWS * k)
-        .map(|c| quantize_fast(c, c.len() / k, k))
-        .collect();
+    let parts: Vec<QActs> = x[..m * k].par_chunks(ROWS * k).map(|c| one(c, c.len() / k)).collect();
+    let bytes = if tiled { 0 } else { m * k };
     let mut a = QActs {
-        hi: Vec::with_capacity(m * k),
-        lo: Vec::with_capacity(m * k),
+        hi: Vec::with_capacity(bytes),
+        lo: Vec::with_capacity(bytes),
         s: Vec::new(),
         base: Vec::new(),
         qs: Vec::new(),
-        tiled: Vec::new(),
+        tiled: Vec::with_capacity(2 * m * k - 2 * bytes),
     };
     for p in parts {
+        a.tiled.extend_from_slice(&p.tiled);
         a.hi.extend_from_slice(&p.hi);
         a.lo.extend_from_slice(&p.lo);
         a.s.extend_from_slice(&p.s);
@@ -1150,8 +1177,8 @@ fn quantize_par(x: &[f32], m: usize, k: usize) -> QActs {
 fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
     let mut v = variant(isa);
     if v == Isa::Avx512 && a.acts.tiled.len() != 2 * m * a.w.k {
-        // Activations without the VNNI tile's copy (this module's callers always make it): the
-        // scalar tile, which needs none and gives the same bits.
+        // Activations without the VNNI tile's layout (this module's callers always make it for
+        // that tile, and only then leave `hi` and `lo` empty): the scalar tile, the same bits.
         v = Isa::Scalar;
     }
     if v != Isa::Avx512 {

@@ -202,6 +202,39 @@ fn simd_quantization_equals_scalar_over_block_groups() {
     assert_eq!(bits(&a.qs), bits(&b.qs));
 }
 
+/// The VNNI tile's activations straight from the quantizer (`quantize_tiled`, and its 64-row
+/// parallel chunks) are `pack_tiled` of the scalar digits, with the scalar scales: rows that fill
+/// groups of 8 or not, 16-block groups that cross rows, and a remainder of blocks.
+#[test]
+fn tiled_quantization_equals_packed_scalar_digits() {
+    let mut r = Rng(31);
+    for (m, k) in [
+        (1, 32 * 18),
+        (3, 32 * 9),
+        (8, 32 * 18),
+        (9, 32 * 7),
+        (15, 32 * 48),
+        (70, 32 * 18),
+        (131, 32 * 3),
+    ] {
+        let mut x: Vec<f32> = (0..m * k).map(|_| (r.uniform() - 0.5) * 20.0).collect();
+        x[r.below(m * k)] = f32::NAN;
+        x[r.below(m * k)] = 3000.0;
+        let mut want = quantize_acts(&x, m, k);
+        want.pack_tiled(m, k);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for (name, got) in [("one", quantize_tiled(&x, m, k)), ("par", quantize_par(&x, m, k, true))] {
+            assert_eq!(got.tiled, want.tiled, "{name} m={m} k={k}");
+            assert!(got.hi.is_empty() && got.lo.is_empty(), "{name} m={m} k={k}");
+            assert_eq!(bits(&got.s), bits(&want.s), "{name} m={m} k={k}");
+            assert_eq!(got.base, want.base, "{name} m={m} k={k}");
+            assert_eq!(bits(&got.qs), bits(&want.qs), "{name} m={m} k={k}");
+        }
+        let rows = quantize_par(&x, m, k, false);
+        assert_eq!((rows.hi, rows.lo), (want.hi, want.lo), "rows m={m} k={k}");
+    }
+}
+
 #[test]
 fn a_row_does_not_depend_on_its_neighbours() {
     let mut r = Rng(99);

@@ -280,14 +280,44 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: u
 /// The CPU has AVX-512 F and BW; `x` holds `a.hi.len()` floats, a multiple of 32, and the scale
 /// vectors hold one entry per 32.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(super) unsafe fn quantize(x: &[f32], a: &mut super::QActs) {
+pub(super) unsafe fn quantize(x: &[f32], a: &mut super::QActs, to: Digits) {
     let groups = x.len() / (16 * QBLOCK);
     for g in 0..groups {
         // SAFETY: blocks 16g..16g+16 are inside x and the digit and scale buffers.
-        unsafe { quantize16(&x[g * 16 * QBLOCK..][..16 * QBLOCK], a, g * 16) };
+        unsafe { quantize16(&x[g * 16 * QBLOCK..][..16 * QBLOCK], a, g * 16, to) };
     }
     // SAFETY: forwarded.
-    unsafe { quantize_each(x, a, groups * 16) };
+    unsafe { quantize_each(x, a, groups * 16, to) };
+}
+
+/// Where `quantize` puts the digits: `hi` and `lo` (every tile reads them), or only `tiled` for
+/// rows of `k` (the VNNI tile's layout, `QActs::pack_tiled`; `hi` and `lo` stay untouched).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Digits {
+    Rows,
+    Tiled { k: usize },
+}
+
+/// Block `i`'s two digits into `a.tiled` (rows of `k`): `steps[j]` = the 4 `hi` bytes of k step j
+/// of the block, then its 4 `lo` bytes (little-endian), to step j of the block's row in its group.
+///
+/// # Safety
+/// `a.tiled` holds `2·m·k` bytes for `m` rows, and block `i` (of `k / 32` a row) is in one of them.
+#[inline(always)]
+unsafe fn store_tiled(a: &mut super::QActs, k: usize, i: usize, steps: &[u64; 8]) {
+    let nb = k / QBLOCK;
+    let m = a.tiled.len() / (2 * k);
+    let (row, bi) = (i / nb, i % nb);
+    let g0 = row / TILED_ROWS * TILED_ROWS;
+    let gstep = tiled_step(m, g0);
+    let at = g0 * 2 * k + (row - g0) * 8 + bi * (QBLOCK / 4) * gstep;
+    debug_assert!(row < m && at + 7 * gstep + 8 <= a.tiled.len());
+    let p = a.tiled.as_mut_ptr();
+    for (j, &q) in steps.iter().enumerate() {
+        // SAFETY: step bi·8 + j < k/4 of the row's group (2·rows·k bytes from g0·2k), 8 bytes at
+        // the row's offset inside the step (contract).
+        unsafe { std::ptr::write_unaligned(p.add(at + j * gstep) as *mut u64, q) };
+    }
 }
 
 /// The per-block form, for blocks `from..` of `x`.
@@ -295,16 +325,30 @@ pub(super) unsafe fn quantize(x: &[f32], a: &mut super::QActs) {
 /// # Safety
 /// As for `quantize`.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn quantize_each(x: &[f32], a: &mut super::QActs, from: usize) {
+unsafe fn quantize_each(x: &[f32], a: &mut super::QActs, from: usize, to: Digits) {
     for (i, blk) in x.chunks_exact(QBLOCK).enumerate().skip(from) {
         // SAFETY: blk has 32 floats.
         let v = unsafe { [_mm512_loadu_ps(blk.as_ptr()), _mm512_loadu_ps(blk.as_ptr().add(16))] };
         let (s, base, qs, h, l) = digits(v);
-        // SAFETY: block i has 32 codes in each digit buffer.
-        unsafe {
-            for (dst, q) in [(a.hi.as_mut_ptr(), h), (a.lo.as_mut_ptr(), l)] {
-                _mm_storeu_si128(dst.add(i * QBLOCK) as *mut __m128i, _mm512_cvtsepi32_epi8(q[0]));
-                _mm_storeu_si128(dst.add(i * QBLOCK + 16) as *mut __m128i, _mm512_cvtsepi32_epi8(q[1]));
+        let mut bytes = [[0i8; QBLOCK]; 2];
+        for (dst, q) in bytes.iter_mut().zip([h, l]) {
+            // SAFETY: dst holds 32 bytes.
+            unsafe {
+                _mm_storeu_si128(dst.as_mut_ptr() as *mut __m128i, _mm512_cvtsepi32_epi8(q[0]));
+                _mm_storeu_si128(dst.as_mut_ptr().add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(q[1]));
+            }
+        }
+        match to {
+            Digits::Rows => {
+                a.hi[i * QBLOCK..][..QBLOCK].copy_from_slice(&bytes[0]);
+                a.lo[i * QBLOCK..][..QBLOCK].copy_from_slice(&bytes[1]);
+            }
+            Digits::Tiled { k } => {
+                let word =
+                    |d: &[i8; QBLOCK], j: usize| u32::from_le_bytes(std::array::from_fn(|b| d[4 * j + b] as u8)) as u64;
+                let steps: [u64; 8] = std::array::from_fn(|j| word(&bytes[0], j) | word(&bytes[1], j) << 32);
+                // SAFETY: block i is inside the rows `tiled` was sized for (caller).
+                unsafe { store_tiled(a, k, i, &steps) };
             }
         }
         a.s[i] = s;
@@ -410,7 +454,7 @@ fn codes16<const ABS: bool>(v: &[[__m512; 2]; 16], inv: __m512, skip: u16) -> (_
 /// # Safety
 /// As for `quantize`; blocks `at..at+16` are inside the digit and scale buffers.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn quantize16(x: &[f32], a: &mut super::QActs, at: usize) {
+unsafe fn quantize16(x: &[f32], a: &mut super::QActs, at: usize, to: Digits) {
     debug_assert!(x.len() == 16 * QBLOCK && at + 16 <= a.qs.len());
     // SAFETY: x holds 16 blocks of 32 floats.
     let v: [[__m512; 2]; 16] = std::array::from_fn(|b| unsafe {
@@ -452,7 +496,14 @@ unsafe fn quantize16(x: &[f32], a: &mut super::QActs, at: usize) {
     // 128-bit lane k holds dwords h[4k..], h[16+4k..], l[4k..], l[16+4k..]; the 4x4 dword transpose
     // puts h's 32 bytes, then l's, in order.
     // SAFETY: LANE_BLOCK holds 16 u32.
-    let order = unsafe { _mm512_loadu_si512(LANE_BLOCK.as_ptr() as *const _) };
+    // For `Digits::Tiled`, dword pairs (h[4j..], l[4j..]) for k steps j = 0..8 instead: h[4j..] is
+    // dword 4j of `packed` for j < 4 and 4(j-4)+1 after, l[4j..] two dwords on.
+    let order = match to {
+        Digits::Rows => LANE_BLOCK,
+        Digits::Tiled { .. } => [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15],
+    };
+    // SAFETY: order holds 16 u32.
+    let order = unsafe { _mm512_loadu_si512(order.as_ptr() as *const _) };
     for b in 0..16 {
         let i = at + b;
         let packed = _mm512_packs_epi16(
@@ -460,16 +511,26 @@ unsafe fn quantize16(x: &[f32], a: &mut super::QActs, at: usize) {
             _mm512_packs_epi32(l[b][0], l[b][1]),
         );
         let both = _mm512_permutexvar_epi32(order, packed);
-        // SAFETY: block i has 32 codes in each digit buffer.
-        unsafe {
-            _mm256_storeu_si256(
-                a.hi.as_mut_ptr().add(i * QBLOCK) as *mut __m256i,
-                _mm512_castsi512_si256(both),
-            );
-            _mm256_storeu_si256(
-                a.lo.as_mut_ptr().add(i * QBLOCK) as *mut __m256i,
-                _mm512_extracti64x4_epi64::<1>(both),
-            );
+        match to {
+            // SAFETY: block i has 32 codes in each digit buffer.
+            Digits::Rows => unsafe {
+                _mm256_storeu_si256(
+                    a.hi.as_mut_ptr().add(i * QBLOCK) as *mut __m256i,
+                    _mm512_castsi512_si256(both),
+                );
+                _mm256_storeu_si256(
+                    a.lo.as_mut_ptr().add(i * QBLOCK) as *mut __m256i,
+                    _mm512_extracti64x4_epi64::<1>(both),
+                );
+            },
+            Digits::Tiled { k } => {
+                let mut steps = [0u64; 8];
+                // SAFETY: steps holds 64 bytes; block i is inside the rows `tiled` was sized for.
+                unsafe {
+                    _mm512_storeu_si512(steps.as_mut_ptr() as *mut _, both);
+                    store_tiled(a, k, i, &steps);
+                }
+            }
         }
     }
     let s = _mm512_div_ps(amax, units);
