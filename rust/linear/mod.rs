@@ -790,6 +790,67 @@ impl QActs {
     }
 }
 
+/// The digit and scale buffers of some whole rows of a `QActs` (`rows_mut`, `split`): what a
+/// quantizer fills, so that chunks of rows can be quantized in parallel in place.
+pub(super) struct ActsMut<'a> {
+    pub hi: &'a mut [i8],
+    pub lo: &'a mut [i8],
+    pub s: &'a mut [f32],
+    pub base: &'a mut [i32],
+    pub qs: &'a mut [f32],
+    pub tiled: &'a mut [i8],
+}
+
+impl QActs {
+    /// Every row's buffers.
+    pub(super) fn rows_mut(&mut self) -> ActsMut<'_> {
+        ActsMut {
+            hi: &mut self.hi,
+            lo: &mut self.lo,
+            s: &mut self.s,
+            base: &mut self.base,
+            qs: &mut self.qs,
+            tiled: &mut self.tiled,
+        }
+    }
+}
+
+impl<'a> ActsMut<'a> {
+    /// The first `rows` rows of `k` and the rest (an empty buffer stays empty on both sides; a
+    /// cut of `tiled` is a group boundary when `rows` is a multiple of `TILED_ROWS`).
+    pub(super) fn split(self, rows: usize, k: usize) -> (ActsMut<'a>, ActsMut<'a>) {
+        fn cut<T>(v: &mut [T], at: usize) -> (&mut [T], &mut [T]) {
+            let at = at.min(v.len());
+            v.split_at_mut(at)
+        }
+        let nb = rows * k / QBLOCK;
+        let (hi, hi2) = cut(self.hi, rows * k);
+        let (lo, lo2) = cut(self.lo, rows * k);
+        let (s, s2) = cut(self.s, nb);
+        let (base, base2) = cut(self.base, nb);
+        let (qs, qs2) = cut(self.qs, nb);
+        let (tiled, tiled2) = cut(self.tiled, 2 * rows * k);
+        (
+            ActsMut {
+                hi,
+                lo,
+                s,
+                base,
+                qs,
+                tiled,
+            },
+            ActsMut {
+                hi: hi2,
+                lo: lo2,
+                s: s2,
+                base: base2,
+                qs: qs2,
+                tiled: tiled2,
+            },
+        )
+    }
+}
+
 /// Bytes of one 4-wide k step of the `QActs::tiled` group of `m` rows that starts at row `g0`.
 #[inline(always)]
 pub(super) fn tiled_step(m: usize, g0: usize) -> usize {
@@ -1044,6 +1105,9 @@ pub struct Product<'a> {
     _out: std::marker::PhantomData<&'a mut [f32]>,
 }
 
+/// Rows from which `Product::new` quantizes in parallel chunks.
+const TEAM_QUANTIZE_ROWS: usize = 16;
+
 impl<'a> Product<'a> {
     /// Check the shapes and quantize `x` (on this thread); `threads` sizes the jobs (about 4 a
     /// thread, at least `JOB_PANELS` panels each). Each job is two contended atomic operations on
@@ -1056,7 +1120,10 @@ impl<'a> Product<'a> {
         check_shapes(x, m, w, out)?;
         let acts = match variant(isa) {
             Isa::Scalar => quantize_acts(x, m, k),
-            Isa::Avx512 => quantize_tiled(x, m, k),
+            // Rows in chunks a thread from TEAM_QUANTIZE_ROWS on: the team's idle helpers take
+            // the other chunks from rayon (`Team::help`).
+            Isa::Avx512 if m >= TEAM_QUANTIZE_ROWS => quantize_tiled(x, m, k, m.div_ceil(threads.max(1))),
+            Isa::Avx512 => quantize_tiled(x, m, k, m),
             _ => quantize_fast(x, m, k),
         };
         let panels_per_job = JOB_PANELS.max(w.panels().div_ceil(4 * threads.max(1)));
@@ -1102,7 +1169,7 @@ fn quantize_fast(x: &[f32], m: usize, k: usize) -> QActs {
     if Isa::Avx512.available() {
         let mut a = QActs::zeroed(m, k);
         // SAFETY: AVX-512 F/BW detected (`Isa::Avx512` includes them); x[..m*k] and the buffers are sized for m rows.
-        unsafe { x86::quantize(&x[..m * k], &mut a, x86::Digits::Rows) };
+        unsafe { x86::quantize(&x[..m * k], &mut a.rows_mut(), x86::Digits::Rows) };
         return a;
     } else if Isa::Avx2.available() {
         let mut a = QActs::zeroed(m, k);
@@ -1114,10 +1181,13 @@ fn quantize_fast(x: &[f32], m: usize, k: usize) -> QActs {
 }
 
 /// The VNNI tile's activations: the digits in `tiled` only (`hi` and `lo` empty), straight from
-/// the AVX-512 quantizer (the same bytes `pack_tiled` makes of `quantize_acts`; cargo tests).
-fn quantize_tiled(x: &[f32], m: usize, k: usize) -> QActs {
+/// the AVX-512 quantizer (the same bytes `pack_tiled` makes of `quantize_acts`; cargo tests), in
+/// chunks of `chunk` rows (rounded up to a multiple of `TILED_ROWS`) on the rayon pool when there
+/// is more than one, each written in place.
+fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize) -> QActs {
     #[cfg(target_arch = "x86_64")]
     if Isa::Avx512.available() {
+        use rayon::prelude::*;
         let nb = k / QBLOCK;
         let mut a = QActs {
             hi: Vec::new(),
@@ -1127,44 +1197,56 @@ fn quantize_tiled(x: &[f32], m: usize, k: usize) -> QActs {
             qs: vec![0.0; m * nb],
             tiled: vec![0; 2 * m * k],
         };
-        // SAFETY: AVX-512 F/BW detected; x[..m*k] holds m rows of k, `tiled` 2·m·k bytes and the
-        // scales m·k/32 entries.
-        unsafe { x86::quantize(&x[..m * k], &mut a, x86::Digits::Tiled { k }) };
+        let chunk = chunk.max(1).next_multiple_of(TILED_ROWS);
+        let mut parts = Vec::with_capacity(m.div_ceil(chunk));
+        let (mut rest, mut r) = (a.rows_mut(), 0);
+        while r < m {
+            let n = chunk.min(m - r);
+            let (head, tail) = rest.split(n, k);
+            parts.push((&x[r * k..(r + n) * k], head));
+            (rest, r) = (tail, r + n);
+        }
+        let run = |(xc, mut v): (&[f32], ActsMut)| {
+            // SAFETY: AVX-512 F/BW detected; xc holds whole rows, and v is those rows' `tiled` and
+            // scale buffers (`split` at multiples of TILED_ROWS rows: their own groups).
+            unsafe { x86::quantize(xc, &mut v, x86::Digits::Tiled { k }) }
+        };
+        if parts.len() > 1 {
+            parts.into_par_iter().for_each(run);
+        } else {
+            parts.into_iter().for_each(run);
+        }
         return a;
     }
+    let _ = chunk;
     let mut a = quantize_acts(x, m, k);
     a.pack_tiled(m, k);
     a
 }
 
-/// `quantize_fast` (or `quantize_tiled` when `tiled`) over chunks of 64 rows in parallel. A chunk
-/// starts at a multiple of `TILED_ROWS` rows, so its `tiled` bytes are those of its rows in the whole.
+/// `quantize_fast` over chunks of 64 rows in parallel (`quantize_tiled` in such chunks when `tiled`).
 fn quantize_par(x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
     use rayon::prelude::*;
     const ROWS: usize = 64;
-    const _: () = assert!(ROWS.is_multiple_of(TILED_ROWS));
-    let one = |c: &[f32], rows: usize| {
-        if tiled {
-            quantize_tiled(c, rows, k)
-        } else {
-            quantize_fast(c, rows, k)
-        }
-    };
-    if m <= ROWS {
-        return one(x, m);
+    if tiled {
+        return quantize_tiled(x, m, k, ROWS);
     }
-    let parts: Vec<QActs> = x[..m * k].par_chunks(ROWS * k).map(|c| one(c, c.len() / k)).collect();
-    let bytes = if tiled { 0 } else { m * k };
+    if m <= ROWS {
+        return quantize_fast(x, m, k);
+    }
+    let parts: Vec<QActs> = x[..m * k]
+        .par_chunks(ROWS * k)
+        .map(|c| quantize_fast(c, c.len() / k, k))
+        .collect();
     let mut a = QActs {
-        hi: Vec::with_capacity(bytes),
-        lo: Vec::with_capacity(bytes),
+        hi: Vec::with_capacity(m * k),
+        lo: Vec::with_capacity(m * k),
         s: Vec::new(),
         base: Vec::new(),
         qs: Vec::new(),
-        tiled: Vec::with_capacity(2 * m * k - 2 * bytes),
+        tiled: Vec::new(),
     };
     for p in parts {
-        a.tiled.extend_from_slice(&p.tiled);
         a.hi.extend_from_slice(&p.hi);
         a.lo.extend_from_slice(&p.lo);
         a.s.extend_from_slice(&p.s);

@@ -202,8 +202,8 @@ fn simd_quantization_equals_scalar_over_block_groups() {
     assert_eq!(bits(&a.qs), bits(&b.qs));
 }
 
-/// The VNNI tile's activations straight from the quantizer (`quantize_tiled`, and its 64-row
-/// parallel chunks) are `pack_tiled` of the scalar digits, with the scalar scales: rows that fill
+/// The VNNI tile's activations straight from the quantizer (`quantize_tiled`, whole or in parallel
+/// chunks of rows) are `pack_tiled` of the scalar digits, with the scalar scales: rows that fill
 /// groups of 8 or not, 16-block groups that cross rows, and a remainder of blocks.
 #[test]
 fn tiled_quantization_equals_packed_scalar_digits() {
@@ -223,7 +223,13 @@ fn tiled_quantization_equals_packed_scalar_digits() {
         let mut want = quantize_acts(&x, m, k);
         want.pack_tiled(m, k);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        for (name, got) in [("one", quantize_tiled(&x, m, k)), ("par", quantize_par(&x, m, k, true))] {
+        let chunked = [
+            ("one", quantize_tiled(&x, m, k, m)),
+            ("par", quantize_par(&x, m, k, true)),
+            ("8-row chunks", quantize_tiled(&x, m, k, 8)),
+            ("uneven chunks", quantize_tiled(&x, m, k, m.div_ceil(3))),
+        ];
+        for (name, got) in chunked {
             assert_eq!(got.tiled, want.tiled, "{name} m={m} k={k}");
             assert!(got.hi.is_empty() && got.lo.is_empty(), "{name} m={m} k={k}");
             assert_eq!(bits(&got.s), bits(&want.s), "{name} m={m} k={k}");

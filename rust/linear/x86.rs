@@ -21,11 +21,13 @@
 //! row took 16 row pointers for the 8-row tile, more than the general registers hold beside the
 //! loop's own. In one process, 30 SmolLM2-shaped layers of 4-bit products, 9-11 alternating
 //! rounds on the Zen 5 VM, medians of tiled / row-by-row time: M=8 0.99, M=32 0.90, M=128 0.86,
-//! M=512 0.89 (the copy into `tiled` included; the same bits).
+//! M=512 0.89 (the copy into `tiled` included; the same bits). `quantize` now writes that layout
+//! itself for the VNNI tile (`Digits::Tiled`; no `hi` / `lo` rows, no copy).
 //!
 //! `quantize` (the activations' two digits) takes 16 blocks at a time: their max |x| and digit sums
 //! reduced together by one shuffle tree (`reduce16`), the divisions and scale stores as vectors,
-//! the codes packed and stored both digits at once; a remainder of < 16 blocks goes block by block.
+//! the codes packed and stored both digits at once (as `hi` and `lo` rows, or as the tiled steps);
+//! a remainder of < 16 blocks goes block by block.
 //! In one process, 3000 alternating calls of each (32 and 512 rows of 576): the block-by-block form
 //! 18.9-20.4 ns a block (p10-p50), the 16-block one 12.0-12.2 when the core is quiet and up to
 //! 18-21 when it is not (the throughput-bound form shares the core with the VM's neighbours; the
@@ -277,10 +279,11 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: u
 /// 16 blocks at a time (`quantize16`), the rest one by one.
 ///
 /// # Safety
-/// The CPU has AVX-512 F and BW; `x` holds `a.hi.len()` floats, a multiple of 32, and the scale
-/// vectors hold one entry per 32.
+/// The CPU has AVX-512 F and BW; `x` holds whole rows (of `k` for `Digits::Tiled { k }`), a
+/// multiple of 32 floats; `a` is those rows' buffers: `hi` and `lo` one byte a float for
+/// `Digits::Rows`, `tiled` two for `Digits::Tiled`, and the scale vectors one entry per 32.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(super) unsafe fn quantize(x: &[f32], a: &mut super::QActs, to: Digits) {
+pub(super) unsafe fn quantize(x: &[f32], a: &mut super::ActsMut, to: Digits) {
     let groups = x.len() / (16 * QBLOCK);
     for g in 0..groups {
         // SAFETY: blocks 16g..16g+16 are inside x and the digit and scale buffers.
@@ -304,7 +307,7 @@ pub(super) enum Digits {
 /// # Safety
 /// `a.tiled` holds `2·m·k` bytes for `m` rows, and block `i` (of `k / 32` a row) is in one of them.
 #[inline(always)]
-unsafe fn store_tiled(a: &mut super::QActs, k: usize, i: usize, steps: &[u64; 8]) {
+unsafe fn store_tiled(a: &mut super::ActsMut, k: usize, i: usize, steps: &[u64; 8]) {
     let nb = k / QBLOCK;
     let m = a.tiled.len() / (2 * k);
     let (row, bi) = (i / nb, i % nb);
@@ -325,7 +328,7 @@ unsafe fn store_tiled(a: &mut super::QActs, k: usize, i: usize, steps: &[u64; 8]
 /// # Safety
 /// As for `quantize`.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn quantize_each(x: &[f32], a: &mut super::QActs, from: usize, to: Digits) {
+unsafe fn quantize_each(x: &[f32], a: &mut super::ActsMut, from: usize, to: Digits) {
     for (i, blk) in x.chunks_exact(QBLOCK).enumerate().skip(from) {
         // SAFETY: blk has 32 floats.
         let v = unsafe { [_mm512_loadu_ps(blk.as_ptr()), _mm512_loadu_ps(blk.as_ptr().add(16))] };
@@ -454,7 +457,7 @@ fn codes16<const ABS: bool>(v: &[[__m512; 2]; 16], inv: __m512, skip: u16) -> (_
 /// # Safety
 /// As for `quantize`; blocks `at..at+16` are inside the digit and scale buffers.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn quantize16(x: &[f32], a: &mut super::QActs, at: usize, to: Digits) {
+unsafe fn quantize16(x: &[f32], a: &mut super::ActsMut, at: usize, to: Digits) {
     debug_assert!(x.len() == 16 * QBLOCK && at + 16 <= a.qs.len());
     // SAFETY: x holds 16 blocks of 32 floats.
     let v: [[__m512; 2]; 16] = std::array::from_fn(|b| unsafe {
