@@ -857,6 +857,14 @@ pub(super) fn tiled_step(m: usize, g0: usize) -> usize {
     8 * TILED_ROWS.min(m - g0)
 }
 
+/// Rows from which the VNNI tile takes its activations tiled (`QActs::tiled`); below, as `hi` and
+/// `lo` rows (no 8-row tile runs there, and the tiled layout pays from 8 rows on: x86.rs). One
+/// sequence, `LLM.generate` on one thread, 128 tokens, 4 alternated rounds on the Zen 5 VM: 5.8-6.6
+/// ms a token with row digits (the tile before the tiled layout) against 6.2-6.7 (tiled, the group
+/// step a constant) and 6.5-7.1 (tiled, a run-time step); with rows below 8 rows, the same samples
+/// in the tiles as the row-digit build under `perf record` (22128 vs 22538).
+pub(super) const TILED_MIN_ROWS: usize = 8;
+
 /// Rows of one group of `QActs::tiled` (the VNNI tile's largest row count).
 pub(super) const TILED_ROWS: usize = 8;
 
@@ -1074,7 +1082,7 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
     pool.install(|| {
         let acts = match variant(isa) {
             Isa::Scalar => quantize_acts(x, m, k),
-            v => quantize_par(x, m, k, v == Isa::Avx512),
+            v => quantize_par(x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
         };
         let jobs = w.panels().div_ceil(JOB_PANELS);
         (0..jobs).into_par_iter().for_each(|j| {
@@ -1123,7 +1131,7 @@ impl<'a> Product<'a> {
             // Rows in chunks a thread from TEAM_QUANTIZE_ROWS on: the team's idle helpers take
             // the other chunks from rayon (`Team::help`).
             Isa::Avx512 if m >= TEAM_QUANTIZE_ROWS => quantize_tiled(x, m, k, m.div_ceil(threads.max(1))),
-            Isa::Avx512 => quantize_tiled(x, m, k, m),
+            Isa::Avx512 if m >= TILED_MIN_ROWS => quantize_tiled(x, m, k, m),
             _ => quantize_fast(x, m, k),
         };
         let panels_per_job = JOB_PANELS.max(w.panels().div_ceil(4 * threads.max(1)));
@@ -1258,9 +1266,9 @@ fn quantize_par(x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
 
 fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
     let mut v = variant(isa);
-    if v == Isa::Avx512 && a.acts.tiled.len() != 2 * m * a.w.k {
-        // Activations without the VNNI tile's layout (this module's callers always make it for
-        // that tile, and only then leave `hi` and `lo` empty): the scalar tile, the same bits.
+    let (tiled, rows) = (a.acts.tiled.len() == 2 * m * a.w.k, a.acts.hi.len() == m * a.w.k);
+    if v == Isa::Avx512 && !tiled && !rows {
+        // Neither layout in full (this module's callers always make one): the scalar tile.
         v = Isa::Scalar;
     }
     if v != Isa::Avx512 {

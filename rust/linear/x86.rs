@@ -102,16 +102,51 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
 /// As for `tile`, for each panel of the range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn rows_tile<const NIB: bool>(a: &Args, r: usize, take: usize, ps: usize, pn: usize, first: bool) {
+    let g0 = r / TILED_ROWS * TILED_ROWS;
+    let gstep = if a.acts.tiled.is_empty() {
+        ROW_DIGITS
+    } else {
+        tiled_step(a.acts.tiled.len() / (2 * a.w.k), g0)
+    };
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match gstep {
+            ROW_DIGITS => rows_tile_gs::<NIB, ROW_DIGITS>(a, r, take, ps, pn, first),
+            64 => rows_tile_gs::<NIB, 64>(a, r, take, ps, pn, first),
+            8 => rows_tile_gs::<NIB, 8>(a, r, take, ps, pn, first),
+            _ => rows_tile_gs::<NIB, 0>(a, r, take, ps, pn, first),
+        }
+    }
+}
+
+/// `GS` of a tile that reads the digits from the `hi` and `lo` rows (activations of fewer than
+/// `TILED_MIN_ROWS` rows) rather than from `tiled` (no group step is 1).
+const ROW_DIGITS: usize = 1;
+
+/// `rows_tile` with the rows' group step `GS` known when it is not 0 (full groups and single rows),
+/// or the row layout (`ROW_DIGITS`).
+///
+/// # Safety
+/// As for `rows_tile`; `GS` is 0, the rows' group step, or `ROW_DIGITS` when `tiled` is empty.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn rows_tile_gs<const NIB: bool, const GS: usize>(
+    a: &Args,
+    r: usize,
+    take: usize,
+    ps: usize,
+    pn: usize,
+    first: bool,
+) {
     // SAFETY: forwarded from the caller.
     unsafe {
         match (take, pn) {
-            (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, NIB>(a, r, p, first)),
-            (4, 2) => tile::<4, 2, NIB>(a, r, ps, first),
-            (4, _) => tile::<4, 1, NIB>(a, r, ps, first),
-            (2, 2) => tile::<2, 2, NIB>(a, r, ps, first),
-            (2, _) => tile::<2, 1, NIB>(a, r, ps, first),
-            (_, 2) => tile::<1, 2, NIB>(a, r, ps, first),
-            (_, _) => tile::<1, 1, NIB>(a, r, ps, first),
+            (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, NIB, GS>(a, r, p, first)),
+            (4, 2) => tile::<4, 2, NIB, GS>(a, r, ps, first),
+            (4, _) => tile::<4, 1, NIB, GS>(a, r, ps, first),
+            (2, 2) => tile::<2, 2, NIB, GS>(a, r, ps, first),
+            (2, _) => tile::<2, 1, NIB, GS>(a, r, ps, first),
+            (_, 2) => tile::<1, 2, NIB, GS>(a, r, ps, first),
+            (_, _) => tile::<1, 1, NIB, GS>(a, r, ps, first),
         }
     }
 }
@@ -122,7 +157,12 @@ unsafe fn rows_tile<const NIB: bool>(a: &Args, r: usize, take: usize, ps: usize,
 /// # Safety
 /// As for `job`; rows `r0..r0+R` are inside the activations and `p0 + NP <= panels`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: usize, p0: usize, prefetch: bool) {
+unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize>(
+    a: &Args,
+    r0: usize,
+    p0: usize,
+    prefetch: bool,
+) {
     const _: () = assert!(
         QBLOCK == 32 && TILED_ROWS == 8,
         "the unrolled block below is 8 steps of 4"
@@ -141,9 +181,26 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: u
     // Rows r0..r0+R lie in one group of `tiled` (`tile_order` starts passes at multiples of 8 and
     // `job` cuts them 8, 4, 2, 1): the group's base plus the first row's 8 bytes.
     let g0 = r0 / TILED_ROWS * TILED_ROWS;
-    let gstep = tiled_step(a.acts.tiled.len() / (2 * k), g0);
-    // SAFETY: the group of row r0 is inside `tiled` (`run_job` checked its length: 2·m·k).
-    let xt = unsafe { a.acts.tiled.as_ptr().add(g0 * 2 * k + (r0 - g0) * 8) };
+    let rows = GS == ROW_DIGITS;
+    let gstep = match GS {
+        0 => tiled_step(a.acts.tiled.len() / (2 * k), g0),
+        ROW_DIGITS => 0,
+        _ => GS,
+    };
+    debug_assert!(rows || gstep == tiled_step(a.acts.tiled.len() / (2 * k), g0));
+    // Tiled: the group's base plus the first row's 8 bytes. Rows: row r0 of `hi` and of `lo`.
+    // Only addresses here (`wrapping_add`); each read below says why it is in bounds.
+    let (xt, xh, xl) = if rows {
+        let (h, l) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
+        (std::ptr::null(), h.wrapping_add(r0 * k), l.wrapping_add(r0 * k))
+    } else {
+        let t = a.acts.tiled.as_ptr();
+        (
+            t.wrapping_add(g0 * 2 * k + (r0 - g0) * 8),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
     let mut acc = [[_mm512_setzero_ps(); NP]; R];
     for b in 0..nb {
         if prefetch {
@@ -158,11 +215,9 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: u
         }
         // This block's codes and activations: 8 steps of 4 k, 64 bytes apart in the codes (the
         // 4-bit layout: two steps a 64-byte line), `gstep` in the activations.
-        // SAFETY: block b < nb of each panel (k*PANEL or k*PANEL/2 bytes from its offset) and of
-        // the rows' group (8 steps of gstep bytes each).
+        // SAFETY: block b < nb of each panel (k*PANEL or k*PANEL/2 bytes from its offset).
         let wb: [*const u8; NP] = wp.map(|w| unsafe { w.add(b * block_bytes) });
-        // SAFETY: as above.
-        let xb = unsafe { xt.add(b * QBLOCK / 4 * gstep) };
+        let xb: *const i8 = xt.wrapping_add(b * QBLOCK / 4 * gstep);
         // [row][digit][panel]; a single row keeps the even and odd k groups' sums apart (`ib`)
         // so that 4·NP dependency chains, not 2·NP, hide `vpdpbusd`'s latency; the two are added
         // at the block's end (exact integer sums: the same dots).
@@ -188,8 +243,15 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool>(a: &Args, r0: u
                 let sums = if R == 1 && $g % 2 == 1 { &mut ib } else { &mut ia };
                 for (r, row) in sums.iter_mut().enumerate() {
                     for (d, digit) in row.iter_mut().enumerate() {
-                        // SAFETY: step g of row r0+r, digit d: 4 bytes of the block (see `xb`).
-                        let x4 = unsafe { std::ptr::read_unaligned(xb.add($g * gstep + r * 8 + d * 4) as *const i32) };
+                        let at = if rows {
+                            [xh, xl][d].wrapping_add(r * k + b * QBLOCK + $g * 4)
+                        } else {
+                            xb.wrapping_add($g * gstep + r * 8 + d * 4)
+                        };
+                        // SAFETY: step g of row r0+r, digit d: 4 bytes of block b in the row's `hi`
+                        // / `lo` (rows r0..r0+R of m, `run_job` checked m·k bytes), or in the rows'
+                        // group of `tiled` (`run_job` checked 2·m·k bytes; the group holds step g).
+                        let x4 = unsafe { std::ptr::read_unaligned(at as *const i32) };
                         let xv = _mm512_set1_epi32(x4);
                         for (acc_i, w) in digit.iter_mut().zip(&wv) {
                             *acc_i = _mm512_dpbusd_epi32(*acc_i, *w, xv);
