@@ -83,9 +83,9 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
             // inside p0..p0+np, all of them 4-bit exactly when `nib`.
             unsafe {
                 if nib {
-                    rows_tile::<true>(a, r, take, ps, pn, first)
+                    rows_tile::<true>(a, m, r, take, ps, pn, first)
                 } else {
-                    rows_tile::<false>(a, r, take, ps, pn, first)
+                    rows_tile::<false>(a, m, r, take, ps, pn, first)
                 }
             }
             r += take;
@@ -101,20 +101,20 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
 /// # Safety
 /// As for `tile`, for each panel of the range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn rows_tile<const NIB: bool>(a: &Args, r: usize, take: usize, ps: usize, pn: usize, first: bool) {
+unsafe fn rows_tile<const NIB: bool>(a: &Args, m: usize, r: usize, take: usize, ps: usize, pn: usize, first: bool) {
     let g0 = r / TILED_ROWS * TILED_ROWS;
     let gstep = if a.acts.tiled.is_empty() {
         ROW_DIGITS
     } else {
-        tiled_step(a.acts.tiled.len() / (2 * a.w.k), g0)
+        tiled_step(m, g0)
     };
     // SAFETY: forwarded from the caller.
     unsafe {
         match gstep {
-            ROW_DIGITS => rows_tile_gs::<NIB, ROW_DIGITS>(a, r, take, ps, pn, first),
-            64 => rows_tile_gs::<NIB, 64>(a, r, take, ps, pn, first),
-            8 => rows_tile_gs::<NIB, 8>(a, r, take, ps, pn, first),
-            _ => rows_tile_gs::<NIB, 0>(a, r, take, ps, pn, first),
+            ROW_DIGITS => rows_tile_gs::<NIB, ROW_DIGITS>(a, r, take, ps, pn, first, gstep),
+            64 => rows_tile_gs::<NIB, 64>(a, r, take, ps, pn, first, gstep),
+            8 => rows_tile_gs::<NIB, 8>(a, r, take, ps, pn, first, gstep),
+            _ => rows_tile_gs::<NIB, 0>(a, r, take, ps, pn, first, gstep),
         }
     }
 }
@@ -127,7 +127,8 @@ const ROW_DIGITS: usize = 1;
 /// or the row layout (`ROW_DIGITS`).
 ///
 /// # Safety
-/// As for `rows_tile`; `GS` is 0, the rows' group step, or `ROW_DIGITS` when `tiled` is empty.
+/// As for `rows_tile`; `gstep` is the rows' group step, and `GS` is 0, `gstep`, or `ROW_DIGITS` when
+/// `tiled` is empty.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn rows_tile_gs<const NIB: bool, const GS: usize>(
     a: &Args,
@@ -136,32 +137,36 @@ unsafe fn rows_tile_gs<const NIB: bool, const GS: usize>(
     ps: usize,
     pn: usize,
     first: bool,
+    gstep: usize,
 ) {
     // SAFETY: forwarded from the caller.
     unsafe {
         match (take, pn) {
-            (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, NIB, GS>(a, r, p, first)),
-            (4, 2) => tile::<4, 2, NIB, GS>(a, r, ps, first),
-            (4, _) => tile::<4, 1, NIB, GS>(a, r, ps, first),
-            (2, 2) => tile::<2, 2, NIB, GS>(a, r, ps, first),
-            (2, _) => tile::<2, 1, NIB, GS>(a, r, ps, first),
-            (_, 2) => tile::<1, 2, NIB, GS>(a, r, ps, first),
-            (_, _) => tile::<1, 1, NIB, GS>(a, r, ps, first),
+            (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, NIB, GS>(a, r, p, first, gstep)),
+            (4, 2) => tile::<4, 2, NIB, GS>(a, r, ps, first, gstep),
+            (4, _) => tile::<4, 1, NIB, GS>(a, r, ps, first, gstep),
+            (2, 2) => tile::<2, 2, NIB, GS>(a, r, ps, first, gstep),
+            (2, _) => tile::<2, 1, NIB, GS>(a, r, ps, first, gstep),
+            (_, 2) => tile::<1, 2, NIB, GS>(a, r, ps, first, gstep),
+            (_, _) => tile::<1, 1, NIB, GS>(a, r, ps, first, gstep),
         }
     }
 }
 
 /// One tile: rows `r0..r0+R` times panels `p0..p0+NP` (4-bit panels when `NIB`); `prefetch`:
-/// prefetch the panels' code stream ahead.
+/// prefetch the panels' code stream ahead; the activations' group step is `GS`, or `gs` when `GS`
+/// is 0, and `ROW_DIGITS` reads the `hi` / `lo` rows.
 ///
 /// # Safety
-/// As for `job`; rows `r0..r0+R` are inside the activations and `p0 + NP <= panels`.
+/// As for `job`; rows `r0..r0+R` are inside the activations and `p0 + NP <= panels`; the group
+/// step is that of the rows' group of `tiled` (unless `ROW_DIGITS`, when `tiled` is empty).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize>(
     a: &Args,
     r0: usize,
     p0: usize,
     prefetch: bool,
+    gs: usize,
 ) {
     const _: () = assert!(
         QBLOCK == 32 && TILED_ROWS == 8,
@@ -183,7 +188,7 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize
     let g0 = r0 / TILED_ROWS * TILED_ROWS;
     let rows = GS == ROW_DIGITS;
     let gstep = match GS {
-        0 => tiled_step(a.acts.tiled.len() / (2 * k), g0),
+        0 => gs,
         ROW_DIGITS => 0,
         _ => GS,
     };
