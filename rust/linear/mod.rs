@@ -750,8 +750,8 @@ pub struct QActs {
     pub base: Vec<i32>,
     /// `s · (R·Σh + Σl)` over the block.
     pub qs: Vec<f32>,
-    /// Both digits in the VNNI tile's order (`pack_tiled`): that tile's activations hold only
-    /// these (`hi` and `lo` then empty); empty for the other tiles.
+    /// Both digits in the VNNI tile's order (`pack_tiled`): that tile's activations of at least
+    /// `TILED_MIN_ROWS` rows hold only these (`hi` and `lo` then empty); empty otherwise.
     pub tiled: Vec<i8>,
 }
 
@@ -1117,8 +1117,9 @@ pub struct Product<'a> {
 const TEAM_QUANTIZE_ROWS: usize = 16;
 
 impl<'a> Product<'a> {
-    /// Check the shapes and quantize `x` (on this thread); `threads` sizes the jobs (about 4 a
-    /// thread, at least `JOB_PANELS` panels each). Each job is two contended atomic operations on
+    /// Check the shapes and quantize `x` (on this thread, or from `TEAM_QUANTIZE_ROWS` rows on in
+    /// chunks that the step team's idle helpers share through rayon); `threads` sizes the jobs
+    /// (about 4 a thread, at least `JOB_PANELS` panels each). Each job is two contended atomic operations on
     /// the team's claim word and counter: with 16 jobs a thread, 8 alternated rounds of
     /// `LLM.generate` on the AVX-512 VNNI VM gave 1 sequence a median ~131 tok/s against ~150 with 4
     /// (faster in 7 of 8 rounds), 8 and 32 sequences the same or better; 2 a thread lost at 8
