@@ -184,7 +184,7 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize
     // SAFETY: panels p0..p0+NP exist (caller): their codes start at their offsets.
     let wp: [*const u8; NP] = std::array::from_fn(|p| unsafe { a.w.codes.as_ptr().add(a.w.code_at[p0 + p]) });
     // Rows r0..r0+R lie in one group of `tiled` (`tile_order` starts passes at multiples of 8 and
-    // `job` cuts them 8, 4, 2, 1): the group's base plus the first row's 8 bytes.
+    // `job` cuts them 8, 4, 2, 1).
     let g0 = r0 / TILED_ROWS * TILED_ROWS;
     let rows = GS == ROW_DIGITS;
     let gstep = match GS {
