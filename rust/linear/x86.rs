@@ -368,16 +368,14 @@ pub(super) enum Digits {
     Tiled { k: usize },
 }
 
-/// Block `i`'s two digits into `a.tiled` (rows of `k`): `steps[j]` = the 4 `hi` bytes of k step j
-/// of the block, then its 4 `lo` bytes (little-endian), to step j of the block's row in its group.
+/// The two digits of block `bi` of row `row` (of `m` rows of `k`) into `a.tiled`: `steps[j]` = the
+/// 4 `hi` bytes of k step j of the block, then its 4 `lo` bytes (little-endian), to step j of the
+/// row in its group. The callers keep `row` and `bi` (no division a block).
 ///
 /// # Safety
-/// `a.tiled` holds `2·m·k` bytes for `m` rows, and block `i` (of `k / 32` a row) is in one of them.
+/// `a.tiled` holds `2·m·k` bytes, `row < m` and `bi < k / 32`.
 #[inline(always)]
-unsafe fn store_tiled(a: &mut super::ActsMut, k: usize, i: usize, steps: &[u64; 8]) {
-    let nb = k / QBLOCK;
-    let m = a.tiled.len() / (2 * k);
-    let (row, bi) = (i / nb, i % nb);
+unsafe fn store_tiled(a: &mut super::ActsMut, k: usize, m: usize, (row, bi): (usize, usize), steps: &[u64; 8]) {
     let g0 = row / TILED_ROWS * TILED_ROWS;
     let gstep = tiled_step(m, g0);
     let at = g0 * 2 * k + (row - g0) * 8 + bi * (QBLOCK / 4) * gstep;
@@ -417,8 +415,9 @@ unsafe fn quantize_each(x: &[f32], a: &mut super::ActsMut, from: usize, to: Digi
                 let word =
                     |d: &[i8; QBLOCK], j: usize| u32::from_le_bytes(std::array::from_fn(|b| d[4 * j + b] as u8)) as u64;
                 let steps: [u64; 8] = std::array::from_fn(|j| word(&bytes[0], j) | word(&bytes[1], j) << 32);
+                let (m, nb) = (a.tiled.len() / (2 * k), k / QBLOCK);
                 // SAFETY: block i is inside the rows `tiled` was sized for (caller).
-                unsafe { store_tiled(a, k, i, &steps) };
+                unsafe { store_tiled(a, k, m, (i / nb, i % nb), &steps) };
             }
         }
         a.s[i] = s;
@@ -574,6 +573,11 @@ unsafe fn quantize16(x: &[f32], a: &mut super::ActsMut, at: usize, to: Digits) {
     };
     // SAFETY: order holds 16 u32.
     let order = unsafe { _mm512_loadu_si512(order.as_ptr() as *const _) };
+    // Digits::Tiled: the rows `tiled` holds, and block `at`'s row and place in it, stepped below.
+    let (rows, mut pos) = match to {
+        Digits::Tiled { k } => (a.tiled.len() / (2 * k), (at / (k / QBLOCK), at % (k / QBLOCK))),
+        Digits::Rows => (0, (0, 0)),
+    };
     for b in 0..16 {
         let i = at + b;
         let packed = _mm512_packs_epi16(
@@ -595,10 +599,15 @@ unsafe fn quantize16(x: &[f32], a: &mut super::ActsMut, at: usize, to: Digits) {
             },
             Digits::Tiled { k } => {
                 let mut steps = [0u64; 8];
-                // SAFETY: steps holds 64 bytes; block i is inside the rows `tiled` was sized for.
+                // SAFETY: steps holds 64 bytes; block i (row `pos.0`, block `pos.1` of it) is
+                // inside the rows `tiled` was sized for.
                 unsafe {
                     _mm512_storeu_si512(steps.as_mut_ptr() as *mut _, both);
-                    store_tiled(a, k, i, &steps);
+                    store_tiled(a, k, rows, pos, &steps);
+                }
+                pos.1 += 1;
+                if pos.1 == k / QBLOCK {
+                    pos = (pos.0 + 1, 0);
                 }
             }
         }
