@@ -112,16 +112,19 @@ pub(super) fn slice_of<'a, T: Element>(a: &'a PyReadonlyArrayDyn<'_, T>, name: &
 pub(super) fn cache<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<(Raw<'py>, DType)> {
     let r = raw(obj, name, 4)?;
     let dt = r.arr.dtype();
-    let (kind, size) = (dt.kind(), dt.itemsize());
-    let d = match (kind, size, dtype_name(&r).as_str()) {
-        (b'f', 4, _) => DType::F32,
-        (b'f', 2, _) => DType::F16,
-        (_, 2, "bfloat16") => DType::Bf16,
-        (_, _, n) => {
-            return Err(PyTypeError::new_err(format!(
-                "{name} must be float32, float16 or bfloat16, got {n}"
-            )))
-        }
+    // The dtype's name (a Python attribute lookup, ~3 us: 60 a decode step through the fused
+    // decoder) only when kind and size do not settle it.
+    let d = match (dt.kind(), dt.itemsize()) {
+        (b'f', 4) => DType::F32,
+        (b'f', 2) => DType::F16,
+        (_, size) => match dtype_name(&r).as_str() {
+            "bfloat16" if size == 2 => DType::Bf16,
+            n => {
+                return Err(PyTypeError::new_err(format!(
+                    "{name} must be float32, float16 or bfloat16, got {n}"
+                )))
+            }
+        },
     };
     Ok((r, d))
 }
