@@ -174,6 +174,7 @@ unsafe fn tile<const R: usize, const WIDE: bool>(
         // Software prefetch PREFETCH bytes ahead in the code stream (panels are contiguous, so
         // past this panel's end it fetches the next one's start; a prefetch never faults).
         if prefetch {
+            a.w.scales.prefetch(p * nb + b);
             for line in (0..block_bytes).step_by(64) {
                 let ahead = codes.wrapping_add(b * block_bytes + line + PREFETCH);
                 _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
@@ -283,6 +284,7 @@ unsafe fn wide_half<const R: usize>(a: &Args, sc: &Scales, sp: usize, r0: usize,
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         if prefetch {
+            a.w.scales.prefetch(p * nb + b);
             // As in `tile`: the whole panel's lines PREFETCH ahead (half 1 then finds them cached).
             for line in (0..QBLOCK * PANEL).step_by(64) {
                 let ahead = codes.wrapping_add(b * QBLOCK * PANEL + line + PREFETCH);

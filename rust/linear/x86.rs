@@ -209,6 +209,9 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize
     let mut acc = [[_mm512_setzero_ps(); NP]; R];
     for b in 0..nb {
         if prefetch {
+            for p in 0..NP {
+                a.w.scales.prefetch((p0 + p) * nb + b);
+            }
             for w in wp {
                 // Only an address: a prefetch never faults (past the panel's end it fetches the
                 // next one's start).
