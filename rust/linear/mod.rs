@@ -1118,7 +1118,7 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
     pool.install(|| {
         let acts = match variant(isa) {
             Isa::Scalar => quantize_acts(x, m, k),
-            v => quantize_par(x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
+            v => quantize_par(v, x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
         };
         let jobs = w.panels().div_ceil(JOB_PANELS);
         (0..jobs).into_par_iter().for_each(|j| {
@@ -1169,7 +1169,7 @@ impl<'a> Product<'a> {
             // the other chunks from rayon (`Team::help`).
             Isa::Avx512 if m >= TEAM_QUANTIZE_ROWS => quantize_tiled(x, m, k, m.div_ceil(threads.max(1))),
             Isa::Avx512 if m >= TILED_MIN_ROWS => quantize_tiled(x, m, k, m),
-            _ => quantize_fast(x, m, k),
+            v => quantize_fast(v, x, m, k),
         };
         let panels_per_job = JOB_PANELS.max(w.panels().div_ceil(4 * threads.max(1)));
         Ok(Product {
@@ -1208,15 +1208,17 @@ impl<'a> Product<'a> {
     }
 }
 
-/// `quantize_acts`, with AVX-512 or AVX2 where the CPU has it (identical results).
-fn quantize_fast(x: &[f32], m: usize, k: usize) -> QActs {
+/// `quantize_acts` with the quantizer of the tile build `v` (`variant`): AVX-512 beside the VNNI
+/// tile, AVX2 beside the AVX2 tile (so `PAGEDKV_ISA=avx2` runs what a CPU without AVX-512 runs),
+/// the scalar one otherwise; identical results.
+fn quantize_fast(v: Isa, x: &[f32], m: usize, k: usize) -> QActs {
     #[cfg(target_arch = "x86_64")]
-    if Isa::Avx512.available() {
+    if v == Isa::Avx512 && Isa::Avx512.available() {
         let mut a = QActs::zeroed(m, k);
         // SAFETY: AVX-512 F/BW detected (`Isa::Avx512` includes them); x[..m*k] and the buffers are sized for m rows.
         unsafe { x86::quantize(&x[..m * k], &mut a.rows_mut(), x86::Digits::Rows) };
         return a;
-    } else if Isa::Avx2.available() {
+    } else if v == Isa::Avx2 && Isa::Avx2.available() {
         let mut a = QActs::zeroed(m, k);
         // SAFETY: AVX2 and FMA detected (`Isa::Avx2` includes them); x[..m*k] and the buffers are sized for m rows.
         unsafe { avx2::quantize(&x[..m * k], &mut a) };
@@ -1269,19 +1271,20 @@ fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize) -> QActs {
     a
 }
 
-/// `quantize_fast` over chunks of 64 rows in parallel (`quantize_tiled` in such chunks when `tiled`).
-fn quantize_par(x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
+/// `quantize_fast` for build `v` over chunks of 64 rows in parallel (`quantize_tiled` in such
+/// chunks when `tiled`).
+fn quantize_par(v: Isa, x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
     use rayon::prelude::*;
     const ROWS: usize = 64;
     if tiled {
         return quantize_tiled(x, m, k, ROWS);
     }
     if m <= ROWS {
-        return quantize_fast(x, m, k);
+        return quantize_fast(v, x, m, k);
     }
     let parts: Vec<QActs> = x[..m * k]
         .par_chunks(ROWS * k)
-        .map(|c| quantize_fast(c, c.len() / k, k))
+        .map(|c| quantize_fast(v, c, c.len() / k, k))
         .collect();
     let mut a = QActs {
         hi: Vec::with_capacity(m * k),

@@ -123,7 +123,10 @@ fn simd_quantization_equals_scalar() {
         *v = (i as f32 - 16.0) * 0.5 * 127.0 / 8.0; // block 6: exact .5 ties after scaling
     }
     let a = quantize_acts(&x, 4, k);
-    let mut simd = vec![("fast", quantize_fast(&x, 4, k))];
+    let mut simd = vec![
+        ("fast avx512", quantize_fast(Isa::Avx512, &x, 4, k)),
+        ("fast avx2", quantize_fast(Isa::Avx2, &x, 4, k)),
+    ];
     #[cfg(target_arch = "x86_64")]
     if Isa::Avx2.available() {
         let mut b = QActs::zeroed(4, k);
@@ -193,13 +196,15 @@ fn simd_quantization_equals_scalar_over_block_groups() {
         }
     }
     let a = quantize_acts(&x, m, k);
-    let b = quantize_fast(&x, m, k);
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    assert_eq!(a.hi, b.hi);
-    assert_eq!(a.lo, b.lo);
-    assert_eq!(bits(&a.s), bits(&b.s));
-    assert_eq!(a.base, b.base);
-    assert_eq!(bits(&a.qs), bits(&b.qs));
+    for v in [Isa::Avx512, Isa::Avx2] {
+        let b = quantize_fast(v, &x, m, k);
+        assert_eq!(a.hi, b.hi, "{v:?}");
+        assert_eq!(a.lo, b.lo, "{v:?}");
+        assert_eq!(bits(&a.s), bits(&b.s), "{v:?}");
+        assert_eq!(a.base, b.base, "{v:?}");
+        assert_eq!(bits(&a.qs), bits(&b.qs), "{v:?}");
+    }
 }
 
 /// The VNNI tile's activations straight from the quantizer (`quantize_tiled`, whole or in parallel
@@ -225,7 +230,7 @@ fn tiled_quantization_equals_packed_scalar_digits() {
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         let chunked = [
             ("one", quantize_tiled(&x, m, k, m)),
-            ("par", quantize_par(&x, m, k, true)),
+            ("par", quantize_par(Isa::Avx512, &x, m, k, true)),
             ("8-row chunks", quantize_tiled(&x, m, k, 8)),
             ("uneven chunks", quantize_tiled(&x, m, k, m.div_ceil(3))),
         ];
@@ -236,8 +241,10 @@ fn tiled_quantization_equals_packed_scalar_digits() {
             assert_eq!(got.base, want.base, "{name} m={m} k={k}");
             assert_eq!(bits(&got.qs), bits(&want.qs), "{name} m={m} k={k}");
         }
-        let rows = quantize_par(&x, m, k, false);
-        assert_eq!((rows.hi, rows.lo), (want.hi, want.lo), "rows m={m} k={k}");
+        for v in [Isa::Avx512, Isa::Avx2] {
+            let rows = quantize_par(v, &x, m, k, false);
+            assert_eq!((&rows.hi, &rows.lo), (&want.hi, &want.lo), "rows {v:?} m={m} k={k}");
+        }
     }
 }
 
