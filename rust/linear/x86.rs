@@ -38,7 +38,7 @@
 //! shift and an AND, make the vector the 8-bit layout holds for that group). The codes are the
 //! same u8 numbers either way, so the int32 dots, and with them the results, are the same bits;
 //! 4-bit panels stream half the bytes. The first row tiles of a pass prefetch the code stream
-//! `PREFETCH` bytes ahead (as the AVX2 tile does).
+//! `PREFETCH` (4-bit) or `PREFETCH_8BIT` bytes ahead (as the AVX2 tile does, 4 KiB there).
 
 use std::arch::x86_64::*;
 
@@ -52,6 +52,13 @@ use super::{
 /// 762 / 964 at 1 / 8 / 32 sequences, 8 KiB 190 / 743 / 985 and 194 / 812 / 973, 2 KiB 190 / 672 /
 /// 910, 16 KiB 190 / 818 / 962.
 const PREFETCH: usize = 8192;
+/// The same for 8-bit panels, which stream twice the code bytes a column: as far ahead in time as
+/// `PREFETCH` is for 4-bit ones. SmolLM2's Q8_0 lm_head (32 MB) at one row on 2 threads, in one
+/// process, 15 alternating rounds, medians: 8 KiB 33.3 GB/s, 16 KiB 49.6, 32 KiB 51.5 (one thread
+/// 29.3-29.8 with each); `LLM.generate` in one process, alternating rounds, time a token against
+/// 8 KiB: one sequence 0.93x (8 rounds, faster in each; 24 KiB 0.97x), 0.98x on a busier VM, 0.97x
+/// in 12 more (faster in 9); 8 sequences 1.01x (6 rounds).
+const PREFETCH_8BIT: usize = 16384;
 
 /// Rows of the largest tile (one panel: 16 int32 sums + 8 f32 accumulators + 1 code vector). Each
 /// code vector meets 16 `vpdpbusd` (the activations as embedded broadcasts), so the tile that
@@ -215,7 +222,7 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize
             for w in wp {
                 // Only an address: a prefetch never faults (past the panel's end it fetches the
                 // next one's start).
-                let at = w.wrapping_add(b * block_bytes + PREFETCH);
+                let at = w.wrapping_add(b * block_bytes + if NIB { PREFETCH } else { PREFETCH_8BIT });
                 for line in (0..block_bytes).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line) as *const i8);
                 }
