@@ -38,8 +38,8 @@
 //! the same pass over V. While a piece (one block's keys of one KV head) is computed, the next
 //! piece of the pass (`PF_NEXT`: the next KV head's piece of the block, or the next block's first
 //! one; the table is random, so at block ends hardware prefetchers cannot follow) is prefetched
-//! into L1, a slice of lines per key pair (logits) or per column group (`acc += p v`), outside
-//! the FMA loops; with it, half a tile ahead, the other pass's piece of the same block and head
+//! into L1, a slice of lines per 4 keys (logits), per column group (ymm `acc += p v`) or per key
+//! or two inside the key loop (zmm `acc += p v`); with it, half a tile ahead, the other pass's piece of the same block and head
 //! (this tile's V in the K pass, the next tile's K in the V pass) into L2 (`Pf`).
 //! Prefill: per tile and KV head, the tile is widened once and serves every row and query head
 //! of the unit. Micro-kernels: logits for MB query heads x TB keys with MB*TB independent FMA
@@ -375,10 +375,12 @@ fn pieces(ctx: &Ctx, seq: usize, t: usize, t_end: usize, out: &mut [(usize, usiz
 }
 
 /// A later piece to prefetch into L1 while the current one is computed, a slice of it per slice
-/// of work done, between the FMA loops (a burst of a whole piece's prefetches per piece, one tile
-/// ahead, was 1.8x slower on config A f16 one thread; a prefetch inside the FMA loops made the
-/// compiler spill the `acc += p v` accumulators to the stack; every other line only, 1.2x slower:
-/// no adjacent-line prefetch to lean on).
+/// of work done (a burst of a whole piece's prefetches per piece, one tile ahead, was 1.8x slower
+/// on config A f16 one thread; every other line only, 1.2x slower: no adjacent-line prefetch to
+/// lean on). The ymm kernels issue their slices between the FMA loops (inside, the AVX2 build
+/// spilled the `acc += p v` accumulators to the stack); the zmm `acc += p v` issues them inside its
+/// key loop (32 registers; `pv_cols_z`), the zmm logits per 4 keys (inside their column loop, the
+/// float16 run measured 0.99x with K/V from DRAM and 1.08-1.22x in cache).
 ///
 /// Beside it a far piece, half a tile ahead (the other pass's piece of the same block and head),
 /// goes to L2 (`_MM_HINT_T1`) in the same slices: with the next piece alone the prefetch ran
@@ -977,35 +979,37 @@ unsafe fn pv_block_z<const MB: usize, const NV: usize, const DT: u8>(
     while c + 16 * NV <= d {
         // SAFETY: c + 16 * NV <= d; lengths asserted / per contract.
         unsafe {
-            pf.part(c / 8, (c + 16 * NV) / 8);
-            pv_cols_z::<MB, NV, DT>(p, vp, n, d, c, ap);
+            pv_cols_z::<MB, NV, DT>(p, vp, n, d, c, ap, pf, c / 8, (c + 16 * NV) / 8);
         }
         c += 16 * NV;
     }
     while NV > 2 && c + 32 <= d {
         // SAFETY: c + 32 <= d.
         unsafe {
-            pf.part(c / 8, (c + 32) / 8);
-            pv_cols_z::<MB, 2, DT>(p, vp, n, d, c, ap);
+            pv_cols_z::<MB, 2, DT>(p, vp, n, d, c, ap, pf, c / 8, (c + 32) / 8);
         }
         c += 32;
     }
     while c < d {
         // SAFETY: c + 16 <= d since d % 16 == 0.
         unsafe {
-            pf.part(c / 8, (c + 16) / 8);
-            pv_cols_z::<MB, 1, DT>(p, vp, n, d, c, ap);
+            pv_cols_z::<MB, 1, DT>(p, vp, n, d, c, ap, pf, c / 8, (c + 16) / 8);
         }
         c += 16;
     }
 }
 
-/// Columns `c..c + 16 * W` of `pv_block_z`.
+/// Columns `c..c + 16 * W` of `pv_block_z`, issuing parts `lo..hi` of `pf` spread over its keys (one
+/// every `n / (hi - lo)` keys, the rest after the last). They had gone out as one burst before the
+/// call (32 near and 32 far lines a call for config A): in one process alternating the two call by
+/// call (15-21 rounds, medians of the per-round ratios), config A on a random table 0.91x (float16)
+/// / 0.92x (float32) the time, the SmolLM2 shape (30 layers) 0.90x / 0.92x, K/V in cache 0.99x.
 ///
 /// # Safety
 /// c + 16 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= (MB - 1) * TILE + n;
-/// the CPU supports AVX-512 F.
+/// the CPU supports AVX-512 F; `pf` is a piece's `Pf` (or `NONE`) spread so that `lo..hi` are its parts.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn pv_cols_z<const MB: usize, const W: usize, const DT: u8>(
     p: &[f32],
     vp: *const u8,
@@ -1013,6 +1017,9 @@ unsafe fn pv_cols_z<const MB: usize, const W: usize, const DT: u8>(
     d: usize,
     c: usize,
     ap: *mut f32,
+    pf: Pf,
+    lo: usize,
+    hi: usize,
 ) {
     let pp = p.as_ptr();
     let mut a = [[_mm512_setzero_ps(); W]; MB];
@@ -1022,7 +1029,16 @@ unsafe fn pv_cols_z<const MB: usize, const W: usize, const DT: u8>(
             *x = unsafe { _mm512_loadu_ps(ap.add(r * d + c + 16 * w)) };
         }
     }
+    // Parts lo..hi of the prefetch, one every `step` keys (`Pf`), the rest after the last key.
+    let step = n.div_ceil((hi - lo).max(1)).max(1);
+    let (mut part, mut next) = (lo, 0);
     for j in 0..n {
+        if j == next && part < hi {
+            // SAFETY: per the `Pf` contract.
+            unsafe { pf.part(part, part + 1) };
+            part += 1;
+            next += step;
+        }
         let mut vv = [_mm512_setzero_ps(); W];
         for (w, x) in vv.iter_mut().enumerate() {
             // SAFETY: j < n, c + 16 * w + 16 <= d: inside v [n, d].
@@ -1036,6 +1052,8 @@ unsafe fn pv_cols_z<const MB: usize, const W: usize, const DT: u8>(
             }
         }
     }
+    // SAFETY: per the `Pf` contract.
+    unsafe { pf.part(part, hi) };
     for (r, row) in a.iter().enumerate() {
         for (w, x) in row.iter().enumerate() {
             // SAFETY: as for the loads.
