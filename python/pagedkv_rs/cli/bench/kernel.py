@@ -53,8 +53,8 @@ class Config:
 
 
 CONFIGS = [
-    Config("A", 32, 1024, 32, 8, 128, "float16", targets={"bw": 0.75, "numpy": 30}),
-    Config("A", 32, 1024, 32, 8, 128, "float32", targets={"bw": 0.75, "numpy": 30}),
+    Config("A", 32, 1024, 32, 8, 128, "float16", targets={"bw": 0.85, "numpy": 30}),
+    Config("A", 32, 1024, 32, 8, 128, "float32", targets={"bw": 0.85, "numpy": 30}),
     Config("Long", 1, 32768, 32, 8, 128, "float16", targets={"bw": 0.75}),
     Config("SmolLM2", 32, 512, 9, 3, 64, "float16", layers=30),
     Config("SmolLM2", 32, 512, 9, 3, 64, "float32", layers=30),
@@ -308,7 +308,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "resident ms: the same calls with each table confined to a few blocks (K/V in cache); overlap: "
             "(resident + KV bytes / bw - time) / min of the two (0 = compute and memory add up, 1 = fully hidden)"
         )
-    print("targets: A and Long >= 0.75 of bw (A >= 30x numpy); Prefill >= 0.5 of fma")
+    print("targets: A >= 0.85 of bw with the random table (issue 13), Long >= 0.75, A >= 30x numpy; Prefill >= 0.5 of fma")
     return 0
 
 
