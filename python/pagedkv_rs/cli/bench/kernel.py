@@ -308,7 +308,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "resident ms: the same calls with each table confined to a few blocks (K/V in cache); overlap: "
             "(resident + KV bytes / bw - time) / min of the two (0 = compute and memory add up, 1 = fully hidden)"
         )
-    print("targets: A >= 0.85 of bw with the random table (issue 13), Long >= 0.75, A >= 30x numpy; Prefill >= 0.5 of fma")
+    print("targets: A >= 0.85 of bw (random table), Long >= 0.75, A >= 30x numpy; Prefill >= 0.5 of fma")
     return 0
 
 
