@@ -39,8 +39,9 @@
 //! piece of the pass (`PF_NEXT`: the next KV head's piece of the block, or the next block's first
 //! one; the table is random, so at block ends hardware prefetchers cannot follow) is prefetched
 //! into L1, a slice of lines per 4 keys (logits), per column group (ymm `acc += p v`) or per key
-//! or two inside the key loop (zmm `acc += p v`); with it, half a tile ahead, the other pass's piece of the same block and head
-//! (this tile's V in the K pass, the next tile's K in the V pass) into L2 (`Pf`).
+//! or two inside the key loop (zmm `acc += p v`); with it, half a tile ahead, the other pass's
+//! piece of the same block and head (this tile's V in the K pass, the next tile's K in the V
+//! pass) into L2 (`Pf`).
 //! Prefill: per tile and KV head, the tile is widened once and serves every row and query head
 //! of the unit. Micro-kernels: logits for MB query heads x TB keys with MB*TB independent FMA
 //! chains and 8-way horizontal sums; `acc += p v` with MB x NV accumulators in registers.
@@ -709,6 +710,13 @@ unsafe fn store_sums<const MB: usize, const TB: usize, T: Copy>(
             );
         }
     }
+    put_logits::<MB, TB>(&lanes, s, j);
+}
+
+/// `s[r * TILE + j + t] = lanes[r * TB + t]`: the logits of TB keys for MB query vectors, as the
+/// register blocks sum them (chain r * TB + t), into the tile's per-query rows.
+#[inline(always)]
+fn put_logits<const MB: usize, const TB: usize>(lanes: &[f32; 16], s: &mut [f32], j: usize) {
     for r in 0..MB {
         s[r * TILE + j..r * TILE + j + TB].copy_from_slice(&lanes[r * TB..(r + 1) * TB]);
     }
@@ -936,9 +944,7 @@ unsafe fn qk_block_z<const MB: usize, const TB: usize, const DT: u8>(
         let mut lanes = [0.0f32; 16];
         // SAFETY: lanes holds 16 f32; AVX-512 F is part of the caller's features.
         unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), sums16(&a)) };
-        for r in 0..MB {
-            s[r * TILE + j..r * TILE + j + TB].copy_from_slice(&lanes[r * TB..(r + 1) * TB]);
-        }
+        put_logits::<MB, TB>(&lanes, s, j);
         j += TB;
     }
     while j < n {
