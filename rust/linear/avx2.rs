@@ -22,15 +22,15 @@
 //! and digits at ±127). Tiles: `nibble`, R = 2 rows (or 1) × one panel of 16 columns, its 8 i16
 //! sums in registers; `wide`, 2 rows × half a panel (8 columns, `wide_half`, 8 i16 sums: low and
 //! high halves × 2 digits × 2 rows), or a last single row × the whole panel (`tile::<1, true>`).
-//! The wide half-panel tile is ~1.7x the whole-panel one at 32 rows (a Q8_0 lm_head: 95 -> 50 ms
-//! on 2 threads here): the whole-panel form at R = 1 read each code vector for one row and
-//! spilled its unpacked halves.
+//! The wide tile takes half a panel because the whole-panel form at R = 1 read each code vector for
+//! one row and spilled its unpacked halves: the half-panel one keeps its sums in registers and is
+//! the faster of the two from a few rows on.
 
 use std::arch::x86_64::*;
 
-/// How far ahead of the tile the code stream is prefetched: the hardware prefetcher alone left a
-/// single-row Q8_0 lm_head (30 MB, past L3) at ~0.75 of the read bandwidth probe, 4 KiB ahead
-/// brought it to ~1.0 (2.9-3.6 -> 1.4-2.4 ms on 2 threads here, probe 11-15 GB/s under load).
+/// How far ahead of the tile the code stream is prefetched: a single-row product past L3 (a Q8_0
+/// lm_head) streams well below the read bandwidth with the hardware prefetcher alone, and at about
+/// the full bandwidth with the stream prefetched 4 KiB ahead.
 const PREFETCH: usize = 4096;
 
 use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, MR, PANEL, PASS_PANELS, QBLOCK};
@@ -41,7 +41,7 @@ use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, MR, PANEL, PASS_PANELS,
 /// The CPU has AVX2, FMA and F16C (part of the AVX2 ISA's detection); `a` describes activations
 /// of `m` rows and an output of `m × n` floats; `p0 + np <= panels`.
 // Not F16C here: the tiles (which need it) then stay functions of their own rather than inlined
-// into one large job, which measured ~10% slower at 8 rows.
+// into one large job, which was slower at 8 rows.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
     let nb = a.w.k / QBLOCK;

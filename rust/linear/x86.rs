@@ -19,19 +19,15 @@
 //! 8, each 4-wide k step of a group holding its 8 rows' two digits side by side (64 bytes), so every
 //! broadcast of a block sits at a constant offset from one pointer. Reading `hi` and `lo` row by
 //! row took 16 row pointers for the 8-row tile, more than the general registers hold beside the
-//! loop's own. In one process, 30 SmolLM2-shaped layers of 4-bit products, 9-11 alternating
-//! rounds on the Zen 5 VM, medians of tiled / row-by-row time: M=8 0.99, M=32 0.90, M=128 0.86,
-//! M=512 0.89 (the copy into `tiled` included; the same bits). `quantize` now writes that layout
-//! itself for the VNNI tile (`Digits::Tiled`; no `hi` / `lo` rows, no copy).
+//! loop's own; the tiled layout is faster from 32 rows on, the same at 8 (the same bits). `quantize`
+//! writes that layout itself for the VNNI tile (`Digits::Tiled`; no `hi` / `lo` rows, no copy).
 //!
 //! `quantize` (the activations' two digits) takes 16 blocks at a time: their max |x| and digit sums
 //! reduced together by one shuffle tree (`reduce16`), the divisions and scale stores as vectors,
 //! the codes packed and stored both digits at once (as `hi` and `lo` rows, or as the tiled steps);
-//! a remainder of < 16 blocks goes block by block.
-//! In one process, 3000 alternating calls of each (32 and 512 rows of 576): the block-by-block form
-//! 18.9-20.4 ns a block (p10-p50), the 16-block one 12.0-12.2 when the core is quiet and up to
-//! 18-21 when it is not (the throughput-bound form shares the core with the VM's neighbours; the
-//! latency-bound one does not gain from a quiet core).
+//! a remainder of < 16 blocks goes block by block. The 16-block form is throughput-bound where the
+//! block-by-block one was latency-bound (two horizontal reductions a block), so it gains most on a
+//! core it does not share.
 //!
 //! Both code layouts: an 8-bit panel gives one code vector a 64-byte load; a 4-bit panel (`NIB`)
 //! two a 64-byte line (its low nibbles hold k group 2q, its high ones 2q+1: an AND, or a 16-bit
@@ -46,26 +42,21 @@ use super::{
     tile_order, tiled_step, Args, Muls, Scales, BASE_BUDGET, BASE_CAP, GRID_BLOCKS, PANEL, QBLOCK, TILED_ROWS,
 };
 
-/// How far ahead of the tile the code stream is prefetched. With the 8-row tiles on the AVX-512
-/// VNNI VM, the bundled model through `LLM.generate` (40-token prompts, 128 out; tok/s, 4 + 4
-/// rounds alternating builds, medians): 4 KiB (the AVX2 tile's figure) 190 / 691 / 902 and 168 /
-/// 762 / 964 at 1 / 8 / 32 sequences, 8 KiB 190 / 743 / 985 and 194 / 812 / 973, 2 KiB 190 / 672 /
-/// 910, 16 KiB 190 / 818 / 962.
+/// How far ahead of the tile the code stream is prefetched. With the 8-row tiles, 8 KiB served
+/// batched decode better than the AVX2 tile's 4 KiB and than 2 KiB; one sequence was the same at
+/// every distance, and 16 KiB gained nothing more.
 const PREFETCH: usize = 8192;
 /// The same for 8-bit panels, which stream twice the code bytes a column: as far ahead in time as
-/// `PREFETCH` is for 4-bit ones. SmolLM2's Q8_0 lm_head (32 MB) at one row on 2 threads, in one
-/// process, 15 alternating rounds, medians: 8 KiB 33.3 GB/s, 16 KiB 49.6, 32 KiB 51.5 (one thread
-/// 29.3-29.8 with each); `LLM.generate` in one process, alternating rounds, time a token against
-/// 8 KiB: one sequence 0.93x (8 rounds, faster in each; 24 KiB 0.97x), 0.98x on a busier VM, 0.97x
-/// in 12 more (faster in 9); 8 sequences 1.01x (6 rounds).
+/// `PREFETCH` is for 4-bit ones: a one-row Q8_0 lm_head on two threads streams about half again as
+/// fast at 16 KiB as at 8 (32 KiB adds little, one thread gains nothing), which shortens a
+/// one-sequence decode step; batched decode is unchanged.
 const PREFETCH_8BIT: usize = 16384;
 
 /// Rows of the largest tile (one panel: 16 int32 sums + 8 f32 accumulators + 1 code vector). Each
 /// code vector meets 16 `vpdpbusd` (the activations as embedded broadcasts), so the tile that
 /// streams a panel in from memory computes 8 rows meanwhile; at 8 rows a pass is that one tile,
-/// where 2-row tiles left 3 of 4 computing with the memory idle. In process, 5 interleaved rounds
-/// on the AVX-512 VNNI VM, medians (tok/s, 2-row -> 4-row -> 8-row tiles): 8 sequences
-/// 669 -> 740 -> 851, 32 sequences 903 -> 961 -> 958, 512-token prefill 1580 -> 1558 -> 1662.
+/// where 2-row tiles left 3 of 4 computing with the memory idle: batched decode and prefill run
+/// faster with 8-row tiles than with 2- or 4-row ones.
 const TILE_ROWS: usize = 8;
 const _: () = assert!(
     TILE_ROWS == TILED_ROWS,
