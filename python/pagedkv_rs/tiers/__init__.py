@@ -26,6 +26,7 @@ from pagedkv_rs.tiers.base import (
     decode_record,
     encode_record,
     model_fingerprint,
+    record_sizes,
     salt_digest,
 )
 from pagedkv_rs.tiers.kvtiers import KVTiers
@@ -44,6 +45,7 @@ __all__ = [
     "model_fingerprint",
     "encode_record",
     "decode_record",
+    "record_sizes",
     "DEFAULT_DISK_SIZE",
 ]
 

@@ -39,6 +39,7 @@ __all__ = [
     "LAYOUT_VERSION",
     "LOOKUP_BUCKETS",
     "encode_record",
+    "record_sizes",
     "decode_record",
     "chain_hashes",
     "salt_digest",
@@ -97,6 +98,9 @@ class Tier:
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
         """Store records (skipping keys already present where that is cheap); returns bytes written."""
         raise NotImplementedError
+
+    def expect_record_sizes(self, sizes: Sequence[int]) -> None:
+        """The byte sizes this engine's records can have; a tier may refuse to read anything else."""
 
     def close(self) -> None:
         """Release connections / handles."""
@@ -188,6 +192,12 @@ def encode_record(
     if secret:
         mv[c + _CRC.size :] = hmac.digest(secret, mv[: c + _CRC.size], "sha256")
     return bytes(buf)
+
+
+def record_sizes(layout: BlockLayout) -> tuple[int, int]:
+    """The two sizes a record of ``layout`` can have: without and with its MAC."""
+    n = _HEAD.size + 4 * layout.block_size + layout.nbytes + _CRC.size
+    return n, n + _MAC_LEN
 
 
 def decode_record(

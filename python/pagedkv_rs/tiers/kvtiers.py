@@ -27,6 +27,7 @@ from pagedkv_rs.tiers.base import (
     TierMetrics,
     decode_record,
     encode_record,
+    record_sizes,
 )
 
 __all__ = ["KVTiers", "BlockEntry"]
@@ -133,6 +134,8 @@ class KVTiers:
         self.fingerprint = fingerprint
         self.deadline = float(deadline)
         self._ns = fingerprint.hex()
+        for t in self.tiers:
+            t.expect_record_sizes(record_sizes(layout))
         self.metrics = [TierMetrics() for _ in self.tiers]
         self._writers = [_Writer(self, t, m, queue_blocks) for t, m in zip(self.tiers, self.metrics)]
         self._stage: Optional[np.ndarray] = None  # reused staging buffer for loads

@@ -5,7 +5,9 @@ Cluster with ``?cluster=1`` (redis-py's ``RedisCluster`` does the sharding). Con
 and restarts raise ``TierError`` (counted by the caller, treated as misses); after a failure the tier
 rests for ``retry`` seconds (no connect attempt per admission while the server is down), then
 redis-py reconnects on the next command. Values are written with ``SET ... EX ttl`` when a TTL is
-given; keys another replica already wrote are skipped (one ``EXISTS`` per batch).
+given; keys another replica already wrote are skipped (one ``EXISTS`` per batch). A lookup reads at most
+a record's size of each value (``STRLEN`` + ``GETRANGE`` in one round trip): a value of any other size is
+handed on empty, so it fails verification, and ``discard`` deletes it so the next store replaces it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pagedkv_rs.tiers.base import Tier, TierError
 __all__ = ["RedisTier"]
 
 GET_CHUNK = 8  # records per round trip: a deadline is checked between chunks
+DEFAULT_MAX_RECORD = 256 << 20  # the read cap until KVTiers says the record sizes
 
 
 class RedisTier(Tier):
@@ -49,6 +52,7 @@ class RedisTier(Tier):
         self.retry = float(retry)
         self.secret = secret
         self._down_until = 0.0
+        self._sizes: Optional[frozenset[int]] = None
         kw: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
         if cluster:
             from redis.cluster import RedisCluster
@@ -65,23 +69,40 @@ class RedisTier(Tier):
         self._down_until = time.monotonic() + self.retry
         return TierError(f"{self.name}: {what}: {type(e).__name__}: {e}")
 
+    def expect_record_sizes(self, sizes: Sequence[int]) -> None:
+        self._sizes = frozenset(int(n) for n in sizes)
+
     def get_many(self, keys: Sequence[str], deadline: float) -> list[Optional[bytes]]:
         self._guard()
         out: list[Optional[bytes]] = []
+        cap = max(self._sizes) if self._sizes else DEFAULT_MAX_RECORD
         try:
             for i in range(0, len(keys), GET_CHUNK):
                 if out and time.monotonic() > deadline:
                     break
                 pipe = self._r.pipeline(transaction=False)
                 for k in keys[i : i + GET_CHUNK]:
-                    pipe.get(self.prefix + k)
-                for v in pipe.execute():
-                    out.append(v)
-                    if v is None:
+                    pipe.strlen(self.prefix + k)
+                    pipe.getrange(self.prefix + k, 0, cap - 1)
+                res = pipe.execute()
+                for n, v in zip(res[0::2], res[1::2]):
+                    if not n:
+                        out.append(None)
+                        return out
+                    ok = n in self._sizes if self._sizes is not None else n <= cap
+                    out.append(bytes(v) if ok else b"")
+                    if not ok:
                         return out
         except self._errors as e:
             raise self._failed(e, "lookup") from e
         return out
+
+    def discard(self, key: str) -> None:
+        """Delete a value that failed verification, so the next store of this block replaces it."""
+        try:
+            self._r.delete(self.prefix + key)
+        except self._errors:
+            pass
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
         if not items:
