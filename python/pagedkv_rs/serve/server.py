@@ -8,6 +8,7 @@ A second SIGINT exits at once: ``Server.forced`` is then true (``pagedkv serve``
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -19,6 +20,7 @@ import uvicorn
 __all__ = ["Server", "serve"]
 
 log = logging.getLogger("pagedkv_rs.serve")
+FORCED_EXIT_WAIT = 2.0  # seconds aborted requests get to send their last bytes after a second SIGINT
 
 
 class Server(uvicorn.Server):
@@ -67,6 +69,22 @@ class Server(uvicorn.Server):
                 host, port = s.getsockname()[:2]
                 addrs.append(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
         log.info("%s; listening on %s", self.banner, ", ".join(addrs) or "?")
+
+    async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
+        await super().shutdown(sockets)
+        if not self.force_exit:
+            return
+        # uvicorn skips the lifespan's shutdown on a forced exit and leaves running requests to be cancelled
+        # with the loop (a traceback each). Abort them instead: each answers its client "shutting down" and ends.
+        state = getattr(self.app.state, "pagedkv", None)
+        for job in list(getattr(state, "jobs", ())):
+            job.abort("shutdown")
+        tasks = list(self.server_state.tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=FORCED_EXIT_WAIT)
+        for task in tasks:
+            task.cancel()
+        await self.lifespan.shutdown()
 
     def begin_drain(self) -> None:
         state = getattr(self.app.state, "pagedkv", None)
