@@ -84,6 +84,7 @@ def test_request_ids_are_kept_when_sane_and_made_otherwise(serve_tiny, llm, monk
             monkeypatch.setattr(llm.tokenizer, "encode", broken)
             r = c.post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "req-500"})
             assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            assert r.headers["x-request-id"] == "req-500"
             errors = [x for x in records if x.name == "pagedkv_rs.serve" and x.levelno == logging.ERROR]
             assert errors and {x.request_id for x in errors} == {"req-500"}
     finally:

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedkv_rs
 from pagedkv_rs.engine.request import InvalidRequestError, RequestOutput
-from pagedkv_rs.serve.logs import RequestIdMiddleware
+from pagedkv_rs.serve.logs import RequestIdMiddleware, current_request_id
 from pagedkv_rs.serve.metrics import CONTENT_TYPE, ServerMetrics, instrument_steps
 from pagedkv_rs.serve.protocol import (
     APIError,
@@ -298,7 +298,7 @@ def build_app(
         return {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict[str, Any]:
+    async def model_card(model_id: str) -> dict[str, Any]:
         _check_model(state, model_id)
         return card
 
@@ -748,7 +748,8 @@ def _install_errors(app: FastAPI) -> None:
 
     async def internal(request: Request, e: Exception) -> JSONResponse:
         log.exception("internal error on %s", request.url.path)
-        return _error(APIError("internal server error", status=500, type="server_error"))
+        rid = {"X-Request-Id": current_request_id()}  # answered outside RequestIdMiddleware: add its header here
+        return _error(APIError("internal server error", status=500, type="server_error", headers=rid))
 
     app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, validation)  # type: ignore[arg-type]
