@@ -46,6 +46,7 @@ class Server(uvicorn.Server):
         self.forced = False
         if config.get("log_config", ()) is None:
             del config["log_config"]
+        config.setdefault("access_log", False)  # the app's RequestIdMiddleware writes it, with request ids
         super().__init__(
             uvicorn.Config(
                 app,
@@ -54,7 +55,6 @@ class Server(uvicorn.Server):
                 timeout_graceful_shutdown=grace,
                 log_level=log_level,
                 lifespan="on",
-                access_log=False,  # the app's RequestIdMiddleware writes the access log, with request ids
                 **config,
             )
         )
