@@ -75,6 +75,9 @@ def test_request_ids_are_kept_when_sane_and_made_otherwise(serve_tiny, llm, monk
                 "x" * MAX_REQUEST_ID
             )
             assert len(c.get("/nope").headers["x-request-id"]) == 32  # errors carry an id too
+            body = {**GREEDY_BODY, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": "sse-1"}) as r:
+                assert r.headers["x-request-id"] == "sse-1" and r.read().endswith(b"data: [DONE]\n\n")
             # a log line written while serving a request carries its id (here the internal-error line)
             records.clear()
 
