@@ -1,12 +1,20 @@
-"""The pagedkv command's dispatch and the benchmark commands' smoke runs (alloc, kernel, linear)."""
+"""The pagedkv command's dispatch, --version and --help texts, and the benchmark commands' smoke runs (alloc, kernel,
+linear)."""
 
 from __future__ import annotations
+
+import argparse
+import importlib
+import pydoc
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import pagedkv_rs
 from pagedkv_rs.cli import main as cli
+from pagedkv_rs.cli.formatting import HelpFormatter
 
 
 def test_help_and_unknown(capsys):
@@ -78,3 +86,57 @@ def test_bench_linear_one_round(capsys):
     out = capsys.readouterr().out
     assert f"linear ISA {pagedkv_rs.kernel_info()['linear_isa']}" in out
     assert "one decode step's matmuls" in out and "lm_head" in out
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"pagedkv_rs {pagedkv_rs.__version__}"
+    r = subprocess.run([sys.executable, "-m", "pagedkv_rs.cli.main", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == f"pagedkv_rs {pagedkv_rs.__version__}"
+
+
+def test_bench_help_lists_the_programs(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    programs = [path[1] for path in cli.COMMANDS if path[0] == "bench"]
+    assert all(f"\n  {p} " in out for p in programs), out
+    assert cli.main(["bench"]) == 2
+
+
+@pytest.mark.parametrize("path", list(cli.COMMANDS), ids=" ".join)
+def test_every_help_shows_the_defaults(path, capsys):
+    mod = importlib.import_module(cli.COMMANDS[path])
+    parser = mod.build_parser()
+    assert parser.formatter_class is HelpFormatter
+    with pytest.raises(SystemExit) as e:
+        cli.main([*path, "--help"])
+    assert e.value.code == 0
+    out = "".join(capsys.readouterr().out.split())  # argparse wraps lines, also after a hyphen
+    for action in parser._actions:
+        if not action.option_strings or action.nargs == 0 or action.help == argparse.SUPPRESS:
+            continue
+        assert action.help, f"{' '.join(path)} {action.option_strings[0]} has no help text"
+        shown = parser._get_formatter()._get_help_string(action) % {"default": action.default}
+        assert "(default" in shown or "default:" in shown, f"{' '.join(path)} {action.option_strings[0]}: {shown}"
+        assert "".join(shown.split()) in out
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    from pagedkv_rs.cli import simulate
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulate, "main", interrupted)
+    assert cli.main(["simulate"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_help_of_the_package_lists_llm():
+    text = pydoc.render_doc(pagedkv_rs, renderer=pydoc.plaintext)
+    assert "class LLM(" in text and "LLM" in pagedkv_rs.__all__ and "LLM" in dir(pagedkv_rs)
+    # without the model extra LLM is not listed, so `from pagedkv_rs import *` still works
+    code = "import sys; sys.modules['gguf'] = None\nimport pagedkv_rs\nfrom pagedkv_rs import *\n"
+    code += "print('LLM' in pagedkv_rs.__all__)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (r.returncode, r.stdout.strip()) == (0, "False"), r.stderr

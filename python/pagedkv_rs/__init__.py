@@ -13,7 +13,8 @@ use: it needs the ``model`` extra.
 
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 from pagedkv_rs import fallback
 from pagedkv_rs._backend import BACKEND, BACKENDS, BlockAllocator, KVCacheManager, _core, backend
@@ -41,6 +42,9 @@ from pagedkv_rs.errors import (
     UnknownSequenceError,
 )
 from pagedkv_rs.kernels import reference
+
+if TYPE_CHECKING:
+    from pagedkv_rs.llm import LLM as LLM  # the lazy attribute below, for type checkers
 
 __version__ = "0.1.0"
 
@@ -71,7 +75,15 @@ __all__ = [
     "Logprob",
     "Scheduler",
     "SchedulerConfig",
-]  # not LLM: `from pagedkv_rs import *` must work without the model extra
+]
+# LLM is listed (for help() and star imports) only when the `model` extra is installed: `from pagedkv_rs
+# import *` must work without it. Found, not imported: llm.py loads on first use.
+_LAZY = ("LLM",) if all(importlib.util.find_spec(m) is not None for m in ("gguf", "jinja2", "tokenizers")) else ()
+__all__ += _LAZY
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def __getattr__(name: str) -> Any:

@@ -465,7 +465,7 @@ def test_llm_is_exported_lazily_and_names_the_missing_extra():
     from pagedkv_rs import LLM, SamplingParams
     from pagedkv_rs.llm import LLM as llm_LLM
 
-    assert LLM is llm_LLM and SamplingParams is pagedkv_rs.SamplingParams and "LLM" not in pagedkv_rs.__all__
+    assert LLM is llm_LLM and SamplingParams is pagedkv_rs.SamplingParams and "LLM" in pagedkv_rs.__all__
     code = "import sys; sys.modules['gguf'] = None\nfrom pagedkv_rs import LLM"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode != 0

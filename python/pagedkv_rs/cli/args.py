@@ -16,18 +16,18 @@ __all__ = ["add_llm_args", "llm_from_args"]
 def add_llm_args(p: argparse.ArgumentParser) -> None:
     """The model and KV-cache options every command that builds an ``LLM`` takes."""
     p.add_argument("--model", default=None, help="Llama-architecture GGUF file (default: bundled SmolLM2-135M)")
-    p.add_argument("--kv-dtype", choices=("float16", "float32", "bfloat16"), default="float16")
+    p.add_argument("--kv-dtype", choices=("float16", "float32", "bfloat16"), default="float16", help="KV cache dtype")
     mem = p.add_mutually_exclusive_group()
-    mem.add_argument("--num-blocks", type=int, default=None)
-    mem.add_argument("--kv-memory", default=None, help="KV cache size, e.g. 512MiB (default)")
-    p.add_argument("--block-size", type=int, default=16)
+    mem.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: --kv-memory)")
+    mem.add_argument("--kv-memory", default=None, help="KV pool size in bytes, e.g. 1GiB (default: 512MiB)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--backend", choices=("auto", "rust", "python"), default="auto", help="allocator backend")
     p.add_argument(
         "--weights",
         choices=WEIGHT_FORMATS,
         default="auto",
         help="int8: the GGUF's 8/4-bit blocks run by pagedkv_rs.QLinear; float32: dequantized, numpy BLAS; "
-        "auto (default): int8 where a SIMD int8 kernel runs (AVX-512 VNNI or AVX2)",
+        "auto: int8 where a SIMD int8 kernel runs (AVX-512 VNNI or AVX2)",
     )
     p.add_argument(
         "--kv-tier",
@@ -36,20 +36,21 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         dest="kv_tiers",
         help="a KV tier below the pool, looked up in the order given (repeatable): "
-        "disk:/path?size=8GiB or redis://host:port/db[?prefix=..&ttl=S]",
+        "disk:/path?size=8GiB or redis://host:port/db[?prefix=..&ttl=S] (default: none)",
     )
     p.add_argument(
         "--kv-tier-secret",
         default=None,
         metavar="SECRET",
-        help="MAC key of the tiers' entries: without it nobody can inject K/V through a shared store",
+        help="MAC key of the tiers' entries: with it nobody can inject K/V through a shared store (default: none, "
+        "entries carry a CRC only)",
     )
     p.add_argument(
         "--model-impl",
         choices=MODEL_IMPLS,
         default="auto",
         help="fused: the whole decoder stack in one Rust call per step (int8 weights); numpy: one kernel call "
-        "per operation from Python (the readable spec); auto (default): fused when the weights allow",
+        "per operation from Python (the readable spec); auto: fused when the weights allow",
     )
 
 

@@ -13,26 +13,32 @@ import sys
 import time
 from typing import Any, Optional, TextIO
 
+from pagedkv_rs.cli.formatting import HelpFormatter
+from pagedkv_rs.cli.sampling_defaults import GENERATE_DEFAULTS
+
 __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedkv_rs.cli.args import add_llm_args
 
-    p = argparse.ArgumentParser(prog="pagedkv generate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="pagedkv generate", description=__doc__.splitlines()[0]
+    )
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts (batched together)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--system", default=None, help="system message for the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    # defaults: SmolLM2-Instruct's recommended temperature / top_p, and HF's / llama.cpp's classic
-    # repetition penalty, which stops the small model's greedy loops ("a fleeting choice, a fleeting choice, ...")
-    p.add_argument("--temperature", type=float, default=0.2, help="0 = greedy (default 0.2)")
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.1, help="1 = off (default 1.1)")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system", default=None, help="system message for the chat template (default: none)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most per prompt")
+    # the defaults `pagedkv serve` falls back to as well (see cli/sampling_defaults.py)
+    p.add_argument("--temperature", type=float, default=GENERATE_DEFAULTS["temperature"], help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=GENERATE_DEFAULTS["top_p"], help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=GENERATE_DEFAULTS["repetition_penalty"], help="1 = off")
+    p.add_argument(
+        "--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable; default: none)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--ignore-eos", action="store_true", help="generate all --max-tokens tokens (benchmarks)")
     add_llm_args(p)
     p.add_argument("--stats", action="store_true", help="print throughput and cache stats to stderr")

@@ -1,11 +1,14 @@
-"""The ``pagedkv`` command: ``generate``, ``serve``, ``bench alloc|kernel|linear|e2e|load|serve|tiers``, ``info``..."""
+"""The ``pagedkv`` command: ``generate``, ``serve``, ``bench alloc|kernel|linear|e2e|load|serve|tiers``, ``info``...
+
+Ctrl-C ends any command with exit code 130 and no traceback.
+"""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
-USAGE = """usage: pagedkv <command> [options]
+USAGE = """usage: pagedkv [--version] <command> [options]
 
 commands:
   generate "prompt" ...   generate text with the bundled SmolLM2-135M through the paged cache
@@ -21,6 +24,10 @@ commands:
   info                    backend, build profile and CPU features
 
 `pagedkv <command> --help` describes each command's options."""
+
+BENCH_USAGE = "usage: pagedkv bench <program> [options]\n\nprograms:\n" + "\n".join(
+    line.replace("  bench ", "  ", 1) for line in USAGE.splitlines() if line.startswith("  bench ")
+)
 
 # command path -> module whose main(argv) runs it
 COMMANDS = {
@@ -55,8 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        import pagedkv_rs
+
+        print(f"pagedkv_rs {pagedkv_rs.__version__}")
+        return 0
     if args[0] == "info":
         return info()
+    if args[0] == "bench" and (len(args) == 1 or args[1] in ("-h", "--help", "help")):
+        print(BENCH_USAGE)
+        return 0 if len(args) > 1 else 2
     for path, module in COMMANDS.items():
         if tuple(args[: len(path)]) == path:
             try:
@@ -64,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
             except ImportError as e:
                 print(f"pagedkv {' '.join(path)}: unavailable ({e})", file=sys.stderr)
                 return 1
-            return int(mod.main(args[len(path) :]) or 0)
+            try:
+                return int(mod.main(args[len(path) :]) or 0)
+            except KeyboardInterrupt:
+                print(f"pagedkv {' '.join(path)}: interrupted", file=sys.stderr)
+                return 130
     print(f"pagedkv: unknown command {' '.join(args[:2])!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -1,71 +1,195 @@
-"""``pagedkv serve``: an OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn)."""
+"""``pagedkv serve``: an OpenAI-compatible HTTP server over one engine (FastAPI + uvicorn).
+
+Sampling fields a request leaves unset take the server's defaults; the first that sets a field wins:
+the request, then --default-* and --override-generation-config, then the GGUF file's general.sampling.*
+keys, then pagedkv generate's defaults (temperature 0.2, top_p 0.9, repetition_penalty 1.1).
+--generation-config openai skips the last two: unset fields then take OpenAI's values (temperature 1).
+"""
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "sampling_defaults"]
+
+_DEFAULT_OPTIONS = {  # --default-NAME -> (type, help); the request field is NAME with underscores
+    "temperature": (float, "0 = greedy"),
+    "top-p": (float, "nucleus sampling mass, in (0, 1]"),
+    "top-k": (int, "0 = off"),
+    "min-p": (float, "0 = off"),
+    "repetition-penalty": (float, "1 = off"),
+    "presence-penalty": (float, "0 = off"),
+    "frequency-penalty": (float, "0 = off"),
+}
+
+
+def _override(text: str) -> dict[str, Any]:
+    from pagedkv_rs.cli.sampling_defaults import parse_override
+
+    try:
+        return parse_override(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedkv_rs.cli.args import add_llm_args
+    from pagedkv_rs.cli.formatting import HelpFormatter
     from pagedkv_rs.engine.scheduler import POLICIES, PREEMPTION_MODES
 
-    p = argparse.ArgumentParser(prog="pagedkv serve", description=__doc__.splitlines()[0])
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(
+        prog="pagedkv serve",
+        description=doc[0].split(": ", 1)[1],
+        epilog=doc[1].replace("\n", " "),
+        formatter_class=HelpFormatter,
+    )
     add_llm_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the file name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on all but /health, /metrics (default: none)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model id clients send (default: the file name without .gguf)"
+    )
     p.add_argument(
         "--max-queued-requests",
         type=int,
         default=256,
-        help="waiting requests past which new ones get 503 + Retry-After (default 256)",
+        help="waiting requests past which new ones get 503 + Retry-After",
     )
-    p.add_argument("--request-timeout", type=float, default=None, metavar="S", help="abort requests older than S s")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="abort requests older than S s (default: no limit)",
+    )
     p.add_argument(
         "--stream-idle-timeout",
         type=float,
         default=30.0,
         metavar="S",
-        help="abort a stream whose reader has not taken a write for S s (default 30)",
+        help="abort a stream whose reader has not taken a write for S s",
     )
     p.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
         metavar="S",
-        help="on SIGTERM/SIGINT, let running requests finish for S s, then abort them (default 30)",
+        help="on SIGTERM/SIGINT, let running requests finish for S s, then abort them (a second SIGINT: at once)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in one engine step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step at most")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV blocks of common prefixes")
     p.add_argument(
         "--policy",
         choices=POLICIES,
         default="fcfs",
-        help="scheduling order: fcfs (default) or priority (the request's 'priority' field, lower first)",
+        help="scheduling order: fcfs or priority (the request's 'priority' field, lower first)",
     )
-    p.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument(
+        "--preemption-mode", choices=PREEMPTION_MODES, default="recompute", help="what a preempted request loses"
+    )
+    g = p.add_argument_group("default sampling (for the fields a request leaves unset)")
+    for name, (kind, what) in _DEFAULT_OPTIONS.items():
+        g.add_argument(
+            f"--default-{name}",
+            type=kind,
+            default=None,
+            metavar="X",
+            help=f"{what} (default: see below)",
+        )
+    g.add_argument(
+        "--override-generation-config",
+        type=_override,
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s spelling: \'{"temperature": 0.2, "top_p": 0.9, ...}\' with the --default-* names '
+        "(underscores); each key must not also be given as --default-* (default: none)",
+    )
+    g.add_argument(
+        "--generation-config",
+        choices=("auto", "openai"),
+        default="auto",
+        help="auto: the GGUF's general.sampling.* keys and pagedkv generate's defaults under the operator's; "
+        "openai: only the operator's, then OpenAI's (temperature 1)",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"), help="log level"
+    )
+    p.add_argument(
+        "--access-log", action="store_true", help="log one line per request, with its X-Request-Id (default: off)"
+    )
     return p
+
+
+def sampling_defaults(args: argparse.Namespace, metadata: Any) -> dict[str, Any]:
+    """The server's default sampling settings from the options and the GGUF metadata (ValueError if bad)."""
+    from pagedkv_rs.cli.sampling_defaults import from_gguf, resolve
+
+    operator = dict(args.override_generation_config or {})
+    for name in _DEFAULT_OPTIONS:
+        field = name.replace("-", "_")
+        value = getattr(args, f"default_{field}")
+        if value is None:
+            continue
+        if field in operator:
+            raise ValueError(f"{field} is set twice: --default-{name} and --override-generation-config")
+        operator[field] = value
+    auto = args.generation_config == "auto"
+    return resolve(operator, from_gguf(metadata) if auto else {}, use_model_defaults=auto)
+
+
+def banner(llm: Any, app: Any, args: argparse.Namespace) -> str:
+    """The start-up line: what is served and on what (the address is added once bound)."""
+    import pagedkv_rs
+
+    state = app.state.pagedkv
+    kv = llm.engine.snapshot()[1]
+    blocks = kv["free_blocks"] + kv["live_blocks"] + kv["cached_blocks"]
+    pool = blocks * llm.model.kv_bytes_per_block(args.block_size, args.kv_dtype)
+    if pagedkv_rs._core is not None:
+        info = pagedkv_rs.kernel_info()
+        isa = f"ISA {info['active_isa']} (linear {info['linear_isa']}), {pagedkv_rs.get_num_threads()} threads"
+    else:
+        isa = "no Rust core: numpy reference kernels"
+    defaults = ", ".join(f"{k}={v}" for k, v in sorted(state.sampling_defaults.items())) or "OpenAI's"
+    return (
+        f"pagedkv_rs {pagedkv_rs.__version__} serving {state.model_name!r} ({os.path.basename(llm.model_path)}): "
+        f"architecture {llm.model.config.architecture}, weights {llm.weight_format} ({llm.model.impl}), "
+        f"KV pool {blocks} blocks of {args.block_size} tokens = {pool / (1 << 20):.1f} MiB {args.kv_dtype}, "
+        f"context length {state.max_model_len}, {isa}; sampling defaults {defaults}"
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from pagedkv_rs.serve import build_app, serve
+        from pagedkv_rs.serve.logs import log_config
     except ImportError as e:
         print(f"pagedkv serve: {e}; install the server with pip install 'pagedkv-rs[serve]'", file=sys.stderr)
         return 1
+    import logging.config
+
     from pagedkv_rs.cli.args import llm_from_args
     from pagedkv_rs.errors import PagedKVError
+    from pagedkv_rs.models.gguf_loader import load_gguf
 
+    config = log_config(args.log_level)
+    logging.config.dictConfig(config)  # now, so that warnings while loading get the same format
     try:
+        g = load_gguf(args.model)
+        defaults = sampling_defaults(args, g.metadata)
+        args.model = g
         llm = llm_from_args(
             args,
             enable_prefix_caching=not args.no_prefix_caching,
@@ -74,6 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             policy=args.policy,
             preemption_mode=args.preemption_mode,
         )
+        del g
         app = build_app(
             llm,
             api_key=args.api_key,
@@ -81,12 +206,25 @@ def main(argv: Optional[list[str]] = None) -> int:
             request_timeout=args.request_timeout,
             served_model_name=args.served_model_name,
             stream_idle_timeout=args.stream_idle_timeout,
+            default_sampling=defaults,
+            access_log=args.access_log,
         )
     except (PagedKVError, ValueError, TypeError, OSError) as e:
         print(f"pagedkv serve: {e}", file=sys.stderr)
         return 2
     gc.freeze()  # the model, tokenizer and app live until exit: out of every later collection's walk
-    serve(app, host=args.host, port=args.port, grace=args.shutdown_grace, log_level=args.log_level)
+    srv = serve(
+        app,
+        host=args.host,
+        port=args.port,
+        grace=args.shutdown_grace,
+        log_level=args.log_level,
+        log_config=config,
+        banner=banner(llm, app, args),
+    )
+    if srv.forced:
+        print("pagedkv serve: stopped by a second interrupt; running requests were cut off", file=sys.stderr)
+        return 130
     return 0
 
 

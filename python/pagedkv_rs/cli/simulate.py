@@ -23,6 +23,7 @@ from typing import Any, Optional
 import numpy as np
 
 from pagedkv_rs._backend import backend as allocator_backend
+from pagedkv_rs.cli.formatting import HelpFormatter
 from pagedkv_rs.engine.request import SamplingParams
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -180,32 +181,44 @@ def _table(rows: list[ReplayResult]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="pagedkv simulate",
         description="Replay a synthetic chat trace through the scheduler with a cost model, to size a KV cache: "
         "paged blocks of several sizes vs a contiguous max-length reservation per sequence.",
     )
-    ap.add_argument("--num-requests", type=int, default=500)
+    ap.add_argument("--num-requests", type=int, default=500, help="requests in the trace")
     ap.add_argument("--rate", type=float, default=32.0, help="Poisson arrival rate, requests/s (default 32)")
-    ap.add_argument("--prompt-median", type=float, default=256)
-    ap.add_argument("--output-median", type=float, default=128)
+    ap.add_argument("--prompt-median", type=float, default=256, help="median prompt length in tokens (log-normal)")
+    ap.add_argument("--output-median", type=float, default=128, help="median output length in tokens (log-normal)")
     ap.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of both lengths")
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=2048, help="longest sequence in tokens")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--kv-tokens", type=int, help="KV capacity in tokens (default 32768)")
-    size.add_argument("--kv-gib", type=float, help="KV memory in GiB; tokens = GiB / bytes per token (model dims)")
+    size.add_argument(
+        "--kv-gib",
+        type=float,
+        help="KV memory in GiB; tokens = GiB / bytes per token (model dims; default: --kv-tokens)",
+    )
     ap.add_argument("--num-layers", type=int, default=30, help="model dims for --kv-gib (default SmolLM2-135M)")
-    ap.add_argument("--num-kv-heads", type=int, default=3)
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--num-kv-heads", type=int, default=3, help="model dims for --kv-gib")
+    ap.add_argument("--head-dim", type=int, default=64, help="model dims for --kv-gib")
     ap.add_argument("--dtype-bytes", type=int, default=2, help="bytes per KV element (2 = float16)")
     ap.add_argument("--block-sizes", default="8,16,32,64,128", help="comma-separated paged block sizes")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="requests in one step at most")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step at most")
+    ap.add_argument(
+        "--preemption", choices=("recompute", "swap"), default="recompute", help="what a preempted request loses"
+    )
     ap.add_argument("--backend", default="auto", help="allocator backend: auto, rust or python")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the trace")
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     bytes_per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * a.dtype_bytes
     if a.kv_gib is not None:

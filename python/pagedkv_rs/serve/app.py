@@ -23,7 +23,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedkv_rs
 from pagedkv_rs.engine.request import InvalidRequestError, RequestOutput
+from pagedkv_rs.serve.logs import RequestIdMiddleware, current_request_id
 from pagedkv_rs.serve.metrics import CONTENT_TYPE, ServerMetrics, instrument_steps
 from pagedkv_rs.serve.protocol import (
     APIError,
@@ -86,6 +87,7 @@ class _State:
         self.jobs: set[_Job] = set()
         self.draining = False
         self.created = int(time.time())
+        self.sampling_defaults: dict[str, Any] = {}  # request field -> the server's default
 
     def engine_alive(self) -> bool:
         return bool(self.engine.is_running)
@@ -204,12 +206,16 @@ def build_app(
     keepalive_interval: float = 5.0,
     max_body_bytes: int = 4 << 20,
     shutdown_engine: bool = True,
+    default_sampling: Optional[Mapping[str, Any]] = None,
+    access_log: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``llm_or_engine`` (an ``LLM`` or an ``LLMEngine`` with a tokenizer).
 
     ``max_queued_requests`` bounds the engine's waiting queue (past it: 503 + Retry-After);
     ``request_timeout`` caps a request's life (seconds); ``stream_idle_timeout`` is the lease of a
-    stream whose reader stopped reading; ``shutdown_engine``: stop the engine's loop with the app.
+    stream whose reader stopped reading; ``shutdown_engine``: stop the engine's loop with the app;
+    ``default_sampling``: values (by request field name) for the sampling fields a request leaves unset;
+    ``access_log``: one log line per request (``pagedkv_rs.serve.access``).
     """
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
     tok = tokenizer or getattr(llm_or_engine, "tokenizer", None) or engine.tokenizer
@@ -239,6 +245,7 @@ def build_app(
         max_body_bytes=max_body_bytes,
         shutdown_engine=shutdown_engine,
     )
+    state.sampling_defaults = dict(default_sampling or {})
     instrument_steps(engine, state.metrics.step.observe)
 
     @contextlib.asynccontextmanager
@@ -258,13 +265,16 @@ def build_app(
     app.state.pagedkv = state
     _install_errors(app)
     app.add_middleware(_Guard, state=state)
+    app.add_middleware(RequestIdMiddleware, access_log=access_log)  # outermost: 401s get an id too
 
     @app.get("/health")
     async def health() -> Response:
+        """200 ``{"status": "ok"}``; 503 ``{"status": "draining"}`` while shutting down, or
+        ``{"status": "engine_stopped"}`` when the engine loop is not running."""
         if state.draining or not state.engine_alive():
-            why = "draining" if state.draining else "the engine loop is not running"
-            return _error(APIError(why, status=503, type="service_unavailable_error"))
-        return Response(status_code=200)
+            why = "draining" if state.draining else "engine_stopped"
+            return JSONResponse({"status": why}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -274,17 +284,23 @@ def build_app(
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    card = {  # the served name only: never the file's path
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "pagedkv_rs",
+        "root": name,
+        "max_model_len": state.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "pagedkv_rs",
-            "root": path or name,
-            "max_model_len": state.max_model_len,
-        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str) -> dict[str, Any]:
+        _check_model(state, model_id)
+        return card
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -413,7 +429,7 @@ async def _generate(
             param="max_tokens" if longest < limit else "prompt",
             code="context_length_exceeded",
         )
-    params = to_sampling_params(req, max_tokens=max_tokens)
+    params = to_sampling_params(req, max_tokens=max_tokens, defaults=state.sampling_defaults)
     if req.stop_token_ids:
         _check_ids(state, req.stop_token_ids, "stop_token_ids")
     if state.draining or not state.engine_alive():
@@ -732,7 +748,8 @@ def _install_errors(app: FastAPI) -> None:
 
     async def internal(request: Request, e: Exception) -> JSONResponse:
         log.exception("internal error on %s", request.url.path)
-        return _error(APIError("internal server error", status=500, type="server_error"))
+        rid = {"X-Request-Id": current_request_id()}  # answered outside RequestIdMiddleware: add its header here
+        return _error(APIError("internal server error", status=500, type="server_error", headers=rid))
 
     app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, validation)  # type: ignore[arg-type]

@@ -13,7 +13,16 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -108,6 +117,8 @@ class ServerMetrics:
 
     def __init__(self, engine: Any, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*
+            self.registry.register(collector)  # prometheus_client's own instances: one gc callback per process
         self.registry.register(_EngineCollector(engine, model_name))
         if getattr(engine, "kv_tiers", None) is not None:
             self.registry.register(_TierCollector(engine.kv_tiers, model_name))

@@ -8,6 +8,7 @@ OpenAI fields the engine has no equivalent for (``echo``, ``suffix``, ``best_of`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -187,8 +188,21 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def to_sampling_params(req: _Sampling, *, max_tokens: int) -> SamplingParams:
-    """The request's sampling fields as ``SamplingParams``; 400 for a value the engine cannot honour."""
+def to_sampling_params(
+    req: _Sampling, *, max_tokens: int, defaults: Optional[Mapping[str, Any]] = None
+) -> SamplingParams:
+    """The request's sampling fields as ``SamplingParams``; 400 for a value the engine cannot honour.
+
+    ``defaults`` (the server's, by field name) fill the fields the request leaves unset or null.
+    """
+    fallback = defaults or {}
+
+    def pick(name: str, openai: Any) -> Any:
+        v = getattr(req, name)
+        if v is not None and name in req.model_fields_set:
+            return v
+        return fallback.get(name, openai if v is None else v)
+
     unsupported: list[tuple[str, Any, Any]] = [  # request param, value, the value that means "off"
         ("logit_bias", req.logit_bias or None, None),
         ("skip_special_tokens", req.skip_special_tokens, True),
@@ -207,9 +221,9 @@ def to_sampling_params(req: _Sampling, *, max_tokens: int) -> SamplingParams:
             raise APIError(f"{param} is not supported by this server", param=param, code="unsupported_parameter")
     kwargs: dict[str, Any] = {
         "max_tokens": max_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": req.top_k or 0,
+        "temperature": pick("temperature", 1.0),
+        "top_p": pick("top_p", 1.0),
+        "top_k": pick("top_k", 0) or 0,
         "seed": req.seed,
         "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos,
@@ -221,10 +235,10 @@ def to_sampling_params(req: _Sampling, *, max_tokens: int) -> SamplingParams:
         "include_stop_str_in_output": (req.include_stop_str_in_output, False),
         "logprobs": (logprobs, None),
         "prompt_logprobs": (req.prompt_logprobs, None),
-        "presence_penalty": (req.presence_penalty or 0.0, 0.0),
-        "frequency_penalty": (req.frequency_penalty or 0.0, 0.0),
-        "repetition_penalty": (1.0 if req.repetition_penalty is None else req.repetition_penalty, 1.0),
-        "min_p": (req.min_p or 0.0, 0.0),
+        "presence_penalty": (pick("presence_penalty", 0.0), 0.0),
+        "frequency_penalty": (pick("frequency_penalty", 0.0), 0.0),
+        "repetition_penalty": (pick("repetition_penalty", 1.0), 1.0),
+        "min_p": (pick("min_p", 0.0), 0.0),
         "min_tokens": (req.min_tokens, 0),
     }
     kwargs.update({name: value for name, (value, default) in optional.items() if value != default})

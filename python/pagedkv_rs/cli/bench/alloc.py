@@ -13,6 +13,7 @@ import time
 from typing import Callable
 
 import pagedkv_rs
+from pagedkv_rs.cli.formatting import HelpFormatter
 
 Workload = Callable[[object], Callable[[], object]]
 
@@ -94,10 +95,17 @@ def median_seconds(fn: Callable[[], object], rounds: int) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pagedkv bench alloc", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="pagedkv bench alloc", description=__doc__)
     p.add_argument("--quick", action="store_true", help="a tenth of the rounds (smoke run)")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), action="append", help="run only these (repeatable)")
+    p.add_argument(
+        "--workload", choices=sorted(WORKLOADS), action="append", help="run only these (repeatable; default: all)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     names = args.workload or list(WORKLOADS)
     rounds = {n: max(5, r // 10) if args.quick else r for n, r in ROUNDS.items()}

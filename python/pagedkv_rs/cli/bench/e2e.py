@@ -32,6 +32,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pagedkv_rs.cli.formatting import HelpFormatter
+
 __all__ = ["main", "build_parser", "synthetic_requests", "run_benchmark", "format_report"]
 
 
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedkv_rs.cli.args import add_llm_args
 
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         prog="pagedkv bench e2e",
         description=__doc__.splitlines()[0],
         epilog="On a loaded machine set OPENBLAS_NUM_THREADS=1 (see the module docstring).",
@@ -48,13 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128, help="mean output length in tokens")
     p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*[1-r, 1+r]")
     p.add_argument("--prefix-len", type=int, default=0, help="tokens of shared prompt prefix")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic requests")
     add_llm_args(p)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in one engine step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step at most")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--profile", action="store_true", help="attribute the time (cProfile)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (default: no file)")
     p.add_argument("--table", action="store_true", help="the 1/8/32-sequence + prefill table, numpy beside fused")
     p.add_argument(
         "--table-impls",

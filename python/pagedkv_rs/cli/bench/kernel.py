@@ -21,6 +21,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from pagedkv_rs.cli.formatting import HelpFormatter
+
 __all__ = ["Config", "CONFIGS", "NUMPY_CHUNK", "RESIDENT_BYTES", "build", "numpy_attention", "resident", "main"]
 
 
@@ -226,15 +228,17 @@ def run_config(
     return row
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    import pagedkv_rs as pk
-
-    ap = argparse.ArgumentParser(prog="pagedkv bench kernel", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="pagedkv bench kernel", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--quick", action="store_true", help="smaller configs and bandwidth buffer (smoke run)")
     ap.add_argument("--tiny", action="store_true", help="tiny configs, short probes: a smoke test of the command")
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
-    ap.add_argument("--repeat", type=int, default=None, help="timed repeats per config (best is kept)")
-    ap.add_argument("--only", default=None, help="comma-separated config names (A,Long,SmolLM2,Prefill)")
+    ap.add_argument(
+        "--repeat", type=int, default=None, help="timed repeats per config, best kept (default: 5, --quick 2, --tiny 1)"
+    )
+    ap.add_argument("--only", default=None, help="comma-separated config names: A,Long,SmolLM2,Prefill (default: all)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per cache block (default 16, vLLM's)")
     ap.add_argument("--no-scalar", action="store_true", help="skip the forced-scalar rows")
     ap.add_argument("--no-numpy", action="store_true", help="skip the numpy gather+matmul rows")
@@ -249,6 +253,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         default=None,
         help="bandwidth probe + kernel timing pairs per config; medians are reported (default 5, --quick 2, --tiny 1)",
     )
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import pagedkv_rs as pk
+
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be >= 1")

@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 import pagedkv_rs
+from pagedkv_rs.cli.formatting import HelpFormatter
 
 __all__ = ["SHAPES", "Shape", "build", "main", "shapes"]
 
@@ -123,8 +124,10 @@ def _ms(text: str) -> tuple[int, ...]:
     return ms
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pagedkv bench linear", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="pagedkv bench linear", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds; figures are medians (default 7)")
     p.add_argument("--m", type=_ms, default=(1, 8, 32, 128), help="tokens per step, e.g. 1,8,32,128 (default)")
     p.add_argument(
@@ -134,7 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         help="time the int8 kernel with this ISA forced (repeatable; default: the current setting)",
     )
     p.add_argument("--q4", action="store_true", help="also time 4-bit codes (GGUF Q4_1 weights)")
-    p.add_argument("--threads", type=int, default=None, help="kernel threads (numpy's: OPENBLAS_NUM_THREADS)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="kernel threads (default: all cores; numpy's: OPENBLAS_NUM_THREADS)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.threads is not None:
         pagedkv_rs.set_num_threads(args.threads)

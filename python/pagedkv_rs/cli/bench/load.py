@@ -27,6 +27,8 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from pagedkv_rs.cli.formatting import HelpFormatter
+
 __all__ = ["build_parser", "command", "kv_pool_bytes", "main", "measure", "run_once"]
 
 PROMPT = "What is the capital of France?"
@@ -34,7 +36,9 @@ SLACK = 150 << 20  # bytes over file size + KV pool the general RSS bound allows
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv bench load", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="pagedkv bench load", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--model", default=None, help="GGUF file (default: bundled SmolLM2-135M)")
     p.add_argument(
         "--weights",
@@ -43,15 +47,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="weight format (repeatable; default: auto, int8 and float32)",
     )
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens of the answer")
+    p.add_argument("--runs", type=int, default=5, help="process starts per weight format")
+    p.add_argument("--prompt", default=PROMPT, help="the prompt answered")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--synthetic-1b", action="store_true", help="measure a 1.1B random-weight GGUF written here")
-    p.add_argument("--synthetic-types", choices=("q4_1", "q4_k"), default="q4_1")
-    p.add_argument("--decode-seqs", type=int, action="append", default=None, help="(synthetic) default: 1 and 32")
+    p.add_argument(
+        "--synthetic-types", choices=("q4_1", "q4_k"), default="q4_1", help="(synthetic) the GGUF's weight block type"
+    )
+    p.add_argument(
+        "--decode-seqs",
+        type=int,
+        action="append",
+        default=None,
+        help="(synthetic) decoding sequences (repeatable; default: 1 and 32)",
+    )
     p.add_argument("--decode-len", type=int, default=16, help="(synthetic) output tokens per decode run")
-    p.add_argument("--keep", default=None, metavar="DIR", help="(synthetic) write the file here and keep it")
+    p.add_argument(
+        "--keep",
+        default=None,
+        metavar="DIR",
+        help="(synthetic) write the file here and keep it (default: a temporary directory)",
+    )
     return p
 
 

@@ -23,25 +23,35 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pagedkv_rs.cli.formatting import HelpFormatter
+
 __all__ = ["main", "build_parser", "run", "format_report"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv bench serve", description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (…/v1/completions is posted)")
-    p.add_argument("--model", default=None, help="model id to send (default: the first of GET /v1/models)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="pagedkv bench serve", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="server root, with or without /v1 (…/v1/completions is posted)",
+    )
+    p.add_argument(
+        "--model", default=None, help="model id to send, checked against GET /v1/models (default: the first listed)"
+    )
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests sent")
+    p.add_argument("--input-len", type=int, default=128, help="mean prompt length in tokens")
+    p.add_argument("--output-len", type=int, default=128, help="mean output length in tokens")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*[1-r, 1+r] (0: fixed)")
     p.add_argument("--token-range", default="100:10000", metavar="LO:HI", help="prompt token ids drawn from [LO, HI)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: all)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at t=0)")
     p.add_argument("--no-stream", action="store_true", help="non-streamed requests (TTFT = E2E)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (its whole life)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (default: no file)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -154,15 +164,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     import aiohttp
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    base = args.base_url.rstrip("/")
+    base = args.base_url.rstrip("/").removesuffix("/v1")  # the root or the OpenAI client's .../v1
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or args.num_prompts)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as client:
-        model = args.model
-        if model is None:
-            async with client.get(f"{base}/v1/models") as resp:
-                resp.raise_for_status()
-                model = (await resp.json(content_type=None))["data"][0]["id"]
+        model = await served_model(client, base, args.model)
         url = f"{base}/v1/completions"
         stream = not args.no_stream
 
@@ -210,6 +216,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if bar is not None:
             bar.close()
     return summarize(results, duration)
+
+
+async def served_model(client: Any, base: str, model: Optional[str]) -> str:
+    """``model``, or the server's first, after checking it against ``GET /v1/models`` (ValueError if not served)."""
+    url = f"{base}/v1/models"
+    async with client.get(url) as resp:
+        if resp.status != 200:
+            raise ValueError(f"GET {url}: HTTP {resp.status}: {(await resp.content.read(200))!r}")
+        try:
+            ids = [m["id"] for m in (await resp.json(content_type=None))["data"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"GET {url}: not an OpenAI model list ({e!r})") from None
+    if not ids:
+        raise ValueError(f"GET {url}: the server lists no model")
+    if model is None:
+        return str(ids[0])
+    if model not in ids:
+        raise ValueError(f"--model {model!r} is not served by {base}; it serves {', '.join(map(repr, ids))}")
+    return model
 
 
 def _stats(prefix: str, xs: list[float]) -> dict[str, float]:

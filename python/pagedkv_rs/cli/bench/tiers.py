@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from pagedkv_rs.cli.formatting import HelpFormatter
+
 __all__ = ["build_parser", "main", "format_table"]
 
 TARGET = 0.25  # (c) and (d) at most this fraction of (a)'s TTFT
@@ -31,13 +33,15 @@ TARGET = 0.25  # (c) and (d) at most this fraction of (a)'s TTFT
 def build_parser() -> argparse.ArgumentParser:
     from pagedkv_rs.cli.args import add_llm_args
 
-    p = argparse.ArgumentParser(prog="pagedkv bench tiers", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="pagedkv bench tiers", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--prefix-len", type=int, default=2048, help="tokens of shared prefix (default 2048)")
     p.add_argument("--suffix-len", type=int, default=8, help="unique tokens after the prefix")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     p.add_argument("--redis", default=None, metavar="URL", help="a Redis server to use (default: start one)")
     p.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (default: no file)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one worker
     add_llm_args(p)
     return p
