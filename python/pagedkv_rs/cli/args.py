@@ -3,14 +3,67 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+import os
+from typing import TYPE_CHECKING, Any, Optional
 
 from pagedkv_rs.models.llama import MODEL_IMPLS, WEIGHT_FORMATS
 
 if TYPE_CHECKING:
     from pagedkv_rs.llm import LLM
 
-__all__ = ["add_llm_args", "llm_from_args"]
+__all__ = ["add_llm_args", "llm_from_args", "read_secret", "resolve_tier_secret", "check_shared_tiers"]
+
+# Secrets also come from the environment or a file: a command line is readable by every user of the
+# machine (/proc/PID/cmdline).
+KV_TIER_SECRET_ENV = "PAGEDKV_KV_TIER_SECRET"
+MAX_SECRET_FILE = 4096
+
+
+def read_secret(value: Optional[str], path: Optional[str], env: str, flag: str) -> Optional[str]:
+    """The secret given by ``--flag``, else ``--flag-file`` (first line, stripped), else ``$env``; None if none.
+
+    An empty secret is refused (ValueError): it would turn a guard on that an empty credential passes.
+    """
+    if value is not None and path is not None:
+        raise ValueError(f"give {flag} or {flag}-file, not both")
+    source = flag
+    if path is not None:
+        source = f"{flag}-file {path}"
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SECRET_FILE + 1)
+        if len(raw) > MAX_SECRET_FILE:
+            raise ValueError(f"{source}: longer than {MAX_SECRET_FILE} bytes; a secret is one line")
+        lines = raw.decode("utf-8").splitlines()
+        value = lines[0].strip() if lines else ""
+    elif value is None and env in os.environ:
+        source, value = f"${env}", os.environ[env]
+    if value is not None and not value:
+        raise ValueError(f"{source} is empty: give a non-empty secret or leave it unset")
+    return value
+
+
+def resolve_tier_secret(args: argparse.Namespace) -> None:
+    """Settle ``args.kv_tier_secret`` from the flag, its file or the environment (once; ValueError if bad)."""
+    if getattr(args, "_tier_secret_resolved", False):
+        return
+    args.kv_tier_secret = read_secret(
+        args.kv_tier_secret, args.kv_tier_secret_file, KV_TIER_SECRET_ENV, "--kv-tier-secret"
+    )
+    args._tier_secret_resolved = True
+
+
+def check_shared_tiers(args: argparse.Namespace) -> Optional[str]:
+    """A Redis tier without a secret serves whatever anyone who can write to Redis put there: refused unless
+    ``--kv-tier-insecure``; returns the warning to log when it is allowed that way."""
+    shared = [t for t in args.kv_tiers or () if t.strip().startswith(("redis://", "rediss://"))]
+    if not shared or args.kv_tier_secret is not None or "secret=" in " ".join(shared):
+        return None
+    if not args.kv_tier_insecure:
+        raise ValueError(
+            "a Redis KV tier without a secret accepts K/V from anyone who can write to that Redis: give "
+            f"--kv-tier-secret-file FILE (or ${KV_TIER_SECRET_ENV}), or --kv-tier-insecure to run without one"
+        )
+    return "KV tier without a secret (--kv-tier-insecure): whoever can write to that Redis can inject K/V"
 
 
 def add_llm_args(p: argparse.ArgumentParser) -> None:
@@ -42,8 +95,20 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
         "--kv-tier-secret",
         default=None,
         metavar="SECRET",
-        help="MAC key of the tiers' entries: with it nobody can inject K/V through a shared store (default: none, "
-        "entries carry a CRC only)",
+        help="MAC key of the tiers' entries: with it nobody can inject K/V through a shared store (default: "
+        f"${KV_TIER_SECRET_ENV} if set, else none: entries carry a CRC only). Visible to other users on the command "
+        "line: prefer --kv-tier-secret-file or the environment",
+    )
+    p.add_argument(
+        "--kv-tier-secret-file",
+        default=None,
+        metavar="FILE",
+        help="read the tiers' MAC key from the first line of FILE (default: none)",
+    )
+    p.add_argument(
+        "--kv-tier-insecure",
+        action="store_true",
+        help="allow a Redis tier without a secret in pagedkv serve (anyone who can write to it can inject K/V)",
     )
     p.add_argument(
         "--model-impl",
@@ -58,6 +123,7 @@ def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
     """An ``LLM`` from the options ``add_llm_args`` added; extra keywords go to the engine."""
     from pagedkv_rs.llm import LLM  # the model extra: imported only when a command runs
 
+    resolve_tier_secret(args)
     return LLM(
         args.model,
         kv_dtype=args.kv_dtype,

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 __all__ = ["main", "build_parser", "sampling_defaults"]
 
+API_KEY_ENV = "PAGEDKV_API_KEY"
+
 _DEFAULT_OPTIONS = {  # --default-NAME -> (type, help); the request field is NAME with underscores
     "temperature": (float, "0 = greedy"),
     "top-p": (float, "nucleus sampling mass, in (0, 1]"),
@@ -54,7 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on all but /health, /metrics (default: none)",
+        help="require 'Authorization: Bearer KEY' on all but /health, /metrics (default: $PAGEDKV_API_KEY if set, "
+        "else none). Visible to other users on the command line: prefer --api-key-file or the environment",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="read the API key from the first line of FILE (default: none)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="the model id clients send (default: the file name without .gguf)"
@@ -186,6 +195,17 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     config = log_config(args.log_level)
     logging.config.dictConfig(config)  # now, so that warnings while loading get the same format
+    try:  # credentials and tier safety first: a bad one fails before the model loads
+        from pagedkv_rs.cli.args import check_shared_tiers, read_secret, resolve_tier_secret
+
+        args.api_key = read_secret(args.api_key, args.api_key_file, API_KEY_ENV, "--api-key")
+        resolve_tier_secret(args)
+        warning = check_shared_tiers(args)
+    except (ValueError, OSError) as e:
+        print(f"pagedkv serve: {e}", file=sys.stderr)
+        return 2
+    if warning:
+        logging.getLogger("pagedkv_rs.serve").warning(warning)
     try:
         g = load_gguf(args.model)
         defaults = sampling_defaults(args, g.metadata)

@@ -223,6 +223,8 @@ def build_app(
         raise ValueError("the server needs a tokenizer: pass an LLM, or an engine and tokenizer=")
     if max_queued_requests < 0:
         raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+    if api_key is not None and not api_key:
+        raise ValueError("api_key is empty: an empty key would let 'Authorization: Bearer' through; give one or None")
     for name, v in (
         ("request_timeout", request_timeout),
         ("stream_idle_timeout", stream_idle_timeout),
