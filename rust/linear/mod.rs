@@ -103,10 +103,12 @@ use crate::runtime::{self, Isa};
 use acts::{digit_base, tiled_step, ActsMut, BASE_BUDGET, BASE_CAP, TILED_ROWS};
 #[cfg(test)]
 use acts::{quantize_fast, quantize_tiled};
+#[cfg(any(test, target_arch = "x86_64"))]
+use product::MR;
 #[cfg(test)]
 use product::ROW_BLOCK_BYTES;
-#[cfg(any(test, target_arch = "x86_64"))]
-use product::{tile_order, MR, PASS_PANELS};
+#[cfg(target_arch = "x86_64")]
+use product::{tile_order, PASS_PANELS};
 #[cfg(target_arch = "x86_64")]
 use weight::GRID_BLOCKS;
 
