@@ -393,7 +393,7 @@ fn digits(v: [__m256; 4]) -> (f32, i32, f32, [__m256i; 4], [__m256i; 4]) {
         return (0.0, 0, 0.0, zero, zero);
     }
     let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
-    // Nearest-even rounding, as `round_half_even` in mod.rs (|v·inv| <= ~127 < 2^22).
+    // Nearest-even rounding, as `round_half_even` in acts.rs (|v·inv| <= ~127 < 2^22).
     let code = |a: __m256, inv: __m256| {
         let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(a, inv));
         _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))

@@ -15,7 +15,7 @@
 //!
 //! All fit the 32 zmm with the block's scales (`TILE_ROWS` says why 8 rows).
 //!
-//! The tile reads the activations from `QActs::tiled` (`pack_tiled` in mod.rs): rows in groups of
+//! The tile reads the activations from `QActs::tiled` (`pack_tiled` in acts.rs): rows in groups of
 //! 8, each 4-wide k step of a group holding its 8 rows' two digits side by side (64 bytes), so every
 //! broadcast of a block sits at a constant offset from one pointer. Reading `hi` and `lo` row by
 //! row took 16 row pointers for the 8-row tile, more than the general registers hold beside the
@@ -640,7 +640,7 @@ fn digits(v: [__m512; 2]) -> (f32, i32, f32, [__m512i; 2], [__m512i; 2]) {
         return (0.0, 0, 0.0, zero, zero);
     }
     let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
-    // Nearest-even conversion (the default rounding mode), as `round_half_even` in mod.rs.
+    // Nearest-even conversion (the default rounding mode), as `round_half_even` in acts.rs.
     let code = |x: __m512, inv: __m512| {
         _mm512_cvtps_epi32(_mm512_min_ps(
             _mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x, inv)), lo),

@@ -1,0 +1,315 @@
+//! Activation quantization: `x [m, k]` into two int8 digits a value (formula: the module docs).
+//!
+//! | quantizer        | variant       | layout it writes                                        |
+//! |------------------|---------------|---------------------------------------------------------|
+//! | `quantize_acts`  | scalar (spec) | `hi`, `lo` rows; `pack_tiled` makes the tiled one of it |
+//! | `avx2::quantize` | avx2          | `hi`, `lo` rows                                         |
+//! | `x86::quantize`  | avx512vnni    | `hi`, `lo` rows, or `tiled` (`x86::Digits`)             |
+//!
+//! `quantize_fast` picks the one beside the tile that runs, `quantize_par` and `quantize_tiled`
+//! cut the rows into chunks on the rayon pool. Layouts: `QActs::hi` and `lo` row-major `[m, k]`;
+//! `QActs::tiled` rows in groups of `TILED_ROWS`, a 4-wide k step holding the group's digits
+//! side by side (`pack_tiled`). Tolerance: none, every quantizer writes the scalar one's bytes
+//! (tests.rs compares them, NaN and infinite blocks included).
+
+use super::QBLOCK;
+#[cfg(target_arch = "x86_64")]
+use super::{avx2, x86};
+use crate::runtime::Isa;
+
+/// Activations of `m` rows `[m, k]`, quantized per 32-wide block in two int8 digits.
+pub struct QActs {
+    /// First digit `h`.
+    pub hi: Vec<i8>,
+    /// Second digit `l` (the first one's rounding error).
+    pub lo: Vec<i8>,
+    /// The scale `s[r, b]` of block b of row r: `x ≈ s·(R·h + l)` (NaN when the block holds a
+    /// NaN or infinity, so that output row is NaN; 0 for an all-zero block).
+    pub s: Vec<f32>,
+    /// The ratio `R[r, b]` of the two digits (0 for a NaN, infinite or all-zero block).
+    pub base: Vec<i32>,
+    /// `s · (R·Σh + Σl)` over the block.
+    pub qs: Vec<f32>,
+    /// Both digits in the VNNI tile's order (`pack_tiled`): that tile's activations of at least
+    /// `TILED_MIN_ROWS` rows hold only these (`hi` and `lo` then empty); empty otherwise.
+    pub tiled: Vec<i8>,
+}
+
+impl QActs {
+    pub(super) fn zeroed(m: usize, k: usize) -> Self {
+        let nb = k / QBLOCK;
+        QActs {
+            hi: vec![0; m * k],
+            lo: vec![0; m * k],
+            s: vec![0.0; m * nb],
+            base: vec![0; m * nb],
+            qs: vec![0.0; m * nb],
+            tiled: Vec::new(),
+        }
+    }
+
+    /// Fill `tiled` from `hi` and `lo` (`m` rows of `k`): rows in groups of `TILED_ROWS` (the last
+    /// one of the `m % TILED_ROWS` rows left, if any), a group of `g` rows laid out
+    /// `[k/4][g rows][hi, lo][4 bytes]`; `2·m·k` bytes, group `j` from byte `j·2·TILED_ROWS·k`
+    /// (`tiled_step` gives a group's bytes a 4-wide k step). A tile of up to 8 rows inside one group
+    /// then finds the 4 bytes of each of its rows and digits for a k step at fixed offsets from one
+    /// address, and the next step one group step on: no per-row address arithmetic in its inner loop.
+    pub(super) fn pack_tiled(&mut self, m: usize, k: usize) {
+        let mut t = vec![0i8; 2 * m * k];
+        for r in 0..m {
+            let (hi, lo) = (&self.hi[r * k..][..k], &self.lo[r * k..][..k]);
+            let g0 = r / TILED_ROWS * TILED_ROWS;
+            let step = tiled_step(m, g0);
+            let at = g0 * 2 * k + (r - g0) * 8;
+            for (s, (h, l)) in t[at..].chunks_mut(step).zip(hi.chunks_exact(4).zip(lo.chunks_exact(4))) {
+                s[..4].copy_from_slice(h);
+                s[4..8].copy_from_slice(l);
+            }
+        }
+        self.tiled = t;
+    }
+}
+
+/// The digit and scale buffers of some whole rows of a `QActs` (`rows_mut`, `split`): what a
+/// quantizer fills, so that chunks of rows can be quantized in parallel in place.
+pub(super) struct ActsMut<'a> {
+    pub hi: &'a mut [i8],
+    pub lo: &'a mut [i8],
+    pub s: &'a mut [f32],
+    pub base: &'a mut [i32],
+    pub qs: &'a mut [f32],
+    pub tiled: &'a mut [i8],
+}
+
+impl QActs {
+    /// Every row's buffers.
+    pub(super) fn rows_mut(&mut self) -> ActsMut<'_> {
+        ActsMut {
+            hi: &mut self.hi,
+            lo: &mut self.lo,
+            s: &mut self.s,
+            base: &mut self.base,
+            qs: &mut self.qs,
+            tiled: &mut self.tiled,
+        }
+    }
+}
+
+impl<'a> ActsMut<'a> {
+    /// The first `rows` rows of `k` and the rest (an empty buffer stays empty on both sides; a
+    /// cut of `tiled` is a group boundary when `rows` is a multiple of `TILED_ROWS`).
+    pub(super) fn split(self, rows: usize, k: usize) -> (ActsMut<'a>, ActsMut<'a>) {
+        fn cut<T>(v: &mut [T], at: usize) -> (&mut [T], &mut [T]) {
+            let at = at.min(v.len());
+            v.split_at_mut(at)
+        }
+        let nb = rows * k / QBLOCK;
+        let (hi, hi2) = cut(self.hi, rows * k);
+        let (lo, lo2) = cut(self.lo, rows * k);
+        let (s, s2) = cut(self.s, nb);
+        let (base, base2) = cut(self.base, nb);
+        let (qs, qs2) = cut(self.qs, nb);
+        let (tiled, tiled2) = cut(self.tiled, 2 * rows * k);
+        (
+            ActsMut {
+                hi,
+                lo,
+                s,
+                base,
+                qs,
+                tiled,
+            },
+            ActsMut {
+                hi: hi2,
+                lo: lo2,
+                s: s2,
+                base: base2,
+                qs: qs2,
+                tiled: tiled2,
+            },
+        )
+    }
+}
+
+/// Bytes of one 4-wide k step of the `QActs::tiled` group of `m` rows that starts at row `g0`.
+#[inline(always)]
+pub(super) fn tiled_step(m: usize, g0: usize) -> usize {
+    8 * TILED_ROWS.min(m - g0)
+}
+
+/// Rows from which the VNNI tile takes its activations tiled (`QActs::tiled`); below, as `hi` and
+/// `lo` rows: no 8-row tile runs there, and the tiled layout pays from 8 rows on (x86.rs). A
+/// one-sequence decode was slower tiled than with row digits; with this threshold it matches them.
+pub(super) const TILED_MIN_ROWS: usize = 8;
+
+/// Rows of one group of `QActs::tiled` (the VNNI tile's largest row count).
+pub(super) const TILED_ROWS: usize = 8;
+
+/// Quantize `x [m, k]` row by row (see the module docs).
+pub fn quantize_acts(x: &[f32], m: usize, k: usize) -> QActs {
+    let mut a = QActs::zeroed(m, k);
+    for (i, blk) in x[..m * k].chunks_exact(QBLOCK).enumerate() {
+        let (s, base, qs) = quantize_block(
+            blk,
+            &mut a.hi[i * QBLOCK..][..QBLOCK],
+            &mut a.lo[i * QBLOCK..][..QBLOCK],
+        );
+        a.s[i] = s;
+        a.base[i] = base;
+        a.qs[i] = qs;
+    }
+    a
+}
+
+/// The ratio `R` between a block's two activation digits (module docs): `⌊a / max|e|⌋` capped so
+/// that `R·Σ|h| <= 8·10⁶` (every dot `R·Σc·h + Σc·l` fits i32) and `R` fits i16 (the AVX2 tile's
+/// `vpmaddwd` weight). The SIMD quantizers compute the same three correctly rounded quotients.
+#[inline(always)]
+pub(super) fn digit_base(amax: f32, emax: f32, abs_sum: f32) -> f32 {
+    (amax / emax).floor().min((BASE_BUDGET / abs_sum).floor()).min(BASE_CAP)
+}
+/// `R·Σ|h|` at most (exact in f32).
+pub(super) const BASE_BUDGET: f32 = 8.0e6;
+/// `R` at most: an i16.
+pub(super) const BASE_CAP: f32 = 32767.0;
+
+/// `v.round_ties_even()` for |v| < 2^22, in plain f32 arithmetic: adding and subtracting
+/// 1.5·2^23 rounds to an integer in the default (nearest-even) mode. The library call that
+/// `round_ties_even` becomes without SSE4.1 cost more than the whole matrix product.
+#[inline(always)]
+fn round_half_even(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
+}
+
+/// Both digits of one block into `h` and `l`: `(s, R, qs)`; `s` and `qs` are NaN for a block
+/// holding NaN or infinity, 0 for an all-zero (or subnormal) one, `R` 0 for both (digits 0).
+fn quantize_block(x: &[f32], h: &mut [i8], l: &mut [i8]) -> (f32, i32, f32) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let bad = x.iter().any(|v| v.is_nan()) || amax.is_infinite();
+    if bad || amax < f32::MIN_POSITIVE {
+        h.fill(0);
+        l.fill(0);
+        let s = if bad { f32::NAN } else { 0.0 };
+        return (s, 0, s);
+    }
+    let (inv_h, s_h) = (127.0 / amax, amax / 127.0);
+    let mut err = [0f32; QBLOCK];
+    for ((&v, oh), e) in x.iter().zip(h.iter_mut()).zip(err.iter_mut()) {
+        let q = round_half_even(v * inv_h).clamp(-127.0, 127.0);
+        *oh = q as i8;
+        // The product and the difference each rounded (no contraction).
+        *e = v - s_h * q;
+    }
+    let emax = err.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let abs_sum = h.iter().map(|&q| q.unsigned_abs() as i32).sum::<i32>() as f32;
+    // ⌊a / max|e|⌋ (>= ~254: |e| <= s_h/2), capped; an exact block (e = 0) takes a cap.
+    let base = digit_base(amax, emax, abs_sum);
+    let units = 127.0 * base; // exact: an integer < 2^22
+    let inv_l = units / amax;
+    let mut sum = 0i32;
+    for ((&e, ol), &qh) in err.iter().zip(l.iter_mut()).zip(h.iter()) {
+        let q = round_half_even(e * inv_l).clamp(-127.0, 127.0);
+        *ol = q as i8;
+        sum += base as i32 * qh as i32 + q as i32;
+    }
+    let s = amax / units;
+    // |sum| <= R·Σ|h| + 32·127 < 2^24: exact in f32.
+    (s, base as i32, s * sum as f32)
+}
+
+/// `quantize_acts` with the quantizer of the tile build `v` (`variant`): AVX-512 beside the VNNI
+/// tile, AVX2 beside the AVX2 tile (so `PAGEDKV_ISA=avx2` runs what a CPU without AVX-512 runs),
+/// the scalar one otherwise; identical results.
+pub(super) fn quantize_fast(v: Isa, x: &[f32], m: usize, k: usize) -> QActs {
+    #[cfg(target_arch = "x86_64")]
+    if v == Isa::Avx512 && Isa::Avx512.available() {
+        let mut a = QActs::zeroed(m, k);
+        // SAFETY: AVX-512 F/BW detected (`Isa::Avx512` includes them); x[..m*k] and the buffers are sized for m rows.
+        unsafe { x86::quantize(&x[..m * k], &mut a.rows_mut(), x86::Digits::Rows) };
+        return a;
+    } else if v == Isa::Avx2 && Isa::Avx2.available() {
+        let mut a = QActs::zeroed(m, k);
+        // SAFETY: AVX2 and FMA detected (`Isa::Avx2` includes them); x[..m*k] and the buffers are sized for m rows.
+        unsafe { avx2::quantize(&x[..m * k], &mut a) };
+        return a;
+    }
+    quantize_acts(x, m, k)
+}
+
+/// The VNNI tile's activations: the digits in `tiled` only (`hi` and `lo` empty), straight from
+/// the AVX-512 quantizer (the same bytes `pack_tiled` makes of `quantize_acts`; cargo tests), in
+/// chunks of `chunk` rows (rounded up to a multiple of `TILED_ROWS`) on the rayon pool when there
+/// is more than one, each written in place.
+pub(super) fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize) -> QActs {
+    #[cfg(target_arch = "x86_64")]
+    if Isa::Avx512.available() {
+        use rayon::prelude::*;
+        let nb = k / QBLOCK;
+        let mut a = QActs {
+            hi: Vec::new(),
+            lo: Vec::new(),
+            s: vec![0.0; m * nb],
+            base: vec![0; m * nb],
+            qs: vec![0.0; m * nb],
+            tiled: vec![0; 2 * m * k],
+        };
+        let chunk = chunk.max(1).next_multiple_of(TILED_ROWS);
+        let mut parts = Vec::with_capacity(m.div_ceil(chunk));
+        let (mut rest, mut r) = (a.rows_mut(), 0);
+        while r < m {
+            let n = chunk.min(m - r);
+            let (head, tail) = rest.split(n, k);
+            parts.push((&x[r * k..(r + n) * k], head));
+            (rest, r) = (tail, r + n);
+        }
+        let run = |(xc, mut v): (&[f32], ActsMut)| {
+            // SAFETY: AVX-512 F/BW detected; xc holds whole rows, and v is those rows' `tiled` and
+            // scale buffers (`split` at multiples of TILED_ROWS rows: their own groups).
+            unsafe { x86::quantize(xc, &mut v, x86::Digits::Tiled { k }) }
+        };
+        if parts.len() > 1 {
+            parts.into_par_iter().for_each(run);
+        } else {
+            parts.into_iter().for_each(run);
+        }
+        return a;
+    }
+    let _ = chunk;
+    let mut a = quantize_acts(x, m, k);
+    a.pack_tiled(m, k);
+    a
+}
+
+/// `quantize_fast` for build `v` over chunks of 64 rows in parallel (`quantize_tiled` in such
+/// chunks when `tiled`).
+pub(super) fn quantize_par(v: Isa, x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
+    use rayon::prelude::*;
+    const ROWS: usize = 64;
+    if tiled {
+        return quantize_tiled(x, m, k, ROWS);
+    }
+    if m <= ROWS {
+        return quantize_fast(v, x, m, k);
+    }
+    let parts: Vec<QActs> = x[..m * k]
+        .par_chunks(ROWS * k)
+        .map(|c| quantize_fast(v, c, c.len() / k, k))
+        .collect();
+    let mut a = QActs {
+        hi: Vec::with_capacity(m * k),
+        lo: Vec::with_capacity(m * k),
+        s: Vec::new(),
+        base: Vec::new(),
+        qs: Vec::new(),
+        tiled: Vec::new(),
+    };
+    for p in parts {
+        a.hi.extend_from_slice(&p.hi);
+        a.lo.extend_from_slice(&p.lo);
+        a.s.extend_from_slice(&p.s);
+        a.base.extend_from_slice(&p.base);
+        a.qs.extend_from_slice(&p.qs);
+    }
+    a
+}

@@ -1,0 +1,427 @@
+//! Building a `QWeight`: every constructor, and the packing of rows into panels (layout: weight.rs
+//! and the module docs).
+//!
+//! | constructor       | from                                                                   |
+//! |-------------------|------------------------------------------------------------------------|
+//! | `from_f32`        | float weights `[n, k]`, quantized per block (`c` in 0..=255, `d`, `m`) |
+//! | `from_parts`      | codes `[n, k]` and `d`, `m` `[n, k/32]` as they are                    |
+//! | `from_gguf`       | GGUF rows of one tensor (`from_q4_1`, `from_q8_0`: of that type)       |
+//! | `from_gguf_parts` | GGUF rows of several tensors stacked (a fused projection, mixed types) |
+//! | `from_gguf_named` | the same, with errors naming the tensor                                |
+//!
+//! A panel takes the 4-bit layout when every code of its rows fits 4 bits; scales are f16 when
+//! every one is exactly an f16, the K-quant grid for K-quant rows (k a multiple of 256), else f32
+//! (`Scales`).
+
+use super::gguf;
+use super::weight::{Muls, QWeight, Scales, GRID_BLOCKS};
+use super::{PANEL, QBLOCK};
+use crate::error::{Error, Result};
+
+impl QWeight {
+    /// Pack row-major codes `[n, k]` and per-block `d`, `m` `[n, k/32]`.
+    pub fn from_parts(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32]) -> Result<Self> {
+        use rayon::prelude::*;
+        check_dims(n, k)?;
+        let nb = k / QBLOCK;
+        if codes.len() != n * k || d.len() != n * nb || m.len() != n * nb {
+            return Err(Error::Invalid(format!(
+                "need codes [{n}, {k}], d and m [{n}, {nb}]; got {}, {} and {} values",
+                codes.len(),
+                d.len(),
+                m.len()
+            )));
+        }
+        let pool = crate::runtime::pool()?;
+        let bad = pool.install(|| d.par_iter().chain(m.par_iter()).position_first(|v| !v.is_finite()));
+        if let Some(i) = bad {
+            return Err(Error::Invalid(format!("scale {i} is not finite")));
+        }
+        Ok(pool.install(|| Self::pack(n, k, codes, d, m)))
+    }
+
+    /// The packed layout of checked parts: each panel in the 4-bit layout when every code of its
+    /// rows is < 16, else the 8-bit one. Panels are packed in parallel (on the caller's rayon pool).
+    fn pack(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32]) -> Self {
+        use rayon::prelude::*;
+        let four: Vec<bool> = (0..n.div_ceil(PANEL))
+            .into_par_iter()
+            .map(|p| {
+                codes[p * PANEL * k..((p + 1) * PANEL).min(n) * k]
+                    .iter()
+                    .all(|&x| x < 16)
+            })
+            .collect();
+        Self::pack_layout(n, k, codes, d, m, &four)
+    }
+
+    /// `pack` with each panel's layout given (`four[p]`: 4-bit; only where its codes are < 16).
+    pub(super) fn pack_layout(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32], four: &[bool]) -> Self {
+        use rayon::prelude::*;
+        let nb = k / QBLOCK;
+        let code_at = panel_offsets(k, four);
+        let mut pc = vec![0u8; code_at[four.len()]];
+        let mut ps = vec![0f32; four.len() * nb * 2 * PANEL];
+        split_panels(&mut pc, &code_at)
+            .into_par_iter()
+            .zip(ps.par_chunks_mut(nb * 2 * PANEL))
+            .enumerate()
+            .for_each(|(p, (dst, sc))| {
+                for i in 0..PANEL.min(n - p * PANEL) {
+                    let row = p * PANEL + i;
+                    let r = row * nb..(row + 1) * nb;
+                    pack_row(dst, sc, i, &codes[row * k..][..k], &d[r.clone()], &m[r], four[p]);
+                }
+            });
+        QWeight {
+            n,
+            k,
+            codes: pc,
+            code_at,
+            scales: Scales::compact(ps),
+        }
+    }
+
+    /// From GGUF rows `raw: [n, row_bytes]` of `ggml_type` (any of `gguf::TYPES`), `k` a
+    /// multiple of 32: the file's blocks folded onto 32-wide blocks as `gguf::to_blocks` does
+    /// (exact for Q4_0..Q8_0, Q4_K, Q5_K; see its table for Q6_K and float types).
+    pub fn from_gguf(ggml_type: &str, raw: &[u8], n: usize, k: usize) -> Result<Self> {
+        Self::from_gguf_parts(&[(ggml_type, raw, n)], k)
+    }
+
+    /// Rows of several GGUF tensors `(ggml_type, raw, rows)` of width `k`, stacked in order (a
+    /// fused projection whose parts may have different types, as in Q4_K_M files).
+    ///
+    /// Decoded and packed panel by panel on the kernel threads, with no row-major copy in between:
+    /// each thread decodes one row at a time into a row of scratch and packs it into its panel.
+    /// A panel whose rows all come from tensors of 4-bit types (Q4_0, Q4_1, Q4_K) is packed as
+    /// nibbles, others too when every code they give is < 16 (as `from_parts`): in a Q4_K_M QKV
+    /// (Q4_K q and k, Q6_K v) the q and k panels keep 4-bit codes.
+    pub fn from_gguf_parts(parts: &[(&str, &[u8], usize)], k: usize) -> Result<Self> {
+        Self::from_gguf_named(parts, None, k)
+    }
+
+    /// `from_gguf_parts` whose errors name the part they are about: `tensor 'NAME': ...` with
+    /// `names` (one a part), else `part i: ...` when there is more than one part.
+    pub fn from_gguf_named(parts: &[(&str, &[u8], usize)], names: Option<&[&str]>, k: usize) -> Result<Self> {
+        use rayon::prelude::*;
+        if let Some(ns) = names {
+            if ns.len() != parts.len() {
+                return Err(Error::Invalid(format!(
+                    "need one name a part: {} parts, {} names",
+                    parts.len(),
+                    ns.len()
+                )));
+            }
+        }
+        let n = parts.iter().try_fold(0usize, |a, p| a.checked_add(p.2));
+        let n = n.ok_or_else(|| Error::Invalid("too many rows".into()))?;
+        check_dims(n, k)?;
+        let named = |i: usize, e: Error| {
+            Error::Invalid(match names {
+                Some(ns) => format!("tensor '{}': {e}", ns[i]),
+                None if parts.len() > 1 => format!("part {i}: {e}"),
+                None => e.to_string(),
+            })
+        };
+        // (first row, row bytes) of each part, every part checked before any work.
+        let mut starts = Vec::with_capacity(parts.len());
+        let mut at = 0;
+        for (i, &(ty, raw, rows)) in parts.iter().enumerate() {
+            starts.push((at, gguf::check_raw(ty, raw, rows, k).map_err(|e| named(i, e))?));
+            at += rows;
+        }
+        // K-quants only (k a multiple of 256): integer scales on the f16 super-block grid.
+        let grid = parts.iter().all(|p| gguf::is_k_quant(p.0)) && k.is_multiple_of(GRID_BLOCKS * QBLOCK);
+        let nb = k / QBLOCK;
+        let panels = n.div_ceil(PANEL);
+        let part_of = |row: usize| starts.partition_point(|s| s.0 <= row) - 1;
+        let four: Vec<bool> = (0..panels)
+            .map(|p| {
+                (p * PANEL..((p + 1) * PANEL).min(n)).all(|r| matches!(parts[part_of(r)].0, "Q4_0" | "Q4_1" | "Q4_K"))
+            })
+            .collect();
+        let code_at = panel_offsets(k, &four);
+        // Legacy types only (Q4_0..Q8_0): f16 scales straight from the file's bits.
+        let legacy: Option<Vec<gguf::Legacy>> = if grid {
+            None
+        } else {
+            parts.iter().map(|p| gguf::Legacy::of(p.0)).collect()
+        };
+        let pool = crate::runtime::pool()?;
+        let pass = |half: bool| -> Result<(QWeight, bool, bool)> {
+            let mut pc = vec![0u8; code_at[panels]];
+            let (mut ps, mut ph) = (Vec::new(), Vec::new());
+            // The m multipliers: mn (6-bit) for Q4_K/Q5_K, min v (|v| <= 4096) for Q6_K.
+            let wide_m = parts.iter().any(|p| p.0 == "Q6_K");
+            let (mut base, mut dmul, mut m8, mut m16) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            // Each panel's own slices of the scales.
+            let chunks: Vec<PanelScales> = if grid {
+                base = vec![half::f16::ZERO; panels * nb / GRID_BLOCKS * 2 * PANEL];
+                dmul = vec![0u8; panels * nb * PANEL];
+                let mchunks: Vec<MulsMut> = if wide_m {
+                    m16 = vec![0i16; panels * nb * PANEL];
+                    m16.chunks_mut(nb * PANEL).map(MulsMut::I16).collect()
+                } else {
+                    m8 = vec![0u8; panels * nb * PANEL];
+                    m8.chunks_mut(nb * PANEL).map(MulsMut::U8).collect()
+                };
+                base.chunks_mut(nb / GRID_BLOCKS * 2 * PANEL)
+                    .zip(dmul.chunks_mut(nb * PANEL))
+                    .zip(mchunks)
+                    .map(|((base, dmul), mmul)| PanelScales::Grid { base, dmul, mmul })
+                    .collect()
+            } else if half {
+                ph = vec![half::f16::ZERO; panels * nb * 2 * PANEL];
+                ph.chunks_mut(nb * 2 * PANEL).map(PanelScales::F16).collect()
+            } else {
+                ps = vec![0f32; panels * nb * 2 * PANEL];
+                ps.chunks_mut(nb * 2 * PANEL).map(PanelScales::F32).collect()
+            };
+            let not_finite = |j: usize, row: usize, b: usize| {
+                named(
+                    j,
+                    Error::Invalid(format!(
+                        "row {}, block {}: scale is not finite",
+                        row - starts[j].0,
+                        b % nb
+                    )),
+                )
+            };
+            // (some 8-bit panel's codes all fit 4 bits after all (then repacked below), every
+            // scale an f16 number where `half`)
+            let (small, exact) = pool.install(|| {
+                split_panels(&mut pc, &code_at)
+                    .into_par_iter()
+                    .zip(chunks.into_par_iter())
+                    .enumerate()
+                    .map_init(
+                        || {
+                            let g = vec![gguf::GridScale::default(); if grid { nb } else { 0 }];
+                            let h = vec![half::f16::ZERO; if half { 2 * nb } else { 0 }];
+                            (vec![0u8; k], vec![0f32; nb], vec![0f32; nb], g, h)
+                        },
+                        |(c, d, m, g, h), (p, (dst, mut sc))| -> Result<(bool, bool)> {
+                            let (mut top, mut exact) = (0u8, true);
+                            for i in 0..PANEL.min(n - p * PANEL) {
+                                let row = p * PANEL + i;
+                                let j = part_of(row);
+                                let ((ty, raw, _), (first, rb)) = (parts[j], starts[j]);
+                                let src = &raw[(row - first) * rb..][..rb];
+                                // The row's codes into `c`; its d, m into `d`, `m` (checked finite).
+                                let mut decode = |g: &mut [gguf::GridScale]| -> Result<()> {
+                                    if grid {
+                                        gguf::to_grid_blocks(ty, src, 1, k, c, d, m, g)
+                                    } else {
+                                        gguf::to_blocks(ty, src, 1, k, c, d, m)
+                                    }
+                                    .map_err(|e| named(j, e))?;
+                                    match d.iter().chain(m.iter()).position(|v| !v.is_finite()) {
+                                        Some(b) => Err(not_finite(j, row, b)),
+                                        None => Ok(()),
+                                    }
+                                };
+                                match &mut sc {
+                                    PanelScales::F16(sc) => {
+                                        let lg = legacy
+                                            .as_deref()
+                                            .map(|l| l[j])
+                                            .ok_or_else(|| Error::Invalid("f16 scales need Q4_0..Q8_0 parts".into()))?;
+                                        let (dh, mh) = h.split_at_mut(nb);
+                                        exact &=
+                                            gguf::row_blocks_f16(lg, src, k, c, dh, mh).map_err(|e| named(j, e))?;
+                                        // f16 non-finite: exponent all ones
+                                        if let Some(b) = h.iter().position(|v| v.to_bits() & 0x7c00 == 0x7c00) {
+                                            return Err(not_finite(j, row, b));
+                                        }
+                                        let (dh, mh) = h.split_at(nb);
+                                        for (b, (&db, &mb)) in dh.iter().zip(mh).enumerate() {
+                                            sc[b * 2 * PANEL + i] = db;
+                                            sc[b * 2 * PANEL + PANEL + i] = mb;
+                                        }
+                                    }
+                                    PanelScales::F32(sc) => {
+                                        decode(g)?;
+                                        pack_scales(sc, i, d, m);
+                                    }
+                                    PanelScales::Grid { base, dmul, mmul } => {
+                                        decode(g)?;
+                                        for (b, gs) in g.iter().enumerate() {
+                                            dmul[b * PANEL + i] = gs.d_mul;
+                                            match mmul {
+                                                MulsMut::I16(v) => v[b * PANEL + i] = gs.m_mul,
+                                                // Q4_K/Q5_K: mn is a 6-bit integer.
+                                                MulsMut::U8(v) => v[b * PANEL + i] = gs.m_mul as u8,
+                                            }
+                                            if b % GRID_BLOCKS == 0 {
+                                                let at = b / GRID_BLOCKS * 2 * PANEL + i;
+                                                base[at] = gs.d_base;
+                                                base[at + PANEL] = gs.m_base;
+                                            }
+                                        }
+                                    }
+                                }
+                                if !four[p] {
+                                    top = top.max(c.iter().copied().max().unwrap_or(0));
+                                }
+                                pack_codes(dst, i, c, four[p]);
+                            }
+                            Ok((!four[p] && top < 16, exact))
+                        },
+                    )
+                    .try_reduce(|| (false, true), |a, b| Ok((a.0 || b.0, a.1 && b.1)))
+            })?;
+            let scales = if grid {
+                let mmul = if wide_m { Muls::I16(m16) } else { Muls::U8(m8) };
+                Scales::Grid { base, dmul, mmul }
+            } else if half {
+                Scales::F16(ph)
+            } else {
+                Scales::compact(ps)
+            };
+            let w = QWeight {
+                n,
+                k,
+                codes: pc,
+                code_at: code_at.clone(),
+                scales,
+            };
+            Ok((w, small, exact))
+        };
+        let (mut w, mut small, exact) = pass(legacy.is_some())?;
+        if !exact {
+            // some m = -2^e·d is not an f16 number: the f32 values, as `from_parts` holds them
+            (w, small, _) = pass(false)?;
+        }
+        if small {
+            // A panel of an 8-bit type whose codes all fit in 4 bits (e.g. constant blocks): the
+            // half-size layout there, as `from_parts` packs it, with the same scales.
+            let (c, d, m) = w.unpack();
+            let mut w4 = pool.install(|| Self::pack(n, k, &c, &d, &m));
+            w4.scales = w.scales;
+            return Ok(w4);
+        }
+        Ok(w)
+    }
+
+    /// From GGUF Q4_1 rows (`gguf::to_blocks`). `raw` is `[n, k/32 * 20]` bytes.
+    pub fn from_q4_1(raw: &[u8], n: usize, k: usize) -> Result<Self> {
+        Self::from_gguf("Q4_1", raw, n, k)
+    }
+
+    /// From GGUF Q8_0 rows (`c = q + 128`, `m = -128·d`). `raw` is `[n, k/32 * 34]` bytes.
+    pub fn from_q8_0(raw: &[u8], n: usize, k: usize) -> Result<Self> {
+        Self::from_gguf("Q8_0", raw, n, k)
+    }
+
+    /// Quantize float weights `[n, k]`: per block `d = (max - min)/255`, `m = min`,
+    /// `c = round((w - m)/d)`.
+    pub fn from_f32(w: &[f32], n: usize, k: usize) -> Result<Self> {
+        check_dims(n, k)?;
+        if w.len() != n * k {
+            return Err(Error::Invalid(format!(
+                "need {} weights for [{n}, {k}], got {}",
+                n * k,
+                w.len()
+            )));
+        }
+        if let Some(i) = w.iter().position(|v| !v.is_finite()) {
+            return Err(Error::Invalid(format!(
+                "weight {i} (row {}, column {}) is not finite",
+                i / k,
+                i % k
+            )));
+        }
+        let nb = k / QBLOCK;
+        let mut codes = vec![0u8; n * k];
+        let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
+        for (i, blk) in w.chunks_exact(QBLOCK).enumerate() {
+            (d[i], m[i]) = gguf::quantize_asym(blk, &mut codes[i * QBLOCK..][..QBLOCK]);
+        }
+        Self::from_parts(n, k, &codes, &d, &m)
+    }
+}
+
+/// Where each panel's codes start (and, last, the total): `k * PANEL` bytes a panel, half that
+/// for a panel in the 4-bit layout (`four[p]`).
+fn panel_offsets(k: usize, four: &[bool]) -> Vec<usize> {
+    let mut at = Vec::with_capacity(four.len() + 1);
+    at.push(0);
+    for &f in four {
+        at.push(at.last().copied().unwrap_or(0) + if f { k * PANEL / 2 } else { k * PANEL });
+    }
+    at
+}
+
+/// `codes` cut at the offsets `code_at` into one slice a panel.
+fn split_panels<'a>(mut codes: &'a mut [u8], code_at: &[usize]) -> Vec<&'a mut [u8]> {
+    let mut out = Vec::with_capacity(code_at.len().saturating_sub(1));
+    for w in code_at.windows(2) {
+        let (head, rest) = std::mem::take(&mut codes).split_at_mut(w[1] - w[0]);
+        out.push(head);
+        codes = rest;
+    }
+    out
+}
+
+/// One panel's part of the scales while it is packed.
+enum PanelScales<'a> {
+    F32(&'a mut [f32]),
+    F16(&'a mut [half::f16]),
+    Grid {
+        base: &'a mut [half::f16],
+        dmul: &'a mut [u8],
+        mmul: MulsMut<'a>,
+    },
+}
+
+/// One panel's part of the `m` multipliers while it is packed.
+enum MulsMut<'a> {
+    U8(&'a mut [u8]),
+    I16(&'a mut [i16]),
+}
+
+/// Row `i` of a panel: its codes into the panel's code line `dst` and its `d`, `m` into the
+/// panel's scales `sc` (`pack_codes`, `pack_scales`).
+fn pack_row(dst: &mut [u8], sc: &mut [f32], i: usize, codes: &[u8], d: &[f32], m: &[f32], nibbles: bool) {
+    pack_codes(dst, i, codes, nibbles);
+    pack_scales(sc, i, d, m);
+}
+
+/// Row `i`'s codes into the panel's code line `dst` (4-byte groups of PANEL rows; as nibbles,
+/// byte b of group pair h holds code 8h+b low and 8h+4+b high).
+fn pack_codes(dst: &mut [u8], i: usize, codes: &[u8], nibbles: bool) {
+    if nibbles {
+        for (h, oct) in codes.chunks_exact(8).enumerate() {
+            let at = &mut dst[h * 4 * PANEL + i * 4..][..4];
+            for b in 0..4 {
+                at[b] = oct[b] | (oct[4 + b] << 4);
+            }
+        }
+    } else {
+        for (g, quad) in codes.chunks_exact(4).enumerate() {
+            dst[g * 4 * PANEL + i * 4..][..4].copy_from_slice(quad);
+        }
+    }
+}
+
+/// Row `i`'s `d`, `m` into the panel's scales `sc` (per block: PANEL `d`, then PANEL `m`).
+fn pack_scales(sc: &mut [f32], i: usize, d: &[f32], m: &[f32]) {
+    for (b, (&db, &mb)) in d.iter().zip(m).enumerate() {
+        let s = &mut sc[b * 2 * PANEL..][..2 * PANEL];
+        s[i] = db;
+        s[PANEL + i] = mb;
+    }
+}
+
+fn check_dims(n: usize, k: usize) -> Result<()> {
+    if n == 0 || k == 0 || !k.is_multiple_of(QBLOCK) {
+        return Err(Error::Invalid(format!(
+            "weights need n >= 1 and k a positive multiple of {QBLOCK}, got n={n}, k={k}"
+        )));
+    }
+    if n.checked_mul(k).is_none_or(|v| v > 1 << 34) {
+        return Err(Error::Invalid(format!("weight matrix [{n}, {k}] is too large")));
+    }
+    Ok(())
+}
