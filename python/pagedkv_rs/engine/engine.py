@@ -20,20 +20,18 @@ ones are merged into the last); if the buffer stays full for ``stream_idle_timeo
 request is aborted with cause "lease_expired", its blocks are freed, and the stream raises
 ``StreamLeaseExpiredError``.
 
-Metrics: ``self.metrics`` (``pagedkv_rs.engine.metrics.EngineMetrics``) holds bounded counters and
+Metrics: ``self.metrics`` (``pagedkv_rs.metrics.EngineMetrics``) holds bounded counters and
 fixed-bucket histograms; ``stats()`` reports them with the scheduler's and the KV manager's.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 import itertools
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
@@ -41,9 +39,8 @@ import numpy as np
 from pagedkv_rs import kernels
 from pagedkv_rs._backend import backend as allocator_backend
 from pagedkv_rs.batch import BatchInputs
-from pagedkv_rs.engine.metrics import EngineMetrics
+from pagedkv_rs.engine.input import CheckedRequest, check_request, check_request_id
 from pagedkv_rs.engine.request import (
-    InvalidRequestError,
     Logprob,
     Request,
     RequestOutput,
@@ -54,6 +51,8 @@ from pagedkv_rs.engine.request import (
 )
 from pagedkv_rs.engine.sampling import sample, top_logprobs
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedkv_rs.engine.stream import RequestStream, wake_all
+from pagedkv_rs.metrics import EngineMetrics
 
 if TYPE_CHECKING:
     import asyncio  # imported where a stream is read asynchronously: ~45 ms of start-up otherwise
@@ -86,207 +85,6 @@ class Model(Protocol):
         ``prompt_logprobs`` requests.
         """
         ...
-
-
-class RequestStream:
-    """Incremental ``RequestOutput``s of one request: iterate (blocking), ``async for``, or ``listen``.
-
-    The last item has ``finished=True``. Leaving the loop early (break + close, cancelling the
-    task, or ``cancel()``) aborts the request. At most ``maxlen`` outputs wait unread: a later one
-    is merged into the last (cumulative tokens, concatenated deltas) and the buffer counts as full
-    from then until the reader takes an item (``full_since``, the engine's clock).
-
-    An asyncio consumer is woken through ``loop.call_soon_threadsafe``; a step wakes each loop once
-    for all the streams it fed (not once per stream).
-    """
-
-    def __init__(self, engine: LLMEngine, request_id: str, maxlen: Optional[int] = None) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._items: deque[Union[RequestOutput, BaseException]] = deque()
-        self._cond = threading.Condition()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._event: Optional[asyncio.Event] = None
-        self._listener: Optional[Any] = None  # Callable[[RequestOutput | BaseException], None]
-        self.finished = False
-        self.maxlen = maxlen
-        self.full_since: Optional[float] = None
-
-    def _put(self, item: Union[RequestOutput, BaseException], wake: bool = True) -> bool:
-        """Buffer ``item``; wake the reader now (``wake``) or let the caller batch the wake-up (``_wake_all``).
-
-        Returns whether the stream has an asyncio consumer to wake.
-        """
-        with self._cond:
-            if self.finished:
-                return False
-            self.finished = isinstance(item, BaseException) or item.finished
-            items = self._items
-            if (
-                self.maxlen is not None
-                and len(items) >= self.maxlen
-                and isinstance(item, RequestOutput)
-                and isinstance(items[-1], RequestOutput)
-            ):
-                items[-1] = _merge(items[-1], item)
-                if self.full_since is None:
-                    self.full_since = self._engine._clock()
-            else:
-                items.append(item)
-            self._cond.notify_all()
-            loop = self._loop
-        if wake and loop is not None:
-            _wake_all(loop, [self])
-        return loop is not None
-
-    def _on_loop(self) -> None:
-        """On the consumer's loop: hand the buffered items to the listener, or wake the ``async for``."""
-        listener = self._listener
-        if listener is None:
-            if self._event is not None:
-                self._event.set()
-            return
-        for item in self._drain():
-            try:
-                listener(item)
-            except Exception as e:  # a failing callback loses nothing else: later items and streams still go
-                assert self._loop is not None
-                self._loop.call_exception_handler(
-                    {"message": f"stream {self.request_id!r}: listener failed", "exception": e}
-                )
-
-    def listen(self, callback: Any, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
-        """Call ``callback(item)`` on ``loop`` (default: the running one) for each output, instead of iterating.
-
-        An item is a ``RequestOutput`` (the last has ``finished=True``) or the exception the stream
-        ends with. Call it once, from the loop's thread; outputs that arrived before are delivered too.
-        The callback runs on the loop and must not block; ``cancel()`` still aborts the request.
-        """
-        if loop is None:
-            import asyncio
-
-            loop = asyncio.get_running_loop()
-        with self._cond:
-            if self._loop is not None:
-                raise RuntimeError(f"request {self.request_id!r}: the stream already has an asyncio consumer")
-            self._loop, self._listener = loop, callback
-            pending = bool(self._items)
-        if pending:
-            loop.call_soon(self._on_loop)
-
-    def _expire(self, error: BaseException) -> None:
-        """The lease ran out: drop the unread outputs; the next read raises ``error``."""
-        with self._cond:
-            self._items.clear()
-            self._items.append(error)
-            self.finished = True
-            self.full_since = None
-            self._cond.notify_all()
-            loop = self._loop
-        if loop is not None:
-            _wake_all(loop, [self])
-
-    def _take(
-        self, timeout: Optional[float] = None, asked: Optional[float] = None
-    ) -> Union[RequestOutput, BaseException]:
-        """The next item; ``asked``: the caller's whole timeout, for the message (``timeout`` is what is left)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._items, timeout):
-                raise TimeoutError(f"request {self.request_id!r}: not finished within {asked or timeout} s")
-            self.full_since = None
-            return self._items.popleft()
-
-    def _drain(self) -> list[Union[RequestOutput, BaseException]]:
-        with self._cond:
-            items = list(self._items)
-            self._items.clear()
-            self.full_since = None
-            return items
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        return self._iter()
-
-    def _iter(self) -> Iterator[RequestOutput]:
-        try:
-            while True:
-                item = self._take()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            self.cancel()
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._aiter()
-
-    async def _aiter(self) -> AsyncIterator[RequestOutput]:
-        import asyncio
-
-        with self._cond:
-            if self._listener is not None:
-                raise RuntimeError(f"request {self.request_id!r}: the stream already has a listener")
-            self._loop = asyncio.get_running_loop()
-            self._event = asyncio.Event()
-        try:
-            while True:
-                with self._cond:
-                    item = self._items.popleft() if self._items else None
-                    if item is None:
-                        self._event.clear()
-                    else:
-                        self.full_since = None
-                if item is None:
-                    await self._event.wait()
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            self.cancel()
-
-    def result(self, timeout: Optional[float] = None) -> RequestOutput:
-        """Block until the request finishes; returns its final output."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            item = self._take(left, timeout)
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                return item
-
-    def cancel(self) -> None:
-        """Abort the request unless it already finished (abort cause "cancelled")."""
-        if not self.finished:
-            self._engine._abort(self.request_id, "cancelled")
-
-
-def _wake_all(loop: asyncio.AbstractEventLoop, streams: Sequence[RequestStream]) -> None:
-    """Wake the asyncio consumers of ``streams`` (all on ``loop``) with one ``call_soon_threadsafe``."""
-
-    def wake() -> None:
-        for s in streams:
-            s._on_loop()
-
-    try:
-        loop.call_soon_threadsafe(wake)
-    except RuntimeError:  # the consumer's loop is closed: nobody is listening
-        pass
-
-
-def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """A copy of ``new`` carrying the deltas of both (an unread output folded into the next)."""
-    deltas = {c.index: c.new_token_ids for c in old.outputs}
-    outs = []
-    for c in new.outputs:
-        c = copy.copy(c)
-        c.new_token_ids = deltas.get(c.index, []) + c.new_token_ids
-        outs.append(c)
-    return dataclasses.replace(new, outputs=outs, new_token_ids=outs[0].new_token_ids)
 
 
 class LLMEngine:
@@ -367,64 +165,77 @@ class LLMEngine:
             self._logits_indices = "logits_indices" in inspect.signature(model.forward).parameters
         except (TypeError, ValueError):  # pragma: no cover - a builtin forward without a signature
             self._logits_indices = False
+        no_plp = f"model {type(model).__name__}.forward takes no logits_indices"
+        self._limits = dataclasses.replace(
+            self.scheduler.limits, tokenizer=tokenizer, prompt_logprobs=None if self._logits_indices else no_plp
+        )
 
     # ------------------------------------------------------------------ requests
+    def check_request(
+        self,
+        prompt: Any,
+        params: Optional[SamplingParams] = None,
+        *,
+        request_id: Optional[str] = None,
+        arrival_time: Optional[float] = None,
+        cache_salt: Optional[Union[str, bytes]] = None,
+    ) -> CheckedRequest:
+        """Every submission check, changing nothing (``engine.input.check_request`` against this engine)."""
+        if self._limits.tokenizer is not self.tokenizer:
+            self._limits = dataclasses.replace(self._limits, tokenizer=self.tokenizer)
+        return check_request(
+            prompt,
+            params,
+            limits=self._limits,
+            request_id=request_id,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
+        )
+
     def add_request(
         self,
         request_id: Optional[str],
-        prompt: Prompt,
+        prompt: Union[Prompt, CheckedRequest],
         params: Optional[SamplingParams] = None,
         *,
         arrival_time: Optional[float] = None,
         cache_salt: Optional[Union[str, bytes]] = None,
     ) -> str:
-        """Queue a request (token ids, or text with a tokenizer); returns its id. Raises on bad input."""
+        """Queue a request (token ids, text with a tokenizer, or a ``CheckedRequest``); returns its id."""
+        checked = self._checked(prompt, params, request_id=request_id, arrival_time=arrival_time, cache_salt=cache_salt)
         with self._lock:
-            return self._add(request_id, prompt, params, arrival_time, cache_salt).request_id
+            return self._add(checked).request_id
 
-    def _add(
-        self,
-        request_id: Optional[str],
-        prompt: Prompt,
-        params: Optional[SamplingParams],
-        arrival_time: Optional[float],
-        cache_salt: Any,
-        stream: bool = False,
-    ) -> Request:
-        text, toks = self._check(request_id, prompt, params, arrival_time, cache_salt)
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self.scheduler.requests:
-                request_id = f"req-{next(self._ids)}"
-        req = self.scheduler.add_request(
-            request_id, toks, params, arrival_time=arrival_time, cache_salt=cache_salt, prompt=text
-        )
+    def _checked(self, prompt: Any, params: Any, **fields: Any) -> CheckedRequest:
+        """``prompt`` checked now, or as ``check_request`` returned it (then it carries every field)."""
+        if not isinstance(prompt, CheckedRequest):
+            return self.check_request(prompt, params, **fields)
+        rid = fields.pop("request_id", None)
+        if params is not None or any(v is not None for v in fields.values()):
+            raise TypeError("a CheckedRequest carries its params, arrival_time and cache_salt")
+        if rid is None:
+            return prompt
+        if prompt.request_id is not None:
+            raise TypeError(f"the CheckedRequest is already named {prompt.request_id!r}")
+        return dataclasses.replace(prompt, request_id=check_request_id(rid))
+
+    def _add(self, checked: CheckedRequest, stream: bool = False) -> Request:
+        if checked.request_id is None:
+            rid = f"req-{next(self._ids)}"
+            while rid in self.scheduler.requests:
+                rid = f"req-{next(self._ids)}"
+            checked = dataclasses.replace(checked, request_id=rid)
+        req = self.scheduler.add_request(checked)
         if not req.params.greedy:
             seed = req.params.seed if req.params.seed is not None else int(self._rng.integers(1 << 63))
             for m in req.group:  # completion i > 0 of a seeded request: its own stream of the same seed
                 m.generator = np.random.default_rng(seed if m.index == 0 else [seed, m.index])
         if stream:
-            self._streams[req.request_id] = RequestStream(self, req.request_id, self.stream_buffer)
+            self._streams[req.request_id] = RequestStream(
+                req.request_id, self.stream_buffer, clock=lambda: self._clock(), on_cancel=self._cancel
+            )
         self._wake.notify_all()
         return req
-
-    def _check(
-        self, request_id: Any, prompt: Any, params: Any, arrival_time: Any, cache_salt: Any
-    ) -> tuple[Optional[str], list[int]]:
-        """Every submission check, changing nothing; returns (text or None, prompt token ids)."""
-        text = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("a text prompt needs an engine with a tokenizer; pass token ids instead")
-            text, prompt = prompt, _encode(self.tokenizer, prompt)
-        elif isinstance(prompt, bytes) or not isinstance(prompt, (Sequence, np.ndarray)):
-            raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
-        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None and not self._logits_indices:
-            raise InvalidRequestError(
-                f"prompt_logprobs: model {type(self.model).__name__}.forward takes no logits_indices"
-            )
-        _, toks = self.scheduler.check_request(request_id, prompt, params, arrival_time, cache_salt, text)
-        return text, toks
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput:
         """Abort an unfinished request at any status, freeing its blocks now; returns its final output.
@@ -439,6 +250,10 @@ class LLMEngine:
             raise UnknownRequestError(f"no unfinished request with id {request_id!r}")
         return out
 
+    def _cancel(self, request_id: str) -> None:
+        """A stream's reader left early."""
+        self._abort(request_id, "cancelled")
+
     def _abort(self, request_id: str, cause: str = "abort") -> Optional[RequestOutput]:
         with self._lock:
             if not isinstance(request_id, str) or request_id not in self.scheduler.requests:
@@ -451,6 +266,15 @@ class LLMEngine:
             self.metrics.record_finished(req, cause)
             self._publish([out])
             return out
+
+    def queue_depth(self) -> int:
+        """Requests waiting to be scheduled (the server's admission bound)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence a request may reach: the model's, the config's and the pool's limits."""
+        return self.scheduler.max_model_len
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -605,7 +429,8 @@ class LLMEngine:
             except Exception as e:
                 failed.setdefault(r.head.request_id, e)
         for r, lo, rows in prompt_lp or ():
-            if r.finished or len(r.prompt_logprobs) != lo + 1:  # type: ignore[arg-type]
+            # a request that finished in this very step keeps them (max_tokens=1); an aborted one is gone
+            if r.status is RequestStatus.FINISHED_ABORTED or len(r.prompt_logprobs) != lo + 1:  # type: ignore[arg-type]
                 continue
             try:
                 r.prompt_logprobs += [self._logprob_dict(row) for row in rows]  # type: ignore[operator]
@@ -761,7 +586,7 @@ class LLMEngine:
                 if o.finished:
                     del self._streams[o.request_id]
         for loop, streams in woken.items():
-            _wake_all(loop, streams)
+            wake_all(loop, streams)
 
     # ------------------------------------------------------------- conveniences
     def generate(
@@ -778,17 +603,15 @@ class LLMEngine:
         """
         single = isinstance(prompts, (str, Mapping)) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         items = [prompts] if single else list(prompts)  # type: ignore[list-item, arg-type]
-        pairs = [_prompt_and_salt(p) for p in items]
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(pairs)
-        if len(plist) != len(pairs):
-            raise ValueError(f"{len(pairs)} prompts but {len(plist)} SamplingParams")
-        for (p, salt), sp in zip(pairs, plist):  # every prompt is checked before any is queued
-            self._check(None, p, sp, None, salt)
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(items)
+        if len(plist) != len(items):
+            raise ValueError(f"{len(items)} prompts but {len(plist)} SamplingParams")
+        checked = [self._checked(p, sp) for p, sp in zip(items, plist)]  # every prompt before any is queued
         with self._lock:
             streams = []
             try:
-                for (p, salt), sp in zip(pairs, plist):
-                    req = self._add(None, p, sp, None, salt, stream=True)
+                for c in checked:
+                    req = self._add(c, stream=True)
                     req.final_only = True
                     streams.append(self._streams[req.request_id])
             except BaseException:
@@ -826,16 +649,17 @@ class LLMEngine:
     # ---------------------------------------------------------- background loop
     def submit(
         self,
-        prompt: Prompt,
+        prompt: Union[Prompt, CheckedRequest],
         params: Optional[SamplingParams] = None,
         *,
         request_id: Optional[str] = None,
         cache_salt: Optional[Union[str, bytes]] = None,
     ) -> RequestStream:
         """Queue a request on the background loop (started on first use); returns its output stream."""
+        checked = self._checked(prompt, params, request_id=request_id, cache_salt=cache_salt)
         self.start()
         with self._lock:
-            req = self._add(request_id, prompt, params, None, cache_salt, stream=True)
+            req = self._add(checked, stream=True)
             return self._streams[req.request_id]
 
     def start(self) -> None:
@@ -912,31 +736,6 @@ class LLMEngine:
             if self.kv_tiers is not None:
                 s["kv_tiers"] = self.kv_tiers.stats()
             return s
-
-
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
-
-
-def _prompt_and_salt(p: Any) -> tuple[Any, Any]:
-    """(prompt, cache_salt) of a prompt or of vLLM's prompt dict."""
-    if not isinstance(p, Mapping):
-        return p, None
-    extra = set(p) - _PROMPT_KEYS
-    if extra:
-        raise InvalidRequestError(f"prompt dict: unknown keys {sorted(extra)} (expected {sorted(_PROMPT_KEYS)})")
-    if ("prompt" in p) == ("prompt_token_ids" in p):
-        raise InvalidRequestError('a prompt dict needs exactly one of "prompt" (text) and "prompt_token_ids"')
-    if "prompt" in p and not isinstance(p["prompt"], str):
-        raise TypeError(f'prompt dict: "prompt" must be a str, got {type(p["prompt"]).__name__}')
-    body = p["prompt"] if "prompt" in p else p["prompt_token_ids"]
-    if "prompt_token_ids" in p and isinstance(body, str):
-        raise TypeError('prompt dict: "prompt_token_ids" must be a list of ints, got str')
-    return body, p.get("cache_salt")
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    enc = tokenizer.encode(text)
-    return list(getattr(enc, "ids", enc))
 
 
 def _make_tiers(

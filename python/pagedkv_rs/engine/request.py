@@ -33,7 +33,14 @@ MAX_N = 128  # completions per prompt
 
 
 class InvalidRequestError(PagedKVError, ValueError):
-    """A request was rejected at submission: empty prompt, prompt too long, bad token id, duplicate id."""
+    """A request was rejected at submission: empty prompt, prompt too long, bad token id, duplicate id.
+
+    ``param`` names the request field at fault when one is (the server's error shape carries it).
+    """
+
+    def __init__(self, message: str, *, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnknownRequestError(PagedKVError, LookupError):

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from pagedkv_rs.batch import BatchInputs
+from pagedkv_rs.engine.input import CheckedRequest, InputLimits, check_request
 from pagedkv_rs.engine.request import (
     MAX_TOKEN_ID,
     InvalidRequestError,
@@ -41,8 +41,6 @@ __all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SwapOut", "SwapIn
 
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
-MAX_REQUEST_ID_LEN = 1024
-MAX_CACHE_SALT_LEN = 1024
 
 
 @dataclass(frozen=True)
@@ -203,24 +201,51 @@ class Scheduler:
         self.num_steps = 0
 
     # ------------------------------------------------------------------ requests
+    @property
+    def limits(self) -> InputLimits:
+        """What ``check_request`` holds a request to here: the vocabulary and the context limit."""
+        pool = f" (model context, config and KV pool of {self.kv.num_blocks} blocks x {self.block_size})"
+        return InputLimits(self.vocab_size, self.max_model_len, pool=pool)
+
     def add_request(
         self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
+        request: Union[CheckedRequest, str],
+        prompt_token_ids: Optional[Sequence[int]] = None,
         params: Optional[SamplingParams] = None,
         *,
         arrival_time: Optional[float] = None,
         cache_salt: Any = None,
         prompt: Optional[str] = None,
     ) -> Request:
-        """Validate and queue a request; raises ``InvalidRequestError`` / ``TypeError`` naming the field.
+        """Queue a checked request (or a request id and its fields, checked here); returns it.
 
         Nothing changes on rejection. ``params.n > 1`` queues one request (the head, ``request_id``)
         whose other completions fork its prompt's blocks once the prompt is computed.
         """
+        if not isinstance(request, CheckedRequest):
+            if request is None:
+                raise TypeError("request_id must be a str, got NoneType")
+            if isinstance(prompt_token_ids, (str, bytes)):  # the scheduler has no tokenizer
+                raise TypeError(
+                    f"prompt_token_ids must be a sequence of ints (pass text to an engine with a tokenizer), "
+                    f"got {type(prompt_token_ids).__name__}"
+                )
+            request = check_request(
+                prompt_token_ids,
+                params,
+                limits=self.limits,
+                request_id=request,
+                arrival_time=arrival_time,
+                cache_salt=cache_salt,
+                text=prompt,
+            )
+        request_id = request.request_id
         if request_id is None:
             raise TypeError("request_id must be a str, got NoneType")
-        params, toks = self.check_request(request_id, prompt_token_ids, params, arrival_time, cache_salt, prompt)
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use by an unfinished request")
+        toks, params, arrival_time = request.prompt_token_ids, request.params, request.arrival_time
+        cache_salt, prompt = request.cache_salt, request.prompt
         req = self._new_request(request_id, toks, params, arrival_time, cache_salt, prompt)
         if params.n > 1:
             req.group = (req,) + tuple(
@@ -233,69 +258,6 @@ class Scheduler:
         self.requests[request_id] = req
         self.waiting.push(req)
         return req
-
-    def check_request(
-        self,
-        request_id: object,
-        prompt_token_ids: object,
-        params: object = None,
-        arrival_time: object = None,
-        cache_salt: object = None,
-        prompt: object = None,
-    ) -> tuple[SamplingParams, list[int]]:
-        """Every submission check (no state changes); returns the params and the prompt as a list of ints.
-
-        ``request_id=None`` skips the id checks (for a caller that makes a fresh id).
-        """
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if request_id is not None:  # None: the caller makes a fresh id later
-            if not isinstance(request_id, str):
-                raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-            if not request_id or len(request_id) > MAX_REQUEST_ID_LEN or "\x00" in request_id:
-                raise InvalidRequestError(
-                    f"request_id must be 1 to {MAX_REQUEST_ID_LEN} characters without NUL, got {request_id[:64]!r}"
-                )
-            if request_id in self.requests:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use by an unfinished request")
-        if cache_salt is not None:
-            if not isinstance(cache_salt, (str, bytes)):
-                raise TypeError(f"cache_salt must be a str, bytes or None, got {type(cache_salt).__name__}")
-            if len(cache_salt) > MAX_CACHE_SALT_LEN:
-                raise InvalidRequestError(f"cache_salt is longer than {MAX_CACHE_SALT_LEN} characters")
-        if arrival_time is not None:
-            if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)):
-                raise TypeError(f"arrival_time must be a float (time.monotonic()), got {type(arrival_time).__name__}")
-            if not math.isfinite(arrival_time):
-                raise InvalidRequestError(f"arrival_time must be finite, got {arrival_time}")
-        if prompt is not None and not isinstance(prompt, str):
-            raise TypeError(f"prompt text must be a str, got {type(prompt).__name__}")
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
-            raise TypeError(
-                f"prompt_token_ids must be a sequence of ints (pass text to an engine with a tokenizer), "
-                f"got {type(prompt_token_ids).__name__}"
-            )
-        toks = []
-        vocab = self.vocab_size
-        for t in prompt_token_ids:  # type: ignore[attr-defined]
-            if isinstance(t, bool) or not hasattr(t, "__index__"):
-                raise TypeError(f"request {request_id!r}: prompt token ids must be ints, got {type(t).__name__}")
-            v = int(t.__index__())
-            if not 0 <= v < vocab:
-                raise InvalidRequestError(
-                    f"request {request_id!r}: prompt token id {v} at position {len(toks)} is outside the "
-                    f"vocabulary [0, {vocab})"
-                )
-            toks.append(v)
-        if not toks:
-            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
-        if len(toks) > self.max_model_len:
-            raise InvalidRequestError(
-                f"request {request_id!r}: prompt of {len(toks)} tokens exceeds max_model_len={self.max_model_len}"
-                f" (model context, config and KV pool of {self.kv.num_blocks} blocks x {self.block_size})"
-            )
-        return params, toks
 
     def _new_request(
         self, request_id: str, toks: list[int], params: SamplingParams, arrival_time: Any, cache_salt: Any, prompt: Any

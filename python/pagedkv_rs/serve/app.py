@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedkv_rs
 from pagedkv_rs.engine.request import InvalidRequestError, RequestOutput
-from pagedkv_rs.serve.metrics import CONTENT_TYPE, ServerMetrics, instrument_steps
+from pagedkv_rs.serve.metrics import CONTENT_TYPE, ServerMetrics
 from pagedkv_rs.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -80,7 +80,7 @@ class _State:
         self.keepalive: float = limits["keepalive_interval"]
         self.max_body: int = limits["max_body_bytes"]
         self.shutdown_engine: bool = limits["shutdown_engine"]
-        self.max_model_len = int(engine.scheduler.max_model_len)
+        self.max_model_len = int(engine.max_model_len)
         self.vocab_size = int(engine.model.vocab_size)
         self.metrics = ServerMetrics(engine, model_name)
         self.jobs: set[_Job] = set()
@@ -239,7 +239,6 @@ def build_app(
         max_body_bytes=max_body_bytes,
         shutdown_engine=shutdown_engine,
     )
-    instrument_steps(engine, state.metrics.step.observe)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -312,7 +311,7 @@ def build_app(
         items = req.prompts()
 
         def encode() -> list[list[int]]:
-            return [_encode(state, p) if isinstance(p, str) else _check_ids(state, p, "prompt") for p in items]
+            return [_encode(state, p) if isinstance(p, str) else list(p) for p in items]
 
         long = sum(len(p) for p in items) > LONG_INPUT
         prompts = await asyncio.to_thread(encode) if long else encode()  # a long text must not stall the loop
@@ -414,6 +413,10 @@ async def _generate(
             code="context_length_exceeded",
         )
     params = to_sampling_params(req, max_tokens=max_tokens)
+    try:  # the engine's door: every check, once, before anything is queued
+        checked = [state.engine.check_request(ids, params, cache_salt=req.cache_salt) for ids in prompts]
+    except (InvalidRequestError, ValueError, TypeError) as e:
+        raise APIError(str(e), param=getattr(e, "param", None)) from None
     if req.stop_token_ids:
         _check_ids(state, req.stop_token_ids, "stop_token_ids")
     if state.draining or not state.engine_alive():
@@ -423,7 +426,7 @@ async def _generate(
             type="service_unavailable_error",
             headers={"Retry-After": "5"},
         )
-    if len(state.engine.scheduler.waiting) + len(prompts) > state.max_queued:
+    if state.engine.queue_depth() + len(prompts) > state.max_queued:
         state.metrics.aborted("rejected")
         raise APIError(
             f"the server is overloaded: {state.max_queued} requests are already waiting",
@@ -435,12 +438,12 @@ async def _generate(
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     streams: list[Any] = []
     try:
-        for i, ids in enumerate(prompts):
-            streams.append(state.engine.submit(ids, params, request_id=f"{rid}-{i}", cache_salt=req.cache_salt))
+        for i, c in enumerate(checked):
+            streams.append(state.engine.submit(c, request_id=f"{rid}-{i}"))
     except (InvalidRequestError, ValueError, TypeError) as e:
         for s in streams:
             s.cancel()
-        raise APIError(str(e)) from None
+        raise APIError(str(e), param=getattr(e, "param", None)) from None
     job = _Job(state, streams, req.n, req.stream)
     view = _View(state, rid, chat, req)
     if req.stream:
@@ -518,6 +521,9 @@ class _View:
     def whole(self, finals: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for i, f in enumerate(finals):
+            plp = None
+            if f.prompt_logprobs is not None and not self.chat:
+                plp = prompt_logprobs(f.prompt_logprobs, self.state.tokenizer)
             for o in f.outputs:
                 k = i * self.req.n + o.index
                 lp = self._logprobs(o, 0)
@@ -527,9 +533,11 @@ class _View:
                 else:
                     base["text"] = o.text or ""
                 base.update(logprobs=lp, finish_reason=o.finish_reason, stop_reason=getattr(o, "stop_reason", None))
+                if plp is not None and not self.chat:  # vLLM: on each completion choice of the prompt
+                    base["prompt_logprobs"] = plp
                 choices.append(base)
         choices.sort(key=lambda c: c["index"])
-        return {
+        out = {
             "id": self.rid,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -537,6 +545,9 @@ class _View:
             "choices": choices,
             "usage": self.usage(finals),
         }
+        if self.chat and finals and finals[0].prompt_logprobs is not None:  # vLLM: on the chat response
+            out["prompt_logprobs"] = prompt_logprobs(finals[0].prompt_logprobs, self.state.tokenizer)
+        return out
 
     def _chunk(self, choice: dict[str, Any]) -> bytes:
         return b"data: " + (self._head + ',"choices":[' + json.dumps(choice) + "]}").encode() + b"\n\n"
@@ -632,6 +643,19 @@ def completion_logprobs(ids: Sequence[int], lps: Sequence[dict[int, Any]], tok: 
         offsets.append(pos)
         pos += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(plp: Sequence[Optional[dict[int, Any]]], tok: Any) -> list[Optional[dict[str, Any]]]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then ``{token_id: {logprob, rank, ...}}``."""
+    return [
+        None
+        if d is None
+        else {
+            str(t): {"logprob": x.logprob, "rank": x.rank, "decoded_token": _token_text(tok, t, x)}
+            for t, x in d.items()
+        }
+        for d in plp
+    ]
 
 
 def chat_logprobs(ids: Sequence[int], lps: Sequence[dict[int, Any]], tok: Any) -> dict[str, Any]:
