@@ -9,6 +9,7 @@ the scheduler and the runner trust what it returns.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,15 @@ import numpy as np
 
 from pagedkv_rs.engine.request import MAX_TOKEN_ID, InvalidRequestError, SamplingParams
 
-__all__ = ["CheckedRequest", "InputLimits", "check_request", "check_request_id", "split_prompt", "MAX_REQUEST_ID_LEN"]
+__all__ = [
+    "CheckedRequest",
+    "InputLimits",
+    "check_request",
+    "check_request_id",
+    "prompt_list",
+    "split_prompt",
+    "MAX_REQUEST_ID_LEN",
+]
 
 MAX_REQUEST_ID_LEN = 1024
 MAX_CACHE_SALT_LEN = 1024
@@ -65,6 +74,16 @@ def split_prompt(p: Any) -> tuple[Any, Any]:
     return body, p.get("cache_salt")
 
 
+def prompt_list(prompts: Any, params: Any) -> list[tuple[Any, Any]]:
+    """(prompt, params) pairs of ``generate``'s arguments: one prompt or a list; one ``SamplingParams`` or a list."""
+    single = isinstance(prompts, (str, Mapping)) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+    items = [prompts] if single else list(prompts)
+    plist = list(params) if isinstance(params, Sequence) else [params] * len(items)
+    if len(plist) != len(items):
+        raise ValueError(f"{len(items)} prompts but {len(plist)} SamplingParams")
+    return list(zip(items, plist))
+
+
 def check_request_id(request_id: Any) -> str:
     """A request id: a str of 1 to ``MAX_REQUEST_ID_LEN`` characters without NUL (completions add ``\\x00i``)."""
     if not isinstance(request_id, str):
@@ -90,8 +109,17 @@ def check_request(
 
     ``prompt``: text (needs ``limits.tokenizer``), token ids, or a prompt dict (its ``cache_salt`` is
     used unless one is passed). ``text``: the prompt's text when ``prompt`` holds its ids already.
-    ``request_id=None`` leaves the naming to the engine.
+    ``request_id=None`` leaves the naming to the engine. A ``CheckedRequest`` passes as is (given
+    at most a ``request_id`` if it has none).
     """
+    if isinstance(prompt, CheckedRequest):
+        if params is not None or arrival_time is not None or cache_salt is not None or text is not None:
+            raise TypeError("a CheckedRequest carries its params, arrival_time and cache_salt")
+        if request_id is None:
+            return prompt
+        if prompt.request_id is not None:
+            raise TypeError(f"the CheckedRequest is already named {prompt.request_id!r}")
+        return dataclasses.replace(prompt, request_id=check_request_id(request_id))
     if isinstance(prompt, Mapping):
         prompt, salt = split_prompt(prompt)
         cache_salt = salt if cache_salt is None else cache_salt

@@ -198,6 +198,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # never run, or preempted by recompute (holds no blocks)
     RUNNING = "running"  # holds blocks in the KV cache manager
     SWAPPED = "swapped"  # preempted by swap: its KV sits in a host buffer
+    WAITING_FOR_KV = "waiting_for_kv"  # admitted (holds blocks); the runner loads its prefix from the KV tiers
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

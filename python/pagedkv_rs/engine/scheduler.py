@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.engine.input import CheckedRequest, InputLimits, check_request
@@ -90,6 +90,24 @@ class SwapIn:
     block_ids: list[int]
 
 
+@dataclass(frozen=True)
+class KVLoad:
+    """Fill ``block_ids`` (the request's blocks ``first_block, ...``) from the KV tiers, as far as they hit."""
+
+    request: Request
+    first_block: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class KVStore:
+    """Write the request's blocks ``first_block, ...`` (``block_ids``, computed this step) to the KV tiers."""
+
+    request: Request
+    first_block: int
+    block_ids: list[int]
+
+
 @dataclass
 class SchedulerOutput:
     """One step: the batch to run and the memory operations to apply first (swap-out, swap-in, copies)."""
@@ -107,6 +125,8 @@ class SchedulerOutput:
     swap_out: list[SwapOut] = field(default_factory=list)
     swap_in: list[SwapIn] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)  # admitted requests now WAITING_FOR_KV
+    kv_stores: list[KVStore] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -176,11 +196,10 @@ class Scheduler:
         eos_token_ids: Sequence[int] = (),
         max_model_len: Optional[int] = None,
         vocab_size: Optional[int] = None,
-        tier_loader: Optional[Callable[[Request, int], int]] = None,
+        kv_tiers: bool = False,
     ) -> None:
         self.kv = kv_manager
-        # KV tiers: (request, pool-cached tokens) -> computed tokens after loading the blocks that follow
-        self.tier_loader = tier_loader
+        self.kv_tiers = kv_tiers  # admission asks the tiers for the blocks after the pool's prefix hit
         self.vocab_size = MAX_TOKEN_ID + 1 if vocab_size is None else int(vocab_size)
         self.config = config or SchedulerConfig()
         self.block_size = int(kv_manager.block_size)
@@ -193,6 +212,7 @@ class Scheduler:
         self.waiting = _WaitQueue(self.config.policy)
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        self.loading: list[Request] = []  # WAITING_FOR_KV: blocks held, the runner fills them from the tiers
         self.swap_blocks_used = 0
         self._seq_ids = itertools.count()
         self._order = itertools.count()
@@ -300,6 +320,8 @@ class Scheduler:
                 self.swapped.remove(req)
             elif req.status is RequestStatus.WAITING:
                 self.waiting.remove(req)
+            elif req.status is RequestStatus.WAITING_FOR_KV:
+                self.loading.remove(req)
             else:
                 continue
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -315,6 +337,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def num_queued(self) -> int:
+        """Requests admitted to nothing yet: waiting, or waiting for their KV from the tiers."""
+        return len(self.waiting) + len(self.loading)
+
     def get_request(self, request_id: str) -> Request:
         req = self.requests.get(request_id)
         if req is None:
@@ -322,7 +348,7 @@ class Scheduler:
         return req
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.status is RequestStatus.RUNNING:
+        if req.status is RequestStatus.RUNNING or req.status is RequestStatus.WAITING_FOR_KV:
             self.kv.free(req.seq_id)
         elif req.status is RequestStatus.SWAPPED:
             self.swap_blocks_used -= self._blocks(req.swapped_computed)
@@ -337,16 +363,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> Optional[SchedulerOutput]:
-        """Pick this step's requests and token counts and build their batch; None if nothing can run."""
+        """Pick this step's requests and token counts and build their batch; None if nothing can run.
+
+        An output may hold only ``kv_loads`` (no batch): requests admitted to wait for the KV tiers.
+        """
         out = SchedulerOutput([], [])
         budget = self._schedule_running(self.config.max_num_batched_tokens, out)
         if not out.preempted:
             budget = self._schedule_swapped(budget, out)
             self._schedule_waiting(budget, out)
         if not out.requests:
-            return None
+            return out if out.kv_loads else None
         out.batch = self.kv.prepare_batch(out.seq_ids, out.num_scheduled_tokens)
         self.num_steps += 1
+        if self.kv_tiers:
+            self._plan_stores(out)
         reqs = out.requests
         out.samplers = [reqs[i] for i in out.sample_rows]
         if any(r.pending_forks for r in out.samplers):
@@ -362,6 +393,41 @@ class Scheduler:
                     out.forks.append((r, c))
             out.sample_rows, out.samplers = rows, samplers
         return out
+
+    def _plan_stores(self, out: SchedulerOutput) -> None:
+        """The blocks each request completes this step, for the tiers' write-through."""
+        bs = self.block_size
+        for req, n in zip(out.requests, out.num_scheduled_tokens):
+            c = req.num_computed_tokens
+            lo, hi = (c - n) // bs, c // bs
+            if hi > lo and req.params.prompt_logprobs is None:
+                out.kv_stores.append(KVStore(req, lo, self.kv.block_table(req.seq_id)[lo:hi]))
+
+    def finish_loads(self, loads: Sequence[KVLoad], loaded: Sequence[int]) -> None:
+        """The runner's tier loads ended: ``loaded[i]`` tokens of ``loads[i]`` arrived; those requests run."""
+        for ld, n in zip(loads, loaded):
+            req = ld.request
+            if req.status is not RequestStatus.WAITING_FOR_KV:
+                continue  # aborted while it loaded
+            self.loading.remove(req)
+            cached = req.num_computed_tokens
+            if n:
+                self._mark_computed(req, n)
+            self._start(req, cached + n)
+
+    def _mark_computed(self, req: Request, n: int) -> None:
+        """KV copied in (swap-in, tier load) counts as computed: ``prepare_batch`` is how the manager learns it
+        (it registers the blocks' prefix hashes); the batch itself is not used."""
+        self.kv.prepare_batch([req.seq_id], [n])
+
+    def _start(self, req: Request, cached: int) -> None:
+        """An admitted request whose first ``cached`` tokens have KV: it runs from the next chunk on."""
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
+        req.num_kv_tokens = len(req.all_token_ids)
+        req.num_computed_tokens = cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int) -> None:
         """Add ``n`` of the request's tokens to the step (admission paths)."""
@@ -489,7 +555,7 @@ class Scheduler:
 
     def _admission_room(self) -> int:
         room = self.kv.num_free_blocks + self.kv.num_cached_blocks
-        return room - self.watermark_blocks if self.running else room
+        return room - self.watermark_blocks if self.running or self.loading else room
 
     def _schedule_swapped(self, budget: int, out: SchedulerOutput) -> int:
         """Swap requests back in, oldest first; stops at the first that does not fit."""
@@ -504,7 +570,7 @@ class Scheduler:
             table = self.kv.block_table(req.seq_id)
             out.swap_in.append(SwapIn(req.request_id, first, table[first : self._blocks(req.swapped_computed)]))
             if req.swapped_computed > cached:  # the copied-back KV counts as computed
-                self.kv.prepare_batch([req.seq_id], [req.swapped_computed - cached])
+                self._mark_computed(req, req.swapped_computed - cached)
             req.num_computed_tokens = max(cached, req.swapped_computed)
             self.swap_blocks_used -= self._blocks(req.swapped_computed)
             req.swapped_computed = 0
@@ -530,7 +596,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         """Admit waiting requests in queue order while blocks, budget and seats last."""
         chunked = self.config.enable_chunked_prefill
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        bs = self.block_size
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             req = self.waiting.peek()
             toks = req.all_token_ids
             if self.kv.blocks_needed(toks, req.kv_salt) > self._admission_room():
@@ -539,14 +606,14 @@ class Scheduler:
                 break  # a whole prompt must fit the rest of this step; alone it may exceed the budget
             self.waiting.pop()
             cached = self.kv.allocate(req.seq_id, toks, req.kv_salt)
-            if self.tier_loader is not None:
-                cached = self.tier_loader(req, cached)
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = cached
-            req.num_kv_tokens = len(toks)
-            req.num_computed_tokens = cached
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            first, last = cached // bs, (len(toks) - 1) // bs  # a hit leaves at least one token to compute (I6)
+            if self.kv_tiers and last > first and req.params.prompt_logprobs is None:
+                req.num_computed_tokens = cached
+                req.status = RequestStatus.WAITING_FOR_KV
+                self.loading.append(req)
+                out.kv_loads.append(KVLoad(req, first, self.kv.block_table(req.seq_id)[first:last]))
+                continue
+            self._start(req, cached)
             n = req.num_kv_tokens - cached
             if chunked:
                 n = min(n, budget)
@@ -610,6 +677,7 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_swapped": len(self.swapped),
+            "num_waiting_for_kv": len(self.loading),
             "kv_live_blocks": kv["live_blocks"],
             "kv_cached_blocks": kv["cached_blocks"],
             "kv_free_blocks": kv["free_blocks"],

@@ -1,7 +1,12 @@
 """``RequestStream``: one request's incremental outputs, buffered as a lease (blocking, ``async for``, ``listen``).
 
-The stream knows nothing of the engine: it is given a clock (for ``full_since``) and an on-cancel
-callback (the engine's abort); the engine ``put``s outputs and expires leases.
+Streams are leases: each ``submit()`` stream buffers at most ``stream_buffer`` outputs (later ones
+are merged into the last); if the buffer stays full for ``stream_idle_timeout`` seconds the engine
+aborts the request with cause "lease_expired", frees its blocks, and the stream raises
+``StreamLeaseExpiredError`` (``expire_leases``).
+
+A stream knows nothing of the engine: it is given a clock (for ``full_since``) and an on-cancel
+callback (the engine's abort).
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from pagedkv_rs.engine.request import RequestOutput
+from pagedkv_rs.engine.request import RequestOutput, StreamLeaseExpiredError
 
 if TYPE_CHECKING:
     import asyncio  # imported where a stream is read asynchronously: ~45 ms of start-up otherwise
 
-__all__ = ["RequestStream", "wake_all"]
+__all__ = ["RequestStream", "check_lease", "publish", "expire_leases", "take_final", "wake_all"]
 
 
 class RequestStream:
@@ -205,6 +210,55 @@ class RequestStream:
         """Abort the request unless it already finished (the engine counts cause "cancelled")."""
         if not self.finished and self._on_cancel is not None:
             self._on_cancel(self.request_id)
+
+
+def check_lease(stream_buffer: Any, stream_idle_timeout: Any) -> None:
+    """The lease of an engine's streams: a buffer of >= 1 outputs, an idle timeout of >= 0 seconds."""
+    if isinstance(stream_buffer, bool) or not isinstance(stream_buffer, int) or stream_buffer < 1:
+        raise ValueError(f"stream_buffer must be an int >= 1, got {stream_buffer!r}")
+    if not isinstance(stream_idle_timeout, (int, float)) or not stream_idle_timeout >= 0:
+        raise ValueError(f"stream_idle_timeout must be a number of seconds >= 0, got {stream_idle_timeout!r}")
+
+
+def take_final(stream: RequestStream, final: dict[str, RequestOutput]) -> bool:
+    """Drain ``stream``; its final output goes to ``final`` (the error it ended with is raised). Whether it ended."""
+    for item in stream._drain():
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            final[stream.request_id] = item
+    return stream.request_id in final
+
+
+def publish(streams: dict[str, RequestStream], outputs: Sequence[RequestOutput]) -> None:
+    """Hand each output to its stream (a finished one leaves ``streams``); wake each asyncio loop once."""
+    woken: dict[asyncio.AbstractEventLoop, list[RequestStream]] = {}
+    for o in outputs:
+        s = streams.get(o.request_id)
+        if s is not None:
+            if s._put(o, wake=False):
+                woken.setdefault(s._loop, []).append(s)  # type: ignore[arg-type]
+            if o.finished:
+                del streams[o.request_id]
+    for loop, group in woken.items():
+        wake_all(loop, group)
+
+
+def expire_leases(streams: dict[str, RequestStream], now: float, timeout: float) -> list[str]:
+    """End the streams whose buffer has been full for ``timeout`` seconds; returns their ids (to abort)."""
+    gone = []
+    for rid, st in list(streams.items()):
+        since = st.full_since
+        if since is not None and now - since >= timeout and not st.finished:
+            del streams[rid]
+            st._expire(
+                StreamLeaseExpiredError(
+                    f"request {rid!r} aborted: its stream buffer of {st.maxlen} outputs stayed full for "
+                    f"{timeout} s without a read"
+                )
+            )
+            gone.append(rid)
+    return gone
 
 
 def wake_all(loop: asyncio.AbstractEventLoop, streams: Sequence[RequestStream]) -> None:
