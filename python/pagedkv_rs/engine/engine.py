@@ -16,6 +16,7 @@ sampling fails that step's requests; a failure in a request's own post-processin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -29,7 +30,6 @@ from pagedkv_rs._backend import manager_class
 from pagedkv_rs.engine.input import CheckedRequest, check_request, prompt_list
 from pagedkv_rs.engine.output import OutputProcessor
 from pagedkv_rs.engine.request import (
-    Request,
     RequestOutput,
     RequestStatus,
     SamplingParams,
@@ -103,6 +103,9 @@ class LLMEngine:
             kv_tier_deadline=kv_tier_deadline,
             seed=seed,
         )
+        self.kv_caches: list[tuple[np.ndarray, np.ndarray]] = self.runner.kv_caches
+        self.kv_tiers: Optional[KVTiers] = self.runner.kv_tiers
+        self._host = self.runner.host  # swapped-out KV by request id
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._lock = threading.RLock()
@@ -130,18 +133,6 @@ class LLMEngine:
         self.output.tokenizer = tokenizer
         self._limits = dataclasses.replace(self._limits, tokenizer=tokenizer)
 
-    @property
-    def kv_caches(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        return self.runner.kv_caches
-
-    @property
-    def kv_tiers(self) -> Optional[KVTiers]:
-        return self.runner.kv_tiers
-
-    @property
-    def _host(self) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
-        return self.runner.host
-
     # ------------------------------------------------------------------ requests
     def check_request(
         self, prompt: Any, params: Optional[SamplingParams] = None, *, request_id: Any = None, **fields: Any
@@ -166,22 +157,26 @@ class LLMEngine:
             prompt, params, request_id=request_id, arrival_time=arrival_time, cache_salt=cache_salt
         )
         with self._lock:
-            return self._add(checked).request_id
+            return self._add(checked)
 
-    def _add(self, checked: CheckedRequest, stream: bool = False) -> Request:
+    def _add(self, checked: CheckedRequest, stream: bool = False, final_only: bool = False) -> Any:
+        """Queue (under ``_lock``); returns the request's id, or its stream (``stream``)."""
         if checked.request_id is None:
             rid = f"req-{next(self._ids)}"
             while rid in self.scheduler.requests:
                 rid = f"req-{next(self._ids)}"
             checked = dataclasses.replace(checked, request_id=rid)
         req = self.scheduler.add_request(checked)
+        req.final_only = final_only
         self.runner.add_generators(req)
-        if stream:
-            self._streams[req.request_id] = RequestStream(
-                req.request_id, self.stream_buffer, clock=lambda: self._clock(), on_cancel=self._cancel
-            )
         self._wake.notify_all()
-        return req
+        if not stream:
+            return req.request_id
+        on_cancel = functools.partial(self._abort, cause="cancelled")
+        s = self._streams[req.request_id] = RequestStream(
+            req.request_id, self.stream_buffer, clock=lambda: self._clock(), on_cancel=on_cancel
+        )
+        return s
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput:
         """Abort an unfinished request at any status, freeing its blocks now; returns its final output.
@@ -196,10 +191,6 @@ class LLMEngine:
             raise UnknownRequestError(f"no unfinished request with id {request_id!r}")
         return out
 
-    def _cancel(self, request_id: str) -> None:
-        """A stream's reader left early."""
-        self._abort(request_id, "cancelled")
-
     def _abort(self, request_id: str, cause: str = "abort") -> Optional[RequestOutput]:
         with self._lock:
             if not isinstance(request_id, str) or request_id not in self.scheduler.requests:
@@ -209,7 +200,7 @@ class LLMEngine:
             self.runner.drop(req.group)
             out = self.output.output(req)
             self.metrics.record_finished(req, cause)
-            self._publish([out])
+            publish(self._streams, [out])
             return out
 
     def queue_depth(self) -> int:
@@ -223,6 +214,7 @@ class LLMEngine:
         return self.scheduler.max_model_len
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is unfinished (waiting, loading, running or swapped)."""
         with self._lock:
             return self.scheduler.has_unfinished_requests()
 
@@ -259,14 +251,11 @@ class LLMEngine:
                 heads, stopped, failed = self.output.process(so.samplers, changed, result)
                 for r in stopped:
                     self.scheduler.finish_request(r, RequestStatus.FINISHED_STOPPED)
-                outputs = []
                 for h in heads:
-                    done = h.group_finished
-                    if done:
+                    if h.group_finished:
                         self.metrics.record_finished(h)
-                    if done or not h.final_only:
-                        outputs.append(self.output.output(h))
-                self._publish(outputs)
+                outputs = [self.output.output(h) for h in heads if h.group_finished or not h.final_only]
+                publish(self._streams, outputs)
                 for rid, e in failed.items():
                     self._fail_request(rid, e)
                 self._expire_leases()
@@ -289,8 +278,9 @@ class LLMEngine:
         """The forward failed: abort the step's requests and forget prefix hashes whose KV may be unwritten."""
         with self._lock:
             self._handled_error = error
-            for rid in {r.head.request_id for r in so.requests} & self.scheduler.requests.keys():
-                self._fail_request(rid, error)
+            for rid in dict.fromkeys(r.head.request_id for r in so.requests):
+                if rid in self.scheduler.requests:
+                    self._fail_request(rid, error)
             self.kv_manager.reset_prefix_cache()
 
     def _fail_all(self, error: BaseException) -> None:
@@ -298,9 +288,6 @@ class LLMEngine:
         with self._lock:
             for rid in list(self.scheduler.requests):
                 self._fail_request(rid, error)
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        publish(self._streams, outputs)
 
     # ------------------------------------------------------------- conveniences
     def generate(
@@ -317,12 +304,10 @@ class LLMEngine:
         """
         checked = [self.check_request(p, sp) for p, sp in prompt_list(prompts, params)]  # all before any is queued
         with self._lock:
-            streams = []
+            streams: list[RequestStream] = []
             try:
                 for c in checked:
-                    req = self._add(c, stream=True)
-                    req.final_only = True
-                    streams.append(self._streams[req.request_id])
+                    streams.append(self._add(c, stream=True, final_only=True))
             except BaseException:
                 for s in streams:
                     s.cancel()
@@ -362,8 +347,7 @@ class LLMEngine:
         checked = self.check_request(prompt, params, request_id=request_id, cache_salt=cache_salt)
         self.start()
         with self._lock:
-            req = self._add(checked, stream=True)
-            return self._streams[req.request_id]
+            return self._add(checked, stream=True)
 
     def start(self) -> None:
         """Start the background loop thread (idempotent)."""
@@ -426,15 +410,8 @@ class LLMEngine:
         window. ``prefix_cache_queries`` / ``prefix_cache_hits`` count prompt tokens.
         """
         with self._lock:
-            s = self.scheduler.stats()
-            kv = self.kv_manager.stats()
-            s["prefix_cache_queries"] = int(kv.get("prefix_query_tokens", 0))
-            s["prefix_cache_hits"] = int(kv.get("prefix_hit_tokens", 0))
-            s["kv_block_evictions"] = int(kv.get("evictions", 0))
-            s["kv_block_allocations"] = int(kv.get("block_allocations", 0))
-            s.update(self.metrics.summary())
-            s["backend"] = self.backend
-            s["kernels"] = kernels.kernel_source()
+            s = self.scheduler.stats(counters=True)
+            s.update(self.metrics.summary(), backend=self.backend, kernels=kernels.kernel_source())
             if self.kv_tiers is not None:
                 s["kv_tiers"] = self.kv_tiers.stats()
             return s

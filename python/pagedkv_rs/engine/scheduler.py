@@ -669,11 +669,14 @@ class Scheduler:
         self._finish(req, status)
 
     # --------------------------------------------------------------------- stats
-    def stats(self) -> dict[str, Any]:
-        """Queue sizes, KV usage (live / cached / free blocks), prefix hit rate, preemptions."""
+    def stats(self, counters: bool = False) -> dict[str, Any]:
+        """Queue sizes, KV usage (live / cached / free blocks), prefix hit rate, preemptions.
+
+        ``counters``: also the KV manager's running counters (prefix-cache tokens, evictions, allocations).
+        """
         kv = self.kv.stats()
         q = kv.get("prefix_query_tokens", 0)
-        return {
+        s = {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_swapped": len(self.swapped),
@@ -688,3 +691,9 @@ class Scheduler:
             "swap_blocks_used": self.swap_blocks_used,
             "num_steps": self.num_steps,
         }
+        if counters:
+            s["prefix_cache_queries"] = int(q)
+            s["prefix_cache_hits"] = int(kv.get("prefix_hit_tokens", 0))
+            s["kv_block_evictions"] = int(kv.get("evictions", 0))
+            s["kv_block_allocations"] = int(kv.get("block_allocations", 0))
+        return s
