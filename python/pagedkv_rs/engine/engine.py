@@ -4,13 +4,10 @@ A request moves forward only: ``input.check_request`` (the one door) -> ``Schedu
 ``ModelRunner`` (KV caches, swap space, KV tiers, forward, sampling) -> ``OutputProcessor`` (logprobs,
 stop strings, outputs) -> ``RequestStream`` (a lease: see ``stream``).
 
-Locking: ``_lock`` guards scheduler state and is held only briefly; ``_step_lock`` serialises
-steps. The forward and the tier loads run outside ``_lock``, so any thread may add or abort requests
-mid-step: an abort frees the request's blocks at once and its pending result is dropped.
-
-Isolation: nothing changes on a rejected submission. A failure of the forward or of the batched
-sampling fails that step's requests; a failure in a request's own post-processing fails only it.
-``self.metrics`` (``pagedkv_rs.metrics.EngineMetrics``) holds bounded counters and histograms.
+Locking: ``_lock`` guards scheduler state, held briefly; ``_step_lock`` serialises steps. The forward
+runs outside ``_lock`` and tier loads on the runner's I/O thread, so any thread may add or abort
+requests mid-step. A failure of the forward fails that step's requests; a failure in a request's
+own post-processing fails only it. ``metrics``: bounded counters and histograms (``pagedkv_rs.metrics``).
 """
 
 from __future__ import annotations
@@ -51,10 +48,10 @@ Prompt = Union[str, Sequence[int]]
 class LLMEngine:
     """Continuous batching with a paged KV cache over any ``Model``.
 
-    ``stream_buffer`` (outputs) and ``stream_idle_timeout`` (seconds) set the lease of
-    ``submit()`` streams (see the module docstring). ``kv_tiers``: tier specs (or ``Tier`` objects)
-    below the pool, in lookup order (``pagedkv_rs.tiers``; the model needs a ``kv_fingerprint()``),
-    ``kv_tier_secret`` their MAC key, ``kv_tier_deadline`` the seconds one admission lookup may take.
+    ``stream_buffer`` (outputs) and ``stream_idle_timeout`` (seconds): the lease of ``submit()``
+    streams (``engine.stream``). ``kv_tiers``: tier specs (or ``Tier`` objects) below the pool, in
+    lookup order (``pagedkv_rs.tiers``), ``kv_tier_secret`` their MAC key, ``kv_tier_deadline`` the
+    seconds one lookup may take.
     """
 
     def __init__(
@@ -224,21 +221,22 @@ class LLMEngine:
         with self._step_lock:
             t0 = time.perf_counter()
             with self._lock:
+                self.scheduler.finish_loads(self.runner.finished_loads())
                 so = self.scheduler.schedule()
-                if so is None:
+                if so is not None and so.kv_loads:
+                    self.runner.start_loads(so.kv_loads)
+                loading = self.runner.loads_in_flight() > 0
+                if so is None and not loading:
                     self._idle_steps += 1
                     if self._idle_steps > 1 and self.scheduler.has_unfinished_requests():
                         raise RuntimeError(f"scheduler made no progress: {self.scheduler.stats()}")
                     return []
                 self._idle_steps = 0
-                if so.batch is not None:
+                if so is not None and so.batch is not None:
                     self.runner.apply_memory_ops(so)
                     inputs = self.runner.prepare(so)
-            if so.kv_loads:  # off the engine lock: only the step lock keeps these blocks from being reused
-                loaded = self.runner.load(so.kv_loads)
-                with self._lock:
-                    self.scheduler.finish_loads(so.kv_loads, loaded)
-            if so.batch is None:
+            if so is None or so.batch is None:  # only tier loads are under way: wait for one to end
+                self.runner.wait_loads(0.05)
                 return []
             try:
                 result = self.runner.execute(inputs)
@@ -361,7 +359,7 @@ class LLMEngine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self.scheduler.has_unfinished_requests():
+                while not self._stopping and not self.scheduler.has_work():
                     self._wake.wait()
                 if self._stopping:
                     return
@@ -389,7 +387,9 @@ class LLMEngine:
             with self._lock:
                 for rid in list(self.scheduler.requests):
                     self._abort(rid, "shutdown")
-        self.runner.shutdown()
+        self.runner.shutdown()  # the loads in flight end
+        with self._lock:
+            self.scheduler.finish_loads(self.runner.finished_loads())
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -2,16 +2,19 @@
 
 A step is ``apply_memory_ops`` (swap-out, swap-in, copy-on-write copies) and ``prepare`` under the
 engine lock, then ``execute`` off it (the model forward on the step's ``BatchInputs``, sampling, and
-the logprob rows). Tier loads (``load``) run off the engine lock too, under the step lock only: the
-blocks they fill belong to requests waiting for them (``RequestStatus.WAITING_FOR_KV``) and no other
-request can be given a block until the next ``schedule()``. The runner decides nothing: which blocks
-to swap, copy, load or store comes from the scheduler (vLLM v1's worker).
+the logprob rows). Tier loads run on the runner's I/O thread (``start_loads``; ``finished_loads``
+hands back what arrived), beside the steps: the blocks a load fills belong to a request waiting for
+them (``RequestStatus.WAITING_FOR_KV``), which no batch contains and the scheduler frees only once
+the load has ended, so a slow tier delays only the requests that wait for it. The runner decides
+nothing: which blocks to swap, copy, load or store comes from the scheduler (vLLM v1's worker).
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union, runtime_checkable
 
@@ -97,6 +100,11 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
         self.host: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # request id -> its swapped-out KV
+        self._io: Optional[ThreadPoolExecutor] = None  # tier loads; started on first use
+        self._loaded: list[tuple[KVLoad, int]] = []  # (load, tokens that arrived), not yet handed back
+        self._in_flight = 0
+        self._load_lock = threading.Lock()
+        self._load_done = threading.Event()
         self.kv_tiers: Optional[KVTiers] = None
         if kv_tiers:
             self.kv_tiers = _make_tiers(model, self.kv_caches, block_size, kv_tiers, kv_tier_secret, kv_tier_deadline)
@@ -142,35 +150,59 @@ class ModelRunner:
             self.host.pop(r.request_id, None)
 
     # ------------------------------------------------------------------- tiers
-    def load(self, loads: Sequence[KVLoad]) -> list[int]:
-        """Look up and load the blocks each request waits for; returns the tokens loaded per request.
+    def start_loads(self, loads: Sequence[KVLoad]) -> None:
+        """Queue the lookups and loads of these requests on the I/O thread."""
+        if self._io is None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-load")
+        with self._load_lock:
+            self._in_flight += len(loads)
+        for ld in loads:
+            self._io.submit(self._load, ld)
+
+    def finished_loads(self) -> list[tuple[KVLoad, int]]:
+        """The loads that ended since the last call, with the tokens each brought."""
+        with self._load_lock:
+            done, self._loaded = self._loaded, []
+            self._load_done.clear()
+            return done
+
+    def loads_in_flight(self) -> int:
+        with self._load_lock:
+            return self._in_flight
+
+    def wait_loads(self, timeout: float) -> None:
+        """Until a load ends (or ``timeout`` seconds)."""
+        self._load_done.wait(timeout)
+
+    def _load(self, ld: KVLoad) -> None:
+        """On the I/O thread: look up the request's blocks in the tiers and copy the hits into them.
 
         A tier never fails a request: on any error the request computes those blocks instead.
         """
         tiers = self.kv_tiers
         bs = self.block_size
-        out = []
-        for ld in loads:
-            req, first = ld.request, ld.first_block
-            last = first + len(ld.block_ids)
-            toks = req.all_token_ids
-            if tiers is None or req.status is not RequestStatus.WAITING_FOR_KV:
-                out.append(0)
-                continue
-            try:
+        req, first = ld.request, ld.first_block
+        last = first + len(ld.block_ids)
+        n = 0
+        try:
+            if tiers is not None and req.status is RequestStatus.WAITING_FOR_KV:  # else aborted: nothing to fetch
+                toks = req.all_token_ids
                 hashes = chain_hashes(toks[: last * bs], bs, req.cache_salt, req.block_hashes)
                 parent = hashes[first - 1] if first else bytes(16)
-                got = tiers.lookup(
-                    hashes[first:last], parent, toks[first * bs : last * bs], salt_digest(req.cache_salt)
-                )
+                salt = salt_digest(req.cache_salt)
+                got = tiers.lookup(hashes[first:last], parent, toks[first * bs : last * bs], salt)
                 if got:
                     tiers.load_into(self.kv_caches, ld.block_ids[: len(got)], got)
-                out.append(len(got) * bs)
-            except Exception:
-                for m in tiers.metrics:
-                    m.add(errors=1)
-                out.append(0)
-        return out
+                n = len(got) * bs
+        except Exception:
+            for m in tiers.metrics:  # type: ignore[union-attr]
+                m.add(errors=1)
+            n = 0
+        finally:
+            with self._load_lock:
+                self._loaded.append((ld, n))
+                self._in_flight -= 1
+                self._load_done.set()
 
     def store(self, so: SchedulerOutput) -> None:
         """Write-through: queue the blocks this step completed for the KV tiers (copied out now)."""
@@ -276,6 +308,10 @@ class ModelRunner:
         return out
 
     def shutdown(self) -> None:
+        """Let the loads in flight end (``finished_loads`` still hands them back), flush the tiers' writers."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
         if self.kv_tiers is not None:
             self.kv_tiers.flush()
 

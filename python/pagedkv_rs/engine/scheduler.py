@@ -213,6 +213,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.loading: list[Request] = []  # WAITING_FOR_KV: blocks held, the runner fills them from the tiers
+        self._loads_of_aborted: set[int] = set()  # seq ids whose blocks wait for their load to end to be freed
         self.swap_blocks_used = 0
         self._seq_ids = itertools.count()
         self._order = itertools.count()
@@ -337,6 +338,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or blocks of aborted ones still waiting for their tier load to end."""
+        return bool(self.requests or self._loads_of_aborted)
+
     def num_queued(self) -> int:
         """Requests admitted to nothing yet: waiting, or waiting for their KV from the tiers."""
         return len(self.waiting) + len(self.loading)
@@ -348,8 +353,10 @@ class Scheduler:
         return req
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if req.status is RequestStatus.RUNNING or req.status is RequestStatus.WAITING_FOR_KV:
+        if req.status is RequestStatus.RUNNING:
             self.kv.free(req.seq_id)
+        elif req.status is RequestStatus.WAITING_FOR_KV:  # the runner may still write its blocks
+            self._loads_of_aborted.add(req.seq_id)
         elif req.status is RequestStatus.SWAPPED:
             self.swap_blocks_used -= self._blocks(req.swapped_computed)
         req.status = status
@@ -403,12 +410,14 @@ class Scheduler:
             if hi > lo and req.params.prompt_logprobs is None:
                 out.kv_stores.append(KVStore(req, lo, self.kv.block_table(req.seq_id)[lo:hi]))
 
-    def finish_loads(self, loads: Sequence[KVLoad], loaded: Sequence[int]) -> None:
-        """The runner's tier loads ended: ``loaded[i]`` tokens of ``loads[i]`` arrived; those requests run."""
-        for ld, n in zip(loads, loaded):
+    def finish_loads(self, done: Sequence[tuple[KVLoad, int]]) -> None:
+        """The runner's tier loads that ended, with the tokens each brought: those requests run from now."""
+        for ld, n in done:
             req = ld.request
-            if req.status is not RequestStatus.WAITING_FOR_KV:
-                continue  # aborted while it loaded
+            if req.seq_id in self._loads_of_aborted:  # aborted while it loaded: its blocks are free now
+                self._loads_of_aborted.remove(req.seq_id)
+                self.kv.free(req.seq_id)
+                continue
             self.loading.remove(req)
             cached = req.num_computed_tokens
             if n:
