@@ -12,6 +12,11 @@ Progress: a request that could not fit the whole pool alone is rejected at submi
 never preempted for a later one, so it always advances; the waiting queue is FCFS (or priority
 order) and its head waits only while something runs.
 
+KV tiers (``kv_tiers=True``): a request admitted with blocks after the pool's prefix hit that a
+tier may hold waits in its own state, ``WAITING_FOR_KV`` (vLLM's ``WAITING_FOR_REMOTE_KVS``),
+holding its blocks; ``schedule()`` lists it as a ``KVLoad`` for the runner, and ``finish_loads()``
+starts it with the tokens that arrived. The scheduler decides only: no I/O, no callback.
+
 The scheduler only uses the manager's public API, so either allocator backend works.
 """
 
