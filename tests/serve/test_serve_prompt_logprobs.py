@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -34,3 +36,18 @@ def test_no_prompt_logprobs_key_unless_asked(serve_tiny):
     with serve_tiny() as (url, _, _):
         r = httpx.post(f"{url}/v1/completions", json={"prompt": [300, 301], "max_tokens": 1}, timeout=60)
     assert r.status_code == 200 and "prompt_logprobs" not in r.json()["choices"][0]
+
+
+def test_a_streamed_completion_carries_them_on_each_choice_s_first_chunk(serve_tiny, make_tiny_engine):
+    prompt = list(range(300, 312))
+    ref = make_tiny_engine().generate([prompt], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1))[0]
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 1, "stream": True}
+    with serve_tiny() as (url, _, _), httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    carrying = [e["choices"][0] for e in events if "prompt_logprobs" in e["choices"][0]]
+    assert len(carrying) == 1 and carrying[0] is events[0]["choices"][0]
+    plp = carrying[0]["prompt_logprobs"]
+    assert len(plp) == len(prompt) and plp[0] is None
+    for j in range(1, len(prompt)):
+        want = ref.prompt_logprobs[j][prompt[j]].logprob
+        assert plp[j][str(prompt[j])]["logprob"] == pytest.approx(want, abs=1e-5)

@@ -124,9 +124,11 @@ class View:
             if not piece and fin is None:
                 continue
             self.sent_text[k] = len(text)
+            # completions: a choice's first chunk carries the prompt's logprobs (known once it is prefilled)
+            plp = out.prompt_logprobs if k not in self.sent_tokens and not self.chat else None
             lp = self._logprobs(o, self.sent_tokens.get(k, 0))
             self.sent_tokens[k] = len(o.token_ids)
-            if lp is None and fin is None:  # the common chunk: only the text changes
+            if lp is None and fin is None and plp is None:  # the common chunk: only the text changes
                 parts.append(self.text_chunk(k, piece))
                 continue
             c: dict[str, Any] = {"index": k}
@@ -138,6 +140,8 @@ class View:
             c["finish_reason"] = fin
             if fin is not None:
                 c["stop_reason"] = getattr(o, "stop_reason", None)
+            if plp is not None:
+                c["prompt_logprobs"] = prompt_logprobs(plp, self.state.tokenizer)
             parts.append(self._chunk(c))
         return b"".join(parts)
 
