@@ -254,8 +254,8 @@ class LLMEngine:
                         self.metrics.record_finished(h)
                 outputs = [self.output.output(h) for h in heads if h.group_finished or not h.final_only]
                 publish(self._streams, outputs)
-                for rid, e in failed.items():
-                    self._fail_request(rid, e)
+                for rid, err in failed.items():
+                    self._fail_request(rid, err)
                 self._expire_leases()
             self.metrics.record_step(time.perf_counter() - t0)
             return outputs

@@ -152,7 +152,7 @@ def check_request(
     if params.prompt_logprobs is not None and limits.prompt_logprobs is not None:
         raise InvalidRequestError(f"prompt_logprobs: {limits.prompt_logprobs}", param="prompt_logprobs")
     who = "" if request_id is None else f"request {request_id!r}: "
-    toks = []
+    toks: list[int] = []
     vocab = limits.vocab_size
     for t in prompt:
         if isinstance(t, bool) or not hasattr(t, "__index__"):

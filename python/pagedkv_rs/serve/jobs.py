@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, MutableMapping
 from typing import Any, Callable, Optional, Union
 
 from pagedkv_rs.engine.request import RequestOutput
@@ -155,7 +155,7 @@ class Job:
         return None
 
 
-async def disconnected(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+async def disconnected(receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
