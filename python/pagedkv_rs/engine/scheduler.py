@@ -42,7 +42,7 @@ from pagedkv_rs.engine.request import (
 )
 from pagedkv_rs.errors import OutOfBlocksError
 
-__all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SwapOut", "SwapIn"]
+__all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SwapOut", "SwapIn", "KVLoad", "KVStore"]
 
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
