@@ -33,7 +33,7 @@ mod _core {
     #[pymodule_export]
     use super::py::{
         build_profile, copy_blocks, fma_peak, get_isa, get_num_threads, kernel_info, memory_bandwidth, new_kv_cache,
-        paged_attention, set_isa, set_kernel_backend, set_num_threads, write_blocks, write_kv,
+        paged_attention, set_isa, set_num_threads, write_blocks, write_kv,
     };
 
     // Block-quantized linear layers and the row-wise ops around them.

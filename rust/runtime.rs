@@ -9,9 +9,8 @@
 //! | `neon`   | aarch64 (NEON is baseline)                | `aarch64.rs` `attend`  | portable tile                   | plain    |
 //!
 //! Setting: `auto` (the widest ISA detected) or one ISA forced. `PAGEDKV_ISA=auto|scalar|avx2|
-//! avx512|neon` chooses it; while `PAGEDKV_ISA` is unset the legacy `PAGEDKV_KERNEL` does, with
-//! any value that is not an ISA this CPU runs (`auto`, `rust`, `reference`, ...) meaning auto, as
-//! before. An invalid `PAGEDKV_ISA` is an error at first use (importing never fails on it).
+//! avx512|neon` chooses it (read here only); unset means auto. An invalid `PAGEDKV_ISA` is an error
+//! at first use (importing never fails on it).
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -136,14 +135,14 @@ fn parse(name: &str) -> Result<Option<Isa>> {
 }
 
 fn env_setting() -> Result<Option<Isa>> {
-    let var = |k: &str| std::env::var(k).unwrap_or_default().trim().to_ascii_lowercase();
-    let isa = var("PAGEDKV_ISA");
-    if !isa.is_empty() {
-        return parse(&isa).map_err(|e| Error::Invalid(format!("PAGEDKV_ISA: {e}")));
+    let isa = std::env::var("PAGEDKV_ISA")
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    if isa.is_empty() {
+        return Ok(None);
     }
-    // Legacy: PAGEDKV_KERNEL also names the kernel source (auto|rust|reference, Python's), so
-    // anything but an ISA this CPU runs means auto.
-    Ok(parse(&var("PAGEDKV_KERNEL")).unwrap_or(None))
+    parse(&isa).map_err(|e| Error::Invalid(format!("PAGEDKV_ISA: {e}")))
 }
 
 /// Force `"scalar"`, `"avx2"`, `"avx512"` or `"neon"`, or go back to `"auto"` (the widest

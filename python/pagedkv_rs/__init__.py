@@ -6,7 +6,7 @@ The block allocator and block tables exist twice with one API: the Rust core
 by ``PAGEDKV_BACKEND=auto|rust|python`` (``auto`` = Rust when built); ``BACKEND`` names it
 and ``backend(name)`` hands out either one explicitly (see ``pagedkv_rs._backend``).
 The kernel functions come from the compiled core (their float64 numpy spec is
-``pagedkv_rs.reference``, i.e. ``pagedkv_rs.kernels.reference``); the scheduler and engine
+``pagedkv_rs.kernels.reference``); the scheduler and engine
 are pure Python over either backend. ``LLM`` (the offline API, ``pagedkv_rs.llm``) loads on first
 use: it needs the ``model`` extra.
 """
@@ -114,7 +114,6 @@ if _core is not None:  # the kernel functions exist only in the compiled core
         write_blocks,
         write_kv,
     )
-    from pagedkv_rs.kernels import set_kernel_backend  # deprecated spelling of set_isa
 
     __all__ += [
         "new_kv_cache",
@@ -124,7 +123,6 @@ if _core is not None:  # the kernel functions exist only in the compiled core
         "paged_attention",
         "set_isa",
         "get_isa",
-        "set_kernel_backend",
         "kernel_info",
         "set_num_threads",
         "get_num_threads",

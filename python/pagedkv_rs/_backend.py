@@ -24,7 +24,7 @@ except ModuleNotFoundError as e:  # a pure-Python install: only the missing modu
     _core = None  # type: ignore[assignment]
     CORE_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-__all__ = ["BACKEND", "BACKENDS", "BlockAllocator", "KVCacheManager", "backend"]
+__all__ = ["BACKEND", "BACKENDS", "BlockAllocator", "KVCacheManager", "backend", "manager_class"]
 
 BACKENDS: tuple[str, ...] = ("rust", "python") if _core is not None else ("python",)
 
@@ -45,6 +45,13 @@ def backend(name: str = "auto") -> types.SimpleNamespace:
     else:
         raise ValueError(f"unknown backend {name!r}: expected 'auto', 'rust' or 'python'")
     return types.SimpleNamespace(name=name, BlockAllocator=mod.BlockAllocator, KVCacheManager=mod.KVCacheManager)
+
+
+def manager_class(spec: object) -> type:
+    """The ``KVCacheManager`` class of a backend name, of a ``backend()`` namespace, or the class itself."""
+    if isinstance(spec, str):
+        return backend(spec).KVCacheManager
+    return getattr(spec, "KVCacheManager", spec)  # type: ignore[no-any-return]
 
 
 _selected = backend(os.environ.get("PAGEDKV_BACKEND", "auto").strip().lower() or "auto")

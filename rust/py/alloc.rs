@@ -316,18 +316,18 @@ fn batch_inputs<'py>(py: Python<'py>, b: BatchInputs) -> PyResult<Bound<'py, PyA
     let rows = b.seq_lens.len();
     let tables = Array2::from_shape_vec((rows, b.width), b.block_tables)
         .map_err(|e| PyRuntimeError::new_err(format!("block table shape: {e}")))?;
-    // Field order of the BatchInputs dataclass.
-    cls.call1((
-        b.input_ids.into_pyarray(py),
-        b.positions.into_pyarray(py),
-        b.query_start_loc.into_pyarray(py),
-        b.seq_lens.into_pyarray(py),
-        tables.into_pyarray(py),
-        b.indptr.into_pyarray(py),
-        b.indices.into_pyarray(py),
-        b.last_page_len.into_pyarray(py),
-        b.slot_mapping.into_pyarray(py),
-    ))
+    // By field name: the dataclass may reorder or gain fields without this call silently shifting.
+    let kw = PyDict::new(py);
+    kw.set_item(intern!(py, "input_ids"), b.input_ids.into_pyarray(py))?;
+    kw.set_item(intern!(py, "positions"), b.positions.into_pyarray(py))?;
+    kw.set_item(intern!(py, "query_start_loc"), b.query_start_loc.into_pyarray(py))?;
+    kw.set_item(intern!(py, "seq_lens"), b.seq_lens.into_pyarray(py))?;
+    kw.set_item(intern!(py, "block_tables"), tables.into_pyarray(py))?;
+    kw.set_item(intern!(py, "indptr"), b.indptr.into_pyarray(py))?;
+    kw.set_item(intern!(py, "indices"), b.indices.into_pyarray(py))?;
+    kw.set_item(intern!(py, "last_page_len"), b.last_page_len.into_pyarray(py))?;
+    kw.set_item(intern!(py, "slot_mapping"), b.slot_mapping.into_pyarray(py))?;
+    cls.call((), Some(&kw))
 }
 
 /// Per-sequence block tables on top of a block pool.

@@ -37,7 +37,7 @@ pub use linear::{dequantize_gguf, gguf_strings, rms_norm, silu_and_mul, QLinear}
 pub use model::LlamaDecoder;
 pub use runtime::{
     build_profile, core_version, fma_peak, get_isa, get_num_threads, kernel_info, memory_bandwidth, set_isa,
-    set_kernel_backend, set_num_threads,
+    set_num_threads,
 };
 
 pyo3::import_exception!(pagedkv_rs.errors, OutOfBlocksError);

@@ -26,12 +26,6 @@ pub fn get_isa() -> PyResult<&'static str> {
     Ok(runtime::isa_setting_name()?)
 }
 
-/// The former name of `set_isa` (Python wraps it with a DeprecationWarning).
-#[pyfunction]
-pub fn set_kernel_backend(name: &str) -> PyResult<()> {
-    set_isa(name)
-}
-
 /// Size the kernel thread pool.
 #[pyfunction]
 pub fn set_num_threads(n: i64) -> PyResult<()> {
@@ -46,8 +40,7 @@ pub fn get_num_threads() -> PyResult<usize> {
 
 /// Kernel configuration: the ISA setting (`isa`), what attention runs (`active_isa`, for
 /// head_dim % 8 == 0), the widest detected (`detected_isa`), the ISAs `set_isa` accepts here
-/// (`isas`), the linear layer's build, threads, cache layout and build profile. `backend` and
-/// `backends` are the former names of `isa` and `isas`.
+/// (`isas`), the linear layer's build, threads, cache layout and build profile.
 #[pyfunction]
 pub fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
@@ -56,14 +49,12 @@ pub fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("isa", setting)?;
     d.set_item("active_isa", attention::active_isa(8)?.name())?;
     d.set_item("detected_isa", runtime::detected_isa().name())?;
-    d.set_item("isas", &isas)?;
+    d.set_item("isas", isas)?;
     d.set_item("linear_isa", linear::variant_name(runtime::isa()?))?;
     d.set_item("detected_linear_isa", linear::variant_name(runtime::detected_isa()))?;
     d.set_item("num_threads", runtime::num_threads()?)?;
     d.set_item("layout", "[num_blocks, num_kv_heads, block_size, head_dim]")?;
     d.set_item("build_profile", build_profile())?;
-    d.set_item("backend", setting)?;
-    d.set_item("backends", isas)?;
     Ok(d)
 }
 

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from pagedkv_rs.engine import LLMEngine
-from pagedkv_rs.engine.metrics import EngineMetrics, Histogram
 from pagedkv_rs.engine.request import SamplingParams
+from pagedkv_rs.metrics import EngineMetrics, Histogram
 from pagedkv_rs.models import TinyModel
 
 MODEL = TinyModel(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, vocab_size=128, max_model_len=128)

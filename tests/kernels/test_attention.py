@@ -34,17 +34,17 @@ def test_isa_switch_and_info():
     assert ISAS[0] == "scalar" and set(ISAS) <= {"scalar", "avx2", "avx512", "neon"}
     prev = pk.get_isa()
     try:
-        with pytest.warns(DeprecationWarning, match="set_kernel_backend is deprecated"):
-            pk.set_kernel_backend("scalar")  # the legacy alias of set_isa
-        assert pk.kernel_info()["isa"] == "scalar" and pk.kernel_info()["backend"] == "scalar"
+        assert not hasattr(pk, "set_kernel_backend")  # the unreleased alias of set_isa is gone
+        pk.set_isa("scalar")
+        assert pk.kernel_info()["isa"] == "scalar" and not {"backend", "backends"} & pk.kernel_info().keys()
         pk.set_isa("auto")
         info = pk.kernel_info()
-        assert info["active_isa"] == info["detected_isa"] == ISAS[-1] and info["backend"] == "auto"
+        assert info["active_isa"] == info["detected_isa"] == ISAS[-1] and info["isa"] == "auto"
         with pytest.raises(ValueError, match="'auto', 'scalar', 'avx2' or 'avx512'"):
             pk.set_isa("avx9000")
         for name in ISAS:
             pk.set_isa(name)
-            assert pk.kernel_info()["backend"] == name and pk.kernel_info()["active_isa"] == name
+            assert pk.kernel_info()["isa"] == name and pk.kernel_info()["active_isa"] == name
         for name in {"avx2", "avx512", "neon"} - set(ISAS):
             with pytest.raises(ValueError, match=f'ISA "{name}" is not supported by this CPU'):
                 pk.set_isa(name)
@@ -55,7 +55,7 @@ def test_isa_switch_and_info():
 
 def test_env_var_forces_scalar():
     code = "import pagedkv_rs as p; print(p.kernel_info()['isa'])"
-    env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_ISA"} | {"PAGEDKV_KERNEL": "scalar"}
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_KERNEL"} | {"PAGEDKV_ISA": "scalar"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "scalar"
 

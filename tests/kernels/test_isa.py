@@ -1,4 +1,4 @@
-"""The Rust ISA setting: set_isa / get_isa, kernel_info keys, PAGEDKV_ISA over the legacy PAGEDKV_KERNEL."""
+"""The Rust ISA setting: set_isa / get_isa, kernel_info keys, PAGEDKV_ISA (and only it) from the environment."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import pagedkv_rs._core as core  # the session needs it (tests/conftest.py): no 
 
 def test_set_isa_get_isa_and_info_keys():
     isas = core.kernel_info()["isas"]
-    assert isas[0] == "scalar" and isas == core.kernel_info()["backends"]
+    assert isas[0] == "scalar" and not {"backend", "backends"} & core.kernel_info().keys()
     prev = core.get_isa()
     try:
         for name in isas:
             core.set_isa(name)
             info = core.kernel_info()
-            assert core.get_isa() == info["isa"] == info["backend"] == name
+            assert core.get_isa() == info["isa"] == name
             assert info["active_isa"] == name
         core.set_isa("auto")
         info = core.kernel_info()
@@ -42,10 +42,12 @@ def _isa_in_subprocess(**env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], env={**full, **env}, capture_output=True, text=True)
 
 
-def test_env_pagedkv_isa_wins_over_legacy_pagedkv_kernel():
+def test_env_pagedkv_isa_sets_the_isa_and_pagedkv_kernel_does_not():
     out = _isa_in_subprocess(PAGEDKV_ISA="scalar", PAGEDKV_KERNEL="auto")
     assert out.returncode == 0 and out.stdout.split() == ["scalar", "scalar"], out.stderr
     out = _isa_in_subprocess(PAGEDKV_KERNEL="reference")  # Python's kernel source: auto for Rust
+    assert out.returncode == 0 and out.stdout.split()[0] == "auto", out.stderr
+    out = _isa_in_subprocess(PAGEDKV_KERNEL="scalar")  # an ISA name there once forced the ISA: no more
     assert out.returncode == 0 and out.stdout.split()[0] == "auto", out.stderr
 
 

@@ -134,7 +134,15 @@ def test_kernel_source_is_read_from_the_environment(value, source):
     assert r.stdout.strip() == source and "Warning" not in r.stderr
 
 
-def test_legacy_isa_values_of_the_kernel_variable_mean_rust_and_warn():
+def test_an_isa_name_is_not_a_kernel_source():
     r = _kernel_source_under("scalar")
-    assert r.stdout.strip() == "rust"
-    assert "DeprecationWarning: PAGEDKV_KERNEL=scalar is deprecated" in r.stderr
+    assert r.stdout.strip() == "rust"  # auto
+    assert "PAGEDKV_KERNEL='scalar' is not one of auto, rust, reference (an ISA is PAGEDKV_ISA's)" in r.stderr
+    assert "DeprecationWarning" not in r.stderr
+
+
+def test_the_spec_has_one_home():
+    """``pagedkv_rs.kernels.reference`` only: the unreleased ``pagedkv_rs.reference`` alias is gone."""
+    code = "import pagedkv_rs.kernels.reference, pagedkv_rs.reference"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode != 0 and "No module named 'pagedkv_rs.reference'" in r.stderr

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from pagedkv_rs.cli.bench.serve import SSEParser, _one
-from pagedkv_rs.serve.app import _View
 from pagedkv_rs.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv_rs.serve.render import View as _View
 
 TEXTS = [
     "plain",

@@ -10,8 +10,8 @@ import pytest
 from pagedkv_rs.cli import main as cli
 from pagedkv_rs.cli import serve as cli_serve
 from pagedkv_rs.cli.bench import serve as bench_serve
-from pagedkv_rs.serve.app import chat_logprobs, completion_logprobs
 from pagedkv_rs.serve.protocol import CompletionRequest, to_sampling_params
+from pagedkv_rs.serve.render import chat_logprobs, completion_logprobs
 
 NAMES = [
     "num_requests_running",

@@ -1,13 +1,16 @@
-"""The serving loop over the paged KV cache (nano-vllm's ``nanovllm/engine/``).
+"""The serving loop over the paged KV cache, laid out along a request's path (vLLM v1, nano-vllm).
 
-``request`` (sampling parameters, per-request state, outputs), ``sampling`` (token choice),
-``scheduler`` (continuous batching over a ``KVCacheManager`` of either backend) and ``engine``
-(``LLMEngine``: schedule -> memory ops -> forward -> sample, plus streaming).
+``input`` (the one door: ``check_request``) -> ``scheduler`` (continuous batching over a
+``KVCacheManager`` of either backend: decisions only) -> ``runner`` (KV caches, swap space, KV
+tiers, the forward and sampling) -> ``output`` (logprobs, stop strings, outputs) -> ``stream``
+(``RequestStream``); ``engine`` (``LLMEngine``) is the loop. ``request`` holds the parameters,
+per-request state and outputs; ``sampling`` the token choice.
 """
 
 from __future__ import annotations
 
 from pagedkv_rs.engine.engine import LLMEngine, Model, RequestStream
+from pagedkv_rs.engine.input import CheckedRequest
 from pagedkv_rs.engine.request import (
     CompletionOutput,
     InvalidRequestError,
@@ -22,6 +25,7 @@ from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig
 
 __all__ = [
     "LLMEngine",
+    "CheckedRequest",
     "Model",
     "RequestStream",
     "SamplingParams",

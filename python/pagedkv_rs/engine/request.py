@@ -33,7 +33,14 @@ MAX_N = 128  # completions per prompt
 
 
 class InvalidRequestError(PagedKVError, ValueError):
-    """A request was rejected at submission: empty prompt, prompt too long, bad token id, duplicate id."""
+    """A request was rejected at submission: empty prompt, prompt too long, bad token id, duplicate id.
+
+    ``param`` names the request field at fault when one is (the server's error shape carries it).
+    """
+
+    def __init__(self, message: str, *, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class UnknownRequestError(PagedKVError, LookupError):
@@ -191,6 +198,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # never run, or preempted by recompute (holds no blocks)
     RUNNING = "running"  # holds blocks in the KV cache manager
     SWAPPED = "swapped"  # preempted by swap: its KV sits in a host buffer
+    WAITING_FOR_KV = "waiting_for_kv"  # admitted (holds blocks); the runner loads its prefix from the KV tiers
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

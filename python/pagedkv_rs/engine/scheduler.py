@@ -12,6 +12,11 @@ Progress: a request that could not fit the whole pool alone is rejected at submi
 never preempted for a later one, so it always advances; the waiting queue is FCFS (or priority
 order) and its head waits only while something runs.
 
+KV tiers (``kv_tiers=True``): a request admitted with blocks after the pool's prefix hit that a
+tier may hold waits in its own state, ``WAITING_FOR_KV`` (vLLM's ``WAITING_FOR_REMOTE_KVS``),
+holding its blocks; ``schedule()`` lists it as a ``KVLoad`` for the runner, and ``finish_loads()``
+starts it with the tokens that arrived. The scheduler decides only: no I/O, no callback.
+
 The scheduler only uses the manager's public API, so either allocator backend works.
 """
 
@@ -19,14 +24,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional, Union
 
 from pagedkv_rs.batch import BatchInputs
+from pagedkv_rs.engine.input import CheckedRequest, InputLimits, check_request
 from pagedkv_rs.engine.request import (
     MAX_TOKEN_ID,
     InvalidRequestError,
@@ -37,12 +42,10 @@ from pagedkv_rs.engine.request import (
 )
 from pagedkv_rs.errors import OutOfBlocksError
 
-__all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SwapOut", "SwapIn"]
+__all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SwapOut", "SwapIn", "KVLoad", "KVStore"]
 
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
-MAX_REQUEST_ID_LEN = 1024
-MAX_CACHE_SALT_LEN = 1024
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,24 @@ class SwapIn:
     block_ids: list[int]
 
 
+@dataclass(frozen=True)
+class KVLoad:
+    """Fill ``block_ids`` (the request's blocks ``first_block, ...``) from the KV tiers, as far as they hit."""
+
+    request: Request
+    first_block: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class KVStore:
+    """Write the request's blocks ``first_block, ...`` (``block_ids``, computed this step) to the KV tiers."""
+
+    request: Request
+    first_block: int
+    block_ids: list[int]
+
+
 @dataclass
 class SchedulerOutput:
     """One step: the batch to run and the memory operations to apply first (swap-out, swap-in, copies)."""
@@ -109,6 +130,8 @@ class SchedulerOutput:
     swap_out: list[SwapOut] = field(default_factory=list)
     swap_in: list[SwapIn] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)  # admitted requests now WAITING_FOR_KV
+    kv_stores: list[KVStore] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -178,11 +201,10 @@ class Scheduler:
         eos_token_ids: Sequence[int] = (),
         max_model_len: Optional[int] = None,
         vocab_size: Optional[int] = None,
-        tier_loader: Optional[Callable[[Request, int], int]] = None,
+        kv_tiers: bool = False,
     ) -> None:
         self.kv = kv_manager
-        # KV tiers: (request, pool-cached tokens) -> computed tokens after loading the blocks that follow
-        self.tier_loader = tier_loader
+        self.kv_tiers = kv_tiers  # admission asks the tiers for the blocks after the pool's prefix hit
         self.vocab_size = MAX_TOKEN_ID + 1 if vocab_size is None else int(vocab_size)
         self.config = config or SchedulerConfig()
         self.block_size = int(kv_manager.block_size)
@@ -195,6 +217,8 @@ class Scheduler:
         self.waiting = _WaitQueue(self.config.policy)
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        self.loading: list[Request] = []  # WAITING_FOR_KV: blocks held, the runner fills them from the tiers
+        self._loads_of_aborted: set[int] = set()  # seq ids whose blocks wait for their load to end to be freed
         self.swap_blocks_used = 0
         self._seq_ids = itertools.count()
         self._order = itertools.count()
@@ -203,24 +227,51 @@ class Scheduler:
         self.num_steps = 0
 
     # ------------------------------------------------------------------ requests
+    @property
+    def limits(self) -> InputLimits:
+        """What ``check_request`` holds a request to here: the vocabulary and the context limit."""
+        pool = f" (model context, config and KV pool of {self.kv.num_blocks} blocks x {self.block_size})"
+        return InputLimits(self.vocab_size, self.max_model_len, pool=pool)
+
     def add_request(
         self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
+        request: Union[CheckedRequest, str],
+        prompt_token_ids: Optional[Sequence[int]] = None,
         params: Optional[SamplingParams] = None,
         *,
         arrival_time: Optional[float] = None,
         cache_salt: Any = None,
         prompt: Optional[str] = None,
     ) -> Request:
-        """Validate and queue a request; raises ``InvalidRequestError`` / ``TypeError`` naming the field.
+        """Queue a checked request (or a request id and its fields, checked here); returns it.
 
         Nothing changes on rejection. ``params.n > 1`` queues one request (the head, ``request_id``)
         whose other completions fork its prompt's blocks once the prompt is computed.
         """
+        if not isinstance(request, CheckedRequest):
+            if request is None:
+                raise TypeError("request_id must be a str, got NoneType")
+            if isinstance(prompt_token_ids, (str, bytes)):  # the scheduler has no tokenizer
+                raise TypeError(
+                    f"prompt_token_ids must be a sequence of ints (pass text to an engine with a tokenizer), "
+                    f"got {type(prompt_token_ids).__name__}"
+                )
+            request = check_request(
+                prompt_token_ids,
+                params,
+                limits=self.limits,
+                request_id=request,
+                arrival_time=arrival_time,
+                cache_salt=cache_salt,
+                text=prompt,
+            )
+        request_id = request.request_id
         if request_id is None:
             raise TypeError("request_id must be a str, got NoneType")
-        params, toks = self.check_request(request_id, prompt_token_ids, params, arrival_time, cache_salt, prompt)
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use by an unfinished request")
+        toks, params, arrival_time = request.prompt_token_ids, request.params, request.arrival_time
+        cache_salt, prompt = request.cache_salt, request.prompt
         req = self._new_request(request_id, toks, params, arrival_time, cache_salt, prompt)
         if params.n > 1:
             req.group = (req,) + tuple(
@@ -233,69 +284,6 @@ class Scheduler:
         self.requests[request_id] = req
         self.waiting.push(req)
         return req
-
-    def check_request(
-        self,
-        request_id: object,
-        prompt_token_ids: object,
-        params: object = None,
-        arrival_time: object = None,
-        cache_salt: object = None,
-        prompt: object = None,
-    ) -> tuple[SamplingParams, list[int]]:
-        """Every submission check (no state changes); returns the params and the prompt as a list of ints.
-
-        ``request_id=None`` skips the id checks (for a caller that makes a fresh id).
-        """
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if request_id is not None:  # None: the caller makes a fresh id later
-            if not isinstance(request_id, str):
-                raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-            if not request_id or len(request_id) > MAX_REQUEST_ID_LEN or "\x00" in request_id:
-                raise InvalidRequestError(
-                    f"request_id must be 1 to {MAX_REQUEST_ID_LEN} characters without NUL, got {request_id[:64]!r}"
-                )
-            if request_id in self.requests:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use by an unfinished request")
-        if cache_salt is not None:
-            if not isinstance(cache_salt, (str, bytes)):
-                raise TypeError(f"cache_salt must be a str, bytes or None, got {type(cache_salt).__name__}")
-            if len(cache_salt) > MAX_CACHE_SALT_LEN:
-                raise InvalidRequestError(f"cache_salt is longer than {MAX_CACHE_SALT_LEN} characters")
-        if arrival_time is not None:
-            if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)):
-                raise TypeError(f"arrival_time must be a float (time.monotonic()), got {type(arrival_time).__name__}")
-            if not math.isfinite(arrival_time):
-                raise InvalidRequestError(f"arrival_time must be finite, got {arrival_time}")
-        if prompt is not None and not isinstance(prompt, str):
-            raise TypeError(f"prompt text must be a str, got {type(prompt).__name__}")
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
-            raise TypeError(
-                f"prompt_token_ids must be a sequence of ints (pass text to an engine with a tokenizer), "
-                f"got {type(prompt_token_ids).__name__}"
-            )
-        toks = []
-        vocab = self.vocab_size
-        for t in prompt_token_ids:  # type: ignore[attr-defined]
-            if isinstance(t, bool) or not hasattr(t, "__index__"):
-                raise TypeError(f"request {request_id!r}: prompt token ids must be ints, got {type(t).__name__}")
-            v = int(t.__index__())
-            if not 0 <= v < vocab:
-                raise InvalidRequestError(
-                    f"request {request_id!r}: prompt token id {v} at position {len(toks)} is outside the "
-                    f"vocabulary [0, {vocab})"
-                )
-            toks.append(v)
-        if not toks:
-            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
-        if len(toks) > self.max_model_len:
-            raise InvalidRequestError(
-                f"request {request_id!r}: prompt of {len(toks)} tokens exceeds max_model_len={self.max_model_len}"
-                f" (model context, config and KV pool of {self.kv.num_blocks} blocks x {self.block_size})"
-            )
-        return params, toks
 
     def _new_request(
         self, request_id: str, toks: list[int], params: SamplingParams, arrival_time: Any, cache_salt: Any, prompt: Any
@@ -338,6 +326,8 @@ class Scheduler:
                 self.swapped.remove(req)
             elif req.status is RequestStatus.WAITING:
                 self.waiting.remove(req)
+            elif req.status is RequestStatus.WAITING_FOR_KV:
+                self.loading.remove(req)
             else:
                 continue
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -353,6 +343,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or blocks of aborted ones still waiting for their tier load to end."""
+        return bool(self.requests or self._loads_of_aborted)
+
+    def num_queued(self) -> int:
+        """Requests admitted to nothing yet: waiting, or waiting for their KV from the tiers."""
+        return len(self.waiting) + len(self.loading)
+
     def get_request(self, request_id: str) -> Request:
         req = self.requests.get(request_id)
         if req is None:
@@ -362,6 +360,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status is RequestStatus.RUNNING:
             self.kv.free(req.seq_id)
+        elif req.status is RequestStatus.WAITING_FOR_KV:  # the runner may still write its blocks
+            self._loads_of_aborted.add(req.seq_id)
         elif req.status is RequestStatus.SWAPPED:
             self.swap_blocks_used -= self._blocks(req.swapped_computed)
         req.status = status
@@ -375,16 +375,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> Optional[SchedulerOutput]:
-        """Pick this step's requests and token counts and build their batch; None if nothing can run."""
+        """Pick this step's requests and token counts and build their batch; None if nothing can run.
+
+        An output may hold only ``kv_loads`` (no batch): requests admitted to wait for the KV tiers.
+        """
         out = SchedulerOutput([], [])
         budget = self._schedule_running(self.config.max_num_batched_tokens, out)
         if not out.preempted:
             budget = self._schedule_swapped(budget, out)
             self._schedule_waiting(budget, out)
         if not out.requests:
-            return None
+            return out if out.kv_loads else None
         out.batch = self.kv.prepare_batch(out.seq_ids, out.num_scheduled_tokens)
         self.num_steps += 1
+        if self.kv_tiers:
+            self._plan_stores(out)
         reqs = out.requests
         out.samplers = [reqs[i] for i in out.sample_rows]
         if any(r.pending_forks for r in out.samplers):
@@ -400,6 +405,43 @@ class Scheduler:
                     out.forks.append((r, c))
             out.sample_rows, out.samplers = rows, samplers
         return out
+
+    def _plan_stores(self, out: SchedulerOutput) -> None:
+        """The blocks each request completes this step, for the tiers' write-through."""
+        bs = self.block_size
+        for req, n in zip(out.requests, out.num_scheduled_tokens):
+            c = req.num_computed_tokens
+            lo, hi = (c - n) // bs, c // bs
+            if hi > lo and req.params.prompt_logprobs is None:
+                out.kv_stores.append(KVStore(req, lo, self.kv.block_table(req.seq_id)[lo:hi]))
+
+    def finish_loads(self, done: Sequence[tuple[KVLoad, int]]) -> None:
+        """The runner's tier loads that ended, with the tokens each brought: those requests run from now."""
+        for ld, n in done:
+            req = ld.request
+            if req.seq_id in self._loads_of_aborted:  # aborted while it loaded: its blocks are free now
+                self._loads_of_aborted.remove(req.seq_id)
+                self.kv.free(req.seq_id)
+                continue
+            self.loading.remove(req)
+            cached = req.num_computed_tokens
+            if n:
+                self._mark_computed(req, n)
+            self._start(req, cached + n)
+
+    def _mark_computed(self, req: Request, n: int) -> None:
+        """KV copied in (swap-in, tier load) counts as computed: ``prepare_batch`` is how the manager learns it
+        (it registers the blocks' prefix hashes); the batch itself is not used."""
+        self.kv.prepare_batch([req.seq_id], [n])
+
+    def _start(self, req: Request, cached: int) -> None:
+        """An admitted request whose first ``cached`` tokens have KV: it runs from the next chunk on."""
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = cached
+        req.num_kv_tokens = len(req.all_token_ids)
+        req.num_computed_tokens = cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int) -> None:
         """Add ``n`` of the request's tokens to the step (admission paths)."""
@@ -527,7 +569,7 @@ class Scheduler:
 
     def _admission_room(self) -> int:
         room = self.kv.num_free_blocks + self.kv.num_cached_blocks
-        return room - self.watermark_blocks if self.running else room
+        return room - self.watermark_blocks if self.running or self.loading else room
 
     def _schedule_swapped(self, budget: int, out: SchedulerOutput) -> int:
         """Swap requests back in, oldest first; stops at the first that does not fit."""
@@ -542,7 +584,7 @@ class Scheduler:
             table = self.kv.block_table(req.seq_id)
             out.swap_in.append(SwapIn(req.request_id, first, table[first : self._blocks(req.swapped_computed)]))
             if req.swapped_computed > cached:  # the copied-back KV counts as computed
-                self.kv.prepare_batch([req.seq_id], [req.swapped_computed - cached])
+                self._mark_computed(req, req.swapped_computed - cached)
             req.num_computed_tokens = max(cached, req.swapped_computed)
             self.swap_blocks_used -= self._blocks(req.swapped_computed)
             req.swapped_computed = 0
@@ -568,7 +610,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         """Admit waiting requests in queue order while blocks, budget and seats last."""
         chunked = self.config.enable_chunked_prefill
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        bs = self.block_size
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             req = self.waiting.peek()
             toks = req.all_token_ids
             if self.kv.blocks_needed(toks, req.kv_salt) > self._admission_room():
@@ -577,14 +620,14 @@ class Scheduler:
                 break  # a whole prompt must fit the rest of this step; alone it may exceed the budget
             self.waiting.pop()
             cached = self.kv.allocate(req.seq_id, toks, req.kv_salt)
-            if self.tier_loader is not None:
-                cached = self.tier_loader(req, cached)
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = cached
-            req.num_kv_tokens = len(toks)
-            req.num_computed_tokens = cached
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            first, last = cached // bs, (len(toks) - 1) // bs  # a hit leaves at least one token to compute (I6)
+            if self.kv_tiers and last > first and req.params.prompt_logprobs is None:
+                req.num_computed_tokens = cached
+                req.status = RequestStatus.WAITING_FOR_KV
+                self.loading.append(req)
+                out.kv_loads.append(KVLoad(req, first, self.kv.block_table(req.seq_id)[first:last]))
+                continue
+            self._start(req, cached)
             n = req.num_kv_tokens - cached
             if chunked:
                 n = min(n, budget)
@@ -640,14 +683,18 @@ class Scheduler:
         self._finish(req, status)
 
     # --------------------------------------------------------------------- stats
-    def stats(self) -> dict[str, Any]:
-        """Queue sizes, KV usage (live / cached / free blocks), prefix hit rate, preemptions."""
+    def stats(self, counters: bool = False) -> dict[str, Any]:
+        """Queue sizes, KV usage (live / cached / free blocks), prefix hit rate, preemptions.
+
+        ``counters``: also the KV manager's running counters (prefix-cache tokens, evictions, allocations).
+        """
         kv = self.kv.stats()
         q = kv.get("prefix_query_tokens", 0)
-        return {
+        s = {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_swapped": len(self.swapped),
+            "num_waiting_for_kv": len(self.loading),
             "kv_live_blocks": kv["live_blocks"],
             "kv_cached_blocks": kv["cached_blocks"],
             "kv_free_blocks": kv["free_blocks"],
@@ -658,3 +705,9 @@ class Scheduler:
             "swap_blocks_used": self.swap_blocks_used,
             "num_steps": self.num_steps,
         }
+        if counters:
+            s["prefix_cache_queries"] = int(q)
+            s["prefix_cache_hits"] = int(kv.get("prefix_hit_tokens", 0))
+            s["kv_block_evictions"] = int(kv.get("evictions", 0))
+            s["kv_block_allocations"] = int(kv.get("block_allocations", 0))
+        return s

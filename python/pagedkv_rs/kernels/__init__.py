@@ -2,19 +2,17 @@
 
 ``write_kv``, ``paged_attention``, ``copy_blocks``, ``write_blocks``, ``new_kv_cache``, ``rms_norm`` and
 ``silu_and_mul`` come from the compiled core when it is built, else from the float64 numpy reference
-(``pagedkv_rs.kernels.reference``, also ``pagedkv_rs.reference``), which has the same signatures.
+(``pagedkv_rs.kernels.reference``), which has the same signatures.
 
 The kernel source is read once at import from ``PAGEDKV_KERNEL=auto|rust|reference`` (``auto``: Rust
-when built) and switched at run time with ``set_kernel_source``; ``kernel_source()`` says which is in
-use. The ISA the Rust kernels run is a separate switch (``PAGEDKV_ISA``, ``pagedkv_rs.set_isa``). The old values
-``PAGEDKV_KERNEL=scalar|avx2|avx512|neon`` name an ISA: for one release they still mean kernel source
-``rust`` (the Rust core reads the ISA from them) and warn.
+when built; parsed here only) and switched at run time with ``set_kernel_source``; ``kernel_source()``
+says which is in use. The ISA the Rust kernels run is a separate switch, ``PAGEDKV_ISA`` (parsed by
+the Rust core only) or ``pagedkv_rs.set_isa``.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import types
 import warnings
 from typing import Any
@@ -34,15 +32,9 @@ __all__ = [
     "set_kernel_source",
     "KERNEL_SOURCES",
     "reference",
-    "set_kernel_backend",
 ]
 
 KERNEL_SOURCES = ("auto", "rust", "reference")
-_LEGACY_ISAS = ("scalar", "avx2", "avx512", "neon")  # deprecated PAGEDKV_KERNEL values
-
-# `import pagedkv_rs.reference` keeps working: the spec's home before kernels/ existed.
-sys.modules.setdefault("pagedkv_rs.reference", reference)
-
 _impl: types.ModuleType = reference  # the module the kernel functions dispatch to
 
 
@@ -56,19 +48,6 @@ def set_kernel_source(name: str) -> None:
     _impl = reference if name == "reference" or _core is None else _core
 
 
-def set_kernel_backend(name: str) -> None:
-    """Deprecated spelling of ``pagedkv_rs.set_isa`` (the Rust kernels' ISA): warns, then sets the ISA."""
-    warnings.warn(
-        "set_kernel_backend is deprecated: use pagedkv_rs.set_isa (the ISA) or "
-        "pagedkv_rs.kernels.set_kernel_source (rust or reference)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    if _core is None:
-        raise ImportError("set_kernel_backend needs the compiled core pagedkv_rs._core")
-    _core.set_isa(name)
-
-
 def kernel_source() -> str:
     """``"rust"`` when the compiled kernels are used, else ``"reference"``."""
     return "reference" if _impl is reference else "rust"
@@ -76,16 +55,11 @@ def kernel_source() -> str:
 
 def _source_from_env(value: str) -> str:
     value = value.strip().lower() or "auto"
-    if value in _LEGACY_ISAS:
+    if value not in KERNEL_SOURCES:
         warnings.warn(
-            f"PAGEDKV_KERNEL={value} is deprecated: PAGEDKV_KERNEL takes the kernel source (auto, rust, reference) "
-            f"and PAGEDKV_ISA={value} the ISA; read as PAGEDKV_KERNEL=rust",
-            DeprecationWarning,
+            f"PAGEDKV_KERNEL={value!r} is not one of auto, rust, reference (an ISA is PAGEDKV_ISA's): using auto",
             stacklevel=3,
         )
-        return "rust" if _core is not None else "auto"
-    if value not in KERNEL_SOURCES:
-        warnings.warn(f"PAGEDKV_KERNEL={value!r} is not one of auto, rust, reference: using auto", stacklevel=3)
         return "auto"
     return value
 

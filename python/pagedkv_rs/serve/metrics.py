@@ -2,16 +2,15 @@
 
 Gauges and the engine's cumulative counters are read from the scheduler and the KV manager at scrape
 time; per-request histograms and counters are fed by the HTTP layer from each request's final
-output (``RequestMetrics``: arrival, first scheduled, token times, finish). Step times come from
-``instrument_steps``, which wraps the engine's ``step``.
+output (``RequestMetrics``: arrival, first scheduled, token times, finish). Step times are the
+engine's own histogram (``LLMEngine.metrics.step_time``), read at scrape time.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -26,9 +25,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS
+from pagedkv_rs.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS
 
-__all__ = ["ServerMetrics", "ABORT_CAUSES", "instrument_steps", "CONTENT_TYPE"]
+__all__ = ["ServerMetrics", "ABORT_CAUSES", "CONTENT_TYPE"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ABORT_CAUSES = ("client_disconnect", "lease_expired", "timeout", "rejected", "shutdown", "error")
@@ -73,6 +72,14 @@ class _EngineCollector(Collector):
         yield counter("kv_block_evictions", "Cached free blocks reused for new content", kv.get("evictions", 0))
         yield counter("engine_steps", "Engine steps (forward passes)", s["num_steps"])
         yield counter("kv_block_allocations", "Blocks taken off the free list", kv["block_allocations"])
+        steps = eng.metrics.snapshot_histogram("step_time")
+        h = HistogramMetricFamily("pagedkv:engine_step_seconds", "Duration of one engine step", labels=lab)
+        h.add_metric(val, [(_le(le), n) for le, n in steps["buckets"]], steps["sum"])
+        yield h
+
+
+def _le(le: float) -> str:
+    return "+Inf" if le == float("inf") else repr(float(le))
 
 
 class _TierCollector(Collector):
@@ -107,7 +114,7 @@ class _TierCollector(Collector):
         h = HistogramMetricFamily("pagedkv:kv_tier_lookup_seconds", "Duration of one tier lookup", labels=labels)
         for name, st in stats.items():
             hist = st["lookup_seconds"]
-            buckets = [("+Inf" if le == float("inf") else repr(float(le)), n) for le, n in hist["buckets"]]
+            buckets = [(_le(le), n) for le, n in hist["buckets"]]
             h.add_metric([self._model, name], buckets, hist["sum"])
         yield h
 
@@ -146,7 +153,6 @@ class ServerMetrics:
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS)
-        self.step = hist("engine_step_seconds", "Duration of one engine step", ITL_BUCKETS)
         self.req_prompt = hist("request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
         self.req_generation = hist("request_generation_tokens", "Generated tokens per request", TOKEN_BUCKETS)
 
@@ -176,26 +182,3 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def instrument_steps(engine: Any, observe: Callable[[float], None]) -> None:
-    """Time every ``engine.step()`` that ran a batch into ``observe`` (wraps the instance's method once)."""
-    observers = getattr(engine.step, "_pagedkv_observers", None)
-    if observers is not None:
-        observers.append(observe)
-        return
-    step, sched = engine.step, engine.scheduler
-    observers = [observe]
-
-    @functools.wraps(step)
-    def timed() -> Any:
-        n, t0 = sched.num_steps, time.perf_counter()
-        outs = step()
-        if sched.num_steps != n:
-            dt = time.perf_counter() - t0
-            for f in observers:
-                f(dt)
-        return outs
-
-    timed._pagedkv_observers = observers  # type: ignore[attr-defined]
-    engine.step = timed

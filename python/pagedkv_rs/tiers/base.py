@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from pagedkv_rs.engine.metrics import Histogram
+from pagedkv_rs.metrics import Histogram
 
 __all__ = [
     "Tier",

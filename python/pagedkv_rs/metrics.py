@@ -1,4 +1,6 @@
-"""Bounded engine metrics: fixed-bucket histograms, running counters, and a recent window for medians.
+"""Bounded metrics: fixed-bucket histograms, running counters, and a recent window for medians.
+
+Neutral ground below the engine, the tiers and the server: it imports nothing of the package.
 
 Nothing here grows with the number of requests served: a ``Histogram`` is a fixed list of bucket
 counts plus a sum, a counter is an int (or a dict of ints keyed by a small set of labels), and the
@@ -198,6 +200,11 @@ class EngineMetrics:
                 "prompt_tokens": self.prompt_tokens,
                 "generation_tokens": self.generation_tokens,
             }
+
+    def snapshot_histogram(self, name: str) -> dict[str, Any]:
+        """One histogram's snapshot (``{"buckets": [(le, cumulative)], "sum", "count"}``), read under the lock."""
+        with self.lock:
+            return getattr(self, name).snapshot()
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and histogram snapshots (``{"buckets": [(le, cumulative)], "sum", "count"}``)."""

@@ -1,0 +1,91 @@
+"""Outputs: detokenizing, stop strings, logprob dicts and the ``RequestOutput``s users see.
+
+``OutputProcessor`` turns a step's sampled tokens and logprob rows (``runner.StepResult``) into
+request state and outputs. A failure in one request's own post-processing (a tokenizer that fails
+to decode one of its tokens) fails only that request: ``process`` returns it with the error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pagedkv_rs.engine.request import Logprob, Request, RequestOutput, RequestStatus
+from pagedkv_rs.engine.runner import LogprobRow, StepResult
+
+__all__ = ["OutputProcessor"]
+
+
+class OutputProcessor:
+    """Post-processing of one engine's steps (``tokenizer``: its ``decode`` names tokens and finds stop strings)."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+
+    def output(self, req: Request) -> RequestOutput:
+        """A snapshot of ``req``'s group; its text is decoded on first access."""
+        return RequestOutput.from_request(req, None if self.tokenizer is None else self.tokenizer.decode)
+
+    def process(
+        self, samplers: Sequence[Request], changed: Sequence[Request], result: StepResult
+    ) -> tuple[list[Request], list[Request], dict[str, BaseException]]:
+        """Attach this step's logprobs and match stop strings.
+
+        Returns (heads to report, requests a stop string finished, request id -> its own failure).
+        The caller finishes the stopped ones in the scheduler.
+        """
+        failed: dict[str, BaseException] = {}
+        self._attach_logprobs(samplers, result, failed)
+        stopped = []
+        for r in changed:
+            if r.params.stop and r.head.request_id not in failed:
+                try:
+                    if self._stop_string(r):
+                        stopped.append(r)
+                except Exception as e:
+                    failed[r.head.request_id] = e
+        heads: dict[str, Request] = {}
+        for r in changed:
+            if r.head.request_id not in failed:
+                heads.setdefault(r.head.request_id, r.head)
+        return list(heads.values()), stopped, failed
+
+    def _attach_logprobs(
+        self, samplers: Sequence[Request], result: StepResult, failed: dict[str, BaseException]
+    ) -> None:
+        """Append this step's logprob dicts to the requests that got them (decoding each token once)."""
+        for j, row in (result.logprobs or {}).items():
+            r = samplers[j]
+            if r.logprobs is None or len(r.logprobs) != len(r.output_token_ids) - 1:
+                continue  # aborted (or the fork did not happen) since the step was scheduled
+            try:
+                r.logprobs.append(self._logprob_dict(row))
+            except Exception as e:
+                failed.setdefault(r.head.request_id, e)
+        for r, lo, rows in result.prompt_logprobs:
+            # a request that finished in this very step keeps them (max_tokens=1); an aborted one is gone
+            if r.status is RequestStatus.FINISHED_ABORTED or len(r.prompt_logprobs) != lo + 1:  # type: ignore[arg-type]
+                continue
+            try:
+                r.prompt_logprobs += [self._logprob_dict(row) for row in rows]  # type: ignore[operator]
+            except Exception as e:
+                failed.setdefault(r.head.request_id, e)
+
+    def _logprob_dict(self, row: LogprobRow) -> dict[int, Logprob]:
+        dec = None if self.tokenizer is None else self.tokenizer.decode
+        return {t: Logprob(lp, rank, None if dec is None else dec([t])) for t, lp, rank in zip(*row)}
+
+    def _stop_string(self, r: Request) -> bool:
+        """Whether ``r``'s output text contains a stop string (after min_tokens); if so cut the text there."""
+        if self.tokenizer is None or r.status not in (RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH):
+            return False
+        if len(r.output_token_ids) < r.params.min_tokens:
+            return False
+        text = self.tokenizer.decode(r.output_token_ids)
+        hits = [(i, s) for s in r.params.stop if (i := text.find(s)) >= 0]
+        if not hits:
+            return False
+        i, stop = min(hits)
+        r.stop_text = text[: i + len(stop)] if r.params.include_stop_str_in_output else text[:i]
+        r.stop_reason = stop
+        return True

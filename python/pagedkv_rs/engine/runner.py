@@ -1,0 +1,342 @@
+"""The runner: owns the KV caches, the host swap space and the KV tiers, and executes a scheduler output.
+
+A step is ``apply_memory_ops`` (swap-out, swap-in, copy-on-write copies) and ``prepare`` under the
+engine lock, then ``execute`` off it (the model forward on the step's ``BatchInputs``, sampling, and
+the logprob rows). Tier loads run on the runner's I/O thread (``start_loads``; ``finished_loads``
+hands back what arrived), beside the steps: the blocks a load fills belong to a request waiting for
+them (``RequestStatus.WAITING_FOR_KV``), which no batch contains and the scheduler frees only once
+the load has ended, so a slow tier delays only the requests that wait for it. The runner decides
+nothing: which blocks to swap, copy, load or store comes from the scheduler (vLLM v1's worker).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Union, runtime_checkable
+
+import numpy as np
+
+from pagedkv_rs import kernels
+from pagedkv_rs.batch import BatchInputs
+from pagedkv_rs.engine.request import Request, RequestStatus, SamplingParams
+from pagedkv_rs.engine.sampling import sample, top_logprobs
+from pagedkv_rs.engine.scheduler import KVLoad, SchedulerOutput
+from pagedkv_rs.tiers import BlockLayout, KVTiers, Tier, chain_hashes, model_fingerprint, parse_tier, salt_digest
+
+__all__ = ["Model", "ModelRunner", "StepInputs", "StepResult", "LogprobRow", "check_model"]
+
+LogprobRow = tuple[list[int], list[float], list[int]]  # token ids, logprobs, ranks
+
+
+@runtime_checkable
+class Model(Protocol):
+    """What the engine needs from a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    def forward(self, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """Float32 logits [batch.num_seqs, vocab_size] of each sequence's last scheduled token.
+
+        Writes this step's K/V of every layer into ``kv_caches[layer]`` at ``batch.slot_mapping``
+        (``write_kv``) and attends with ``paged_attention(q, k, v, batch.block_tables,
+        batch.seq_lens, batch.query_start_loc)``. A model whose forward also takes
+        ``logits_indices`` (int [N] into the step's tokens; returns [N, vocab_size]) serves
+        ``prompt_logprobs`` requests.
+        """
+        ...
+
+
+@dataclass
+class StepInputs:
+    """What ``execute`` needs besides the batch, gathered under the engine lock."""
+
+    so: SchedulerOutput
+    params: list[SamplingParams]
+    generators: list[Any]
+    history: Optional[tuple[list[list[int]], list[list[int]], list[frozenset[int]]]]
+    # prompt_logprobs: [(request, first position, count)] and their token indices in the step
+    prompt_spans: list[tuple[Request, int, int]]
+    prompt_indices: Optional[np.ndarray]
+
+
+@dataclass
+class StepResult:
+    """The sampled tokens (one per ``so.sample_rows``) and the logprob rows asked for."""
+
+    tokens: np.ndarray
+    logprobs: Optional[dict[int, LogprobRow]]  # sample row -> its row
+    prompt_logprobs: list[tuple[Request, int, list[LogprobRow]]]  # (request, first position, rows)
+
+
+class ModelRunner:
+    """One model, its KV caches (one (K, V) pair per layer), swapped-out KV, and the tiers below the pool."""
+
+    def __init__(
+        self,
+        model: Any,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: Any = "float32",
+        *,
+        kv_tiers: Optional[Sequence[Any]] = None,
+        kv_tier_secret: Optional[Union[str, bytes]] = None,
+        kv_tier_deadline: float = 0.5,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self._rng = np.random.default_rng(seed)
+        self.block_size = block_size
+        self.kv_caches: list[tuple[np.ndarray, np.ndarray]] = [
+            kernels.new_kv_cache(num_blocks, block_size, model.num_kv_heads, model.head_dim, kv_cache_dtype)
+            for _ in range(model.num_layers)
+        ]
+        self.host: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # request id -> its swapped-out KV
+        self._io: Optional[ThreadPoolExecutor] = None  # tier loads; started on first use
+        self._loaded: list[tuple[KVLoad, int]] = []  # (load, tokens that arrived), not yet handed back
+        self._in_flight = 0
+        self._load_lock = threading.Lock()
+        self._load_done = threading.Event()
+        self.kv_tiers: Optional[KVTiers] = None
+        if kv_tiers:
+            self.kv_tiers = _make_tiers(model, self.kv_caches, block_size, kv_tiers, kv_tier_secret, kv_tier_deadline)
+        try:
+            self.logits_indices = "logits_indices" in inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):  # pragma: no cover - a builtin forward without a signature
+            self.logits_indices = False
+        # why prompt_logprobs cannot be served, or None
+        self.no_prompt_logprobs = (
+            None if self.logits_indices else f"model {type(model).__name__}.forward takes no logits_indices"
+        )
+
+    def add_generators(self, req: Request) -> None:
+        """The random streams of a sampled request's completions (``params.seed``, else one drawn here)."""
+        if req.params.greedy:
+            return
+        seed = req.params.seed if req.params.seed is not None else int(self._rng.integers(1 << 63))
+        for m in req.group:  # completion i > 0 of a seeded request: its own stream of the same seed
+            m.generator = np.random.default_rng(seed if m.index == 0 else [seed, m.index])
+
+    # ------------------------------------------------------------------ memory
+    def apply_memory_ops(self, so: SchedulerOutput) -> None:
+        """Swap-out, then swap-in, then copy-on-write copies, in every layer (before the forward)."""
+        for s in so.swap_out:
+            idx = np.asarray(s.block_ids, np.int64)
+            self.host[s.request_id] = [(k[idx].copy(), v[idx].copy()) for k, v in self.kv_caches]
+        for si in so.swap_in:
+            host = self.host.pop(si.request_id)
+            if si.block_ids:
+                idx = np.asarray(si.block_ids, np.int64)
+                src = slice(si.first, si.first + len(si.block_ids))
+                for (k, v), (hk, hv) in zip(self.kv_caches, host):
+                    k[idx] = hk[src]
+                    v[idx] = hv[src]
+        if so.copy_pairs:
+            pairs = np.asarray(so.copy_pairs, np.int64)
+            for k, v in self.kv_caches:
+                kernels.copy_blocks(k, v, pairs)
+
+    def drop(self, requests: Sequence[Request]) -> None:
+        """Forget the swapped-out KV of finished requests."""
+        for r in requests:
+            self.host.pop(r.request_id, None)
+
+    # ------------------------------------------------------------------- tiers
+    def start_loads(self, loads: Sequence[KVLoad]) -> None:
+        """Queue the lookups and loads of these requests on the I/O thread."""
+        if self._io is None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-load")
+        with self._load_lock:
+            self._in_flight += len(loads)
+        for ld in loads:
+            self._io.submit(self._load, ld)
+
+    def finished_loads(self) -> list[tuple[KVLoad, int]]:
+        """The loads that ended since the last call, with the tokens each brought."""
+        with self._load_lock:
+            done, self._loaded = self._loaded, []
+            self._load_done.clear()
+            return done
+
+    def loads_in_flight(self) -> int:
+        with self._load_lock:
+            return self._in_flight
+
+    def wait_loads(self, timeout: float) -> None:
+        """Until a load ends (or ``timeout`` seconds)."""
+        self._load_done.wait(timeout)
+
+    def _load(self, ld: KVLoad) -> None:
+        """On the I/O thread: look up the request's blocks in the tiers and copy the hits into them.
+
+        A tier never fails a request: on any error the request computes those blocks instead.
+        """
+        tiers = self.kv_tiers
+        bs = self.block_size
+        req, first = ld.request, ld.first_block
+        last = first + len(ld.block_ids)
+        n = 0
+        try:
+            if tiers is not None and req.status is RequestStatus.WAITING_FOR_KV:  # else aborted: nothing to fetch
+                toks = req.all_token_ids
+                hashes = chain_hashes(toks[: last * bs], bs, req.cache_salt, req.block_hashes)
+                parent = hashes[first - 1] if first else bytes(16)
+                salt = salt_digest(req.cache_salt)
+                got = tiers.lookup(hashes[first:last], parent, toks[first * bs : last * bs], salt)
+                if got:
+                    tiers.load_into(self.kv_caches, ld.block_ids[: len(got)], got)
+                n = len(got) * bs
+        except Exception:
+            for m in tiers.metrics:  # type: ignore[union-attr]
+                m.add(errors=1)
+            n = 0
+        finally:
+            with self._load_lock:
+                self._loaded.append((ld, n))
+                self._in_flight -= 1
+                self._load_done.set()
+
+    def store(self, so: SchedulerOutput) -> None:
+        """Write-through: queue the blocks this step completed for the KV tiers (copied out now)."""
+        tiers = self.kv_tiers
+        if tiers is None or not so.kv_stores:
+            return
+        bs = self.block_size
+        try:
+            for st in so.kv_stores:
+                req, lo, hi = st.request, st.first_block, st.first_block + len(st.block_ids)
+                if req.status is not RequestStatus.RUNNING:
+                    continue  # aborted since the step was scheduled
+                toks = req.all_token_ids
+                hashes = chain_hashes(toks[: hi * bs], bs, req.cache_salt, req.block_hashes)
+                tiers.store(
+                    self.kv_caches,
+                    st.block_ids,
+                    hashes[lo:hi],
+                    [hashes[j - 1] if j else bytes(16) for j in range(lo, hi)],
+                    [toks[j * bs : (j + 1) * bs] for j in range(lo, hi)],
+                    salt_digest(req.cache_salt),
+                )
+        except Exception:  # never fail a step for a tier
+            for m in tiers.metrics:
+                m.add(errors=1)
+
+    # ----------------------------------------------------------------- forward
+    def prepare(self, so: SchedulerOutput) -> StepInputs:
+        """The sampling inputs and prompt-logprob positions of ``so`` (under the engine lock)."""
+        to_sample = so.samplers
+        params = [r.params for r in to_sample]
+        history = None
+        if any(p.has_penalties for p in params):
+            history = (
+                [r.output_token_ids for r in to_sample],
+                [r.prompt_token_ids for r in to_sample],
+                [r.stop_ids for r in to_sample],
+            )
+        spans: list[tuple[Request, int, int]] = []
+        idx: list[np.ndarray] = []
+        qsl = so.batch.query_start_loc
+        for i, r in enumerate(so.requests):
+            if r.prompt_logprobs is None:
+                continue
+            q = int(qsl[i + 1] - qsl[i])
+            first = r.num_computed_tokens - q  # position of the step's first token
+            done = len(r.prompt_logprobs) - 1  # positions whose next-token logprob is known
+            lo, hi = max(first, done), min(first + q, r.num_prompt_tokens - 1)
+            if hi > lo:
+                spans.append((r, lo, hi - lo))
+                idx.append(np.arange(int(qsl[i]) + lo - first, int(qsl[i]) + hi - first, dtype=np.int64))
+        return StepInputs(
+            so, params, [r.generator for r in to_sample], history, spans, np.concatenate(idx) if idx else None
+        )
+
+    def execute(self, si: StepInputs) -> StepResult:
+        """The forward, the sampling and the logprob rows of one step (off the engine lock)."""
+        so, params = si.so, si.params
+        rows = so.sample_rows
+        b = so.batch.num_seqs
+        vocab = self.model.vocab_size
+        if si.prompt_indices is None:
+            logits = self.model.forward(so.batch, self.kv_caches)
+        else:
+            last = so.batch.query_start_loc[1:].astype(np.int64) - 1
+            idx = np.concatenate([last, si.prompt_indices])
+            logits = self.model.forward(so.batch, self.kv_caches, logits_indices=idx)
+        want = b if si.prompt_indices is None else b + len(si.prompt_indices)
+        if not isinstance(logits, np.ndarray) or logits.shape != (want, vocab):
+            raise ValueError(
+                f"model.forward returned {getattr(logits, 'shape', type(logits))}, expected ({want}, {vocab})"
+            )
+        extra = logits[b:]
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits[rows]
+        if rows:
+            o, pr, st = si.history if si.history is not None else (None, None, None)
+            tokens = sample(logits, params, si.generators, output_token_ids=o, prompt_token_ids=pr, stop_ids=st)
+        else:
+            tokens = np.empty(0, np.int64)
+        sel = [j for j, p in enumerate(params) if p.logprobs is not None]
+        lp = None
+        if sel:  # top-k logprobs (raw distribution) of the sampled tokens, keyed by sample row
+            lp = dict(zip(sel, top_logprobs(logits[sel], tokens[sel], [params[j].logprobs for j in sel])))  # type: ignore[misc]
+        return StepResult(tokens, lp, self._prompt_rows(si.prompt_spans, extra))
+
+    @staticmethod
+    def _prompt_rows(
+        spans: list[tuple[Request, int, int]], logits: np.ndarray
+    ) -> list[tuple[Request, int, list[LogprobRow]]]:
+        if not spans:
+            return []
+        targets: list[int] = []
+        ks: list[int] = []
+        for r, lo, n in spans:
+            targets += r.prompt_token_ids[lo + 1 : lo + 1 + n]
+            ks += [r.params.prompt_logprobs] * n  # type: ignore[list-item]
+        rows = top_logprobs(logits, np.asarray(targets, np.int64), ks)
+        out, j = [], 0
+        for r, lo, n in spans:
+            out.append((r, lo, rows[j : j + n]))
+            j += n
+        return out
+
+    def shutdown(self) -> None:
+        """Let the loads in flight end (``finished_loads`` still hands them back), flush the tiers' writers."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+        if self.kv_tiers is not None:
+            self.kv_tiers.flush()
+
+
+def check_model(model: Any) -> int:
+    """``model`` implements ``Model``; returns its vocabulary size."""
+    if not isinstance(model, Model):
+        raise TypeError(f"model {type(model).__name__} does not implement the Model protocol")
+    vocab = getattr(model, "vocab_size", None)
+    if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)) or vocab < 1:
+        raise TypeError(f"model.vocab_size must be a positive int, got {vocab!r}")
+    return int(vocab)
+
+
+def _make_tiers(
+    model: Any,
+    kv_caches: list[tuple[np.ndarray, np.ndarray]],
+    block_size: int,
+    specs: Sequence[Any],
+    secret: Optional[Union[str, bytes]],
+    deadline: float,
+) -> KVTiers:
+    """Parse the tier specs (or take ``Tier`` objects) and fingerprint the model for them."""
+    if isinstance(specs, (str, bytes)):
+        raise TypeError("kv_tiers must be a list of tier specs, e.g. ['disk:/var/cache/pagedkv?size=8GiB']")
+    tiers = [s if isinstance(s, Tier) else parse_tier(s, secret=secret) for s in specs]
+    layout = BlockLayout(model.num_layers, model.num_kv_heads, block_size, model.head_dim, kv_caches[0][0].dtype)
+    return KVTiers(tiers, layout, model_fingerprint(model, layout), deadline=deadline)
