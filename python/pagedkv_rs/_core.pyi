@@ -18,6 +18,7 @@ __all__ = [
     "core_version",
     "dequantize_gguf",
     "fma_peak",
+    "gelu_tanh_and_mul",
     "gguf_strings",
     "get_isa",
     "get_num_threads",
@@ -216,6 +217,7 @@ def rms_norm(
     x: _F32, weight: _F32, eps: float, *, residual: Optional[_F32] = None, out: Optional[_F32] = None
 ) -> _F32: ...
 def silu_and_mul(gate_up: _F32, *, out: Optional[_F32] = None) -> _F32: ...
+def gelu_tanh_and_mul(gate_up: _F32, *, out: Optional[_F32] = None) -> _F32: ...
 
 # ---- the fused decoder stack (rust/model/) ----------------------------------------------------
 
@@ -236,6 +238,9 @@ class LlamaDecoder:
         sliding_window: Optional[int] = None,
         final_norm: Optional[_F32] = None,
         lm_head: Optional[QLinear] = None,
+        rope_tables: Optional[Sequence[tuple[_F32, _F32]]] = None,
+        activation: str = "silu",
+        attn_scale: Optional[float] = None,
     ) -> LlamaDecoder: ...
     @property
     def num_layers(self) -> int: ...
