@@ -1,21 +1,27 @@
-//! The Llama decoder stack over the paged KV cache, for one engine step of `T` tokens.
+//! The decoder stack over the paged KV cache, for one engine step of `T` tokens: one code path for
+//! every architecture (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), which differ only in the data
+//! each layer carries (optional parts in brackets).
 //!
 //! Per layer, for the step's tokens `x [T, H]` (the residual stream, updated in place):
 //!
 //! ```text
 //! h    = rms_norm(x, attn_norm)                  (fused with the previous layer's residual add)
-//! qkv  = h · Wqkvᵀ (+ bqkv)                      [T, (Hq + 2 Hkv) D]
-//! q, k = rope(q), rope(k)                        cos/sin rows at each token's position
-//! write_kv(k, v) at slot_mapping; o = paged_attention(q)           [T, Hq, D]
-//! h    = rms_norm(o · Woᵀ, ffn_norm, residual = x)                 (x += attention output)
-//! delta = silu(h · Wgateᵀ) * (h · Wupᵀ) · Wdownᵀ                    (added to x by the next norm)
+//! qkv  = h · Wqkvᵀ (+ bqkv)                      [T, (Hq + 2 Hkv) D]; Hq D need not equal H
+//! q, k = [rms_norm per head (q_norm, k_norm)]    Qwen3, Gemma 3
+//! q, k = rope(q), rope(k)                        the layer's table's cos/sin rows at each position
+//! write_kv(k, v) at slot_mapping; o = paged_attention(q, scale, the layer's window)   [T, Hq, D]
+//! o    = o · Woᵀ  [then rms_norm(o, post_attn_norm)]                                  Gemma 3
+//! h    = rms_norm(o, ffn_norm, residual = x)                       (x += attention output)
+//! delta = act(h · Wgateᵀ) * (h · Wupᵀ) · Wdownᵀ  [then rms_norm(delta, post_ffn_norm)]
+//!                                                (act: SiLU or GELU-tanh; added by the next norm)
 //! ```
 //!
 //! Geometry comes from the weights: `H` = the QKV input width, `D` = 2 × the RoPE table width, `F`
 //! = half of `w_gate_up`'s rows; only `Hq` and `Hkv` are given (the fused QKV rows cannot tell
-//! them apart). RoPE tables are the caller's (so any scaling lives in them); `RopeMode::Half`
-//! rotates `(x[i], x[i + D/2])`, `Adjacent` rotates `(x[2i], x[2i + 1])`. Each product is the
-//! multiply then the subtraction/addition in f32 (no fused multiply-add), as numpy computes it.
+//! them apart). RoPE tables are the caller's (so any scaling and each layer's base live in them);
+//! `RopeMode::Half` rotates `(x[i], x[i + D/2])`, `Adjacent` rotates `(x[2i], x[2i + 1])`. Each
+//! product is the multiply then the subtraction/addition in f32 (no fused multiply-add), as numpy
+//! computes it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,6 +30,7 @@ use super::team::{with_team, Team};
 use crate::attention::{self, Batch, CacheShape, Kv, KvMut, Params};
 use crate::error::{Error, Result};
 use crate::linear::{self, Product, QWeight};
+use crate::ops::Activation;
 use crate::{ops, runtime};
 
 /// Steps of at most this many tokens run their products on the step team (`team.rs`); larger
@@ -69,14 +76,29 @@ pub struct Layer {
     pub w_gate_up: Arc<QWeight>,
     /// `[H, F]`.
     pub w_down: Arc<QWeight>,
+    /// `[D]`: RMSNorm of each query / key head before RoPE (Qwen3, Gemma 3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    /// `[H]`: RMSNorm of the attention / FFN output before its residual add (Gemma 3).
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub post_ffn_norm: Option<Vec<f32>>,
+    /// Index of this layer's RoPE table (Gemma 3's local and global layers have their own bases).
+    pub rope_table: usize,
+    /// Attend only the last `w` positions, the query's own included (local layers).
+    pub sliding_window: Option<usize>,
+}
+
+/// One RoPE table pair, `[max_pos, D/2]` each, flat.
+pub struct RopeTable {
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
 }
 
 /// The decoder stack: layers, RoPE tables and the numbers they need.
 pub struct Decoder {
     layers: Vec<Layer>,
-    /// `[max_pos, D/2]` each.
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+    /// `[max_pos, D/2]` each, all of one shape; `Layer::rope_table` indexes them.
+    ropes: Vec<RopeTable>,
     rope: RopeMode,
     num_heads: usize,
     num_kv_heads: usize,
@@ -84,7 +106,9 @@ pub struct Decoder {
     hidden: usize,
     ffn: usize,
     eps: f32,
-    sliding_window: Option<usize>,
+    act: Activation,
+    /// Attention logits scale (`None`: `1/sqrt(D)`).
+    attn_scale: Option<f64>,
     head: Option<Head>,
 }
 
@@ -110,30 +134,46 @@ pub struct StepBatch<'a> {
 }
 
 impl Decoder {
-    /// Check every layer's shapes against the first layer and the RoPE tables `cos`, `sin`
-    /// (`[max_pos, D/2]` flat, `half` = D/2).
+    /// Check every layer's shapes against the first layer and the RoPE tables (each `cos`, `sin`
+    /// `[max_pos, D/2]` flat, `half` = D/2, all of one shape).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         layers: Vec<Layer>,
-        cos: Vec<f32>,
-        sin: Vec<f32>,
+        ropes: Vec<RopeTable>,
         half: usize,
         rope: RopeMode,
         num_heads: usize,
         num_kv_heads: usize,
         eps: f32,
-        sliding_window: Option<usize>,
+        act: Activation,
+        attn_scale: Option<f64>,
     ) -> Result<Self> {
         let bad = |m: String| Err(Error::Invalid(m));
         let Some(first) = layers.first() else {
             return bad("a decoder needs at least one layer".into());
         };
-        if half == 0 || cos.len() != sin.len() || cos.is_empty() || !cos.len().is_multiple_of(half) {
-            return bad(format!(
-                "cos and sin must be [max_len, head_dim/2] of one shape, got {} and {} values for width {half}",
-                cos.len(),
-                sin.len()
-            ));
+        let Some(r0) = ropes.first() else {
+            return bad("a decoder needs at least one RoPE table".into());
+        };
+        for (i, r) in ropes.iter().enumerate() {
+            if half == 0
+                || r.cos.len() != r.sin.len()
+                || r.cos.is_empty()
+                || !r.cos.len().is_multiple_of(half)
+                || r.cos.len() != r0.cos.len()
+            {
+                return bad(format!(
+                    "RoPE table {i}: cos and sin must be [max_len, head_dim/2] of one shape (table 0's), got {} and \
+                     {} values for width {half}",
+                    r.cos.len(),
+                    r.sin.len()
+                ));
+            }
+        }
+        if let Some(s) = attn_scale {
+            if !(s.is_finite() && s > 0.0) {
+                return bad(format!("attn_scale must be finite and > 0, got {s}"));
+            }
         }
         if num_heads == 0 || num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
             return bad(format!(
@@ -142,9 +182,6 @@ impl Decoder {
         }
         if !(eps >= 0.0 && eps.is_finite()) {
             return bad(format!("rms_eps must be finite and >= 0, got {eps}"));
-        }
-        if sliding_window == Some(0) {
-            return bad("sliding_window must be >= 1".into());
         }
         let (d, h) = (2 * half, first.wqkv.k());
         let (nq, nkv) = (num_heads * d, num_kv_heads * d);
@@ -178,11 +215,33 @@ impl Decoder {
             if ffn == 0 {
                 return bad(format!("layer {i}: w_gate_up needs an even, positive number of rows"));
             }
+            let optional = [
+                ("q_norm", &l.q_norm, d),
+                ("k_norm", &l.k_norm, d),
+                ("post_attn_norm", &l.post_attn_norm, h),
+                ("post_ffn_norm", &l.post_ffn_norm, h),
+            ];
+            for (name, v, want) in optional {
+                if let Some(v) = v {
+                    if v.len() != want {
+                        return bad(format!("layer {i}: {name} has {} values, expected {want}", v.len()));
+                    }
+                }
+            }
+            if l.rope_table >= ropes.len() {
+                return bad(format!(
+                    "layer {i}: rope_table {} is not one of the {} tables",
+                    l.rope_table,
+                    ropes.len()
+                ));
+            }
+            if l.sliding_window == Some(0) {
+                return bad(format!("layer {i}: sliding_window must be >= 1"));
+            }
         }
         Ok(Decoder {
             layers,
-            cos,
-            sin,
+            ropes,
             rope,
             num_heads,
             num_kv_heads,
@@ -190,7 +249,8 @@ impl Decoder {
             hidden: h,
             ffn,
             eps,
-            sliding_window,
+            act,
+            attn_scale,
             head: None,
         })
     }
@@ -235,7 +295,7 @@ impl Decoder {
     }
     /// Rows of the RoPE tables: positions must be below it.
     pub fn max_positions(&self) -> usize {
-        self.cos.len() / (self.head_dim / 2)
+        self.ropes[0].cos.len() / (self.head_dim / 2)
     }
 
     /// Run every layer over the step: `x [T, H]` is the embedded tokens on entry and the residual
@@ -404,16 +464,40 @@ impl Decoder {
         let t = b.positions.len();
         let (h, d, f) = (self.hidden, self.head_dim, self.ffn);
         let (nq, nkv) = (self.num_heads * d, self.num_kv_heads * d);
-        let params = Params::new(d, None, self.sliding_window.map(|w| w as i64), None)?;
         let mut hn = vec![0f32; t * h];
         let mut qkv = vec![0f32; t * (nq + 2 * nkv)];
         let (mut k, mut v) = (vec![0f32; t * nkv], vec![0f32; t * nkv]);
+        // Per-head normed queries / keys (Qwen3, Gemma 3), before RoPE.
+        let qk_norm = self.layers.iter().any(|l| l.q_norm.is_some() || l.k_norm.is_some());
+        let (mut qs, mut qn) = if qk_norm {
+            (vec![0f32; t * nq], vec![0f32; t * nq])
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let (mut ks, mut kn) = if qk_norm {
+            (vec![0f32; t * nkv], vec![0f32; t * nkv])
+        } else {
+            (Vec::new(), Vec::new())
+        };
         let mut attn = vec![0f32; t * nq];
         let mut o = vec![0f32; t * h];
+        let mut o2 = vec![
+            0f32;
+            if self
+                .layers
+                .iter()
+                .any(|l| l.post_attn_norm.is_some() || l.post_ffn_norm.is_some())
+            {
+                t * h
+            } else {
+                0
+            }
+        ];
         let mut gu = vec![0f32; t * 2 * f];
         let mut act = vec![0f32; t * f];
         let mut delta = vec![0f32; t * h];
         for (i, (layer, (kc, vc))) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
+            let params = Params::new(d, self.attn_scale, layer.sliding_window.map(|w| w as i64), None)?;
             if i == 0 {
                 ops::rms_norm(x, h, &layer.attn_norm, self.eps, None, &mut hn)?;
             } else {
@@ -427,21 +511,52 @@ impl Decoder {
                     }
                 }
             }
-            for (r, row) in qkv.chunks_exact(nq + 2 * nkv).enumerate() {
+            // The rows RoPE reads: straight from qkv, or the per-head normed copies.
+            let (q_src, q_w, k_src, k_w): (&[f32], usize, &[f32], usize) = match (&layer.q_norm, &layer.k_norm) {
+                (None, None) => (&qkv, nq + 2 * nkv, &qkv[nq..], nq + 2 * nkv),
+                (qw, kw) => {
+                    for (r, row) in qkv.chunks_exact(nq + 2 * nkv).enumerate() {
+                        qs[r * nq..][..nq].copy_from_slice(&row[..nq]);
+                        ks[r * nkv..][..nkv].copy_from_slice(&row[nq..nq + nkv]);
+                    }
+                    match qw {
+                        Some(w) => ops::rms_norm(&qs, d, w, self.eps, None, &mut qn)?,
+                        None => qn.copy_from_slice(&qs),
+                    }
+                    match kw {
+                        Some(w) => ops::rms_norm(&ks, d, w, self.eps, None, &mut kn)?,
+                        None => kn.copy_from_slice(&ks),
+                    }
+                    (&qn, nq, &kn, nkv)
+                }
+            };
+            let table = &self.ropes[layer.rope_table];
+            for r in 0..t {
                 let p = b.positions[r] as usize;
-                let (c, s) = (&self.cos[p * d / 2..][..d / 2], &self.sin[p * d / 2..][..d / 2]);
-                rope_heads(&row[..nq], &mut q[r * nq..][..nq], d, c, s, self.rope);
-                rope_heads(&row[nq..nq + nkv], &mut k[r * nkv..][..nkv], d, c, s, self.rope);
-                v[r * nkv..][..nkv].copy_from_slice(&row[nq + nkv..]);
+                let (c, s) = (&table.cos[p * d / 2..][..d / 2], &table.sin[p * d / 2..][..d / 2]);
+                rope_heads(&q_src[r * q_w..][..nq], &mut q[r * nq..][..nq], d, c, s, self.rope);
+                rope_heads(&k_src[r * k_w..][..nkv], &mut k[r * nkv..][..nkv], d, c, s, self.rope);
+                v[r * nkv..][..nkv].copy_from_slice(&qkv[r * (nq + 2 * nkv) + nq + nkv..][..nkv]);
             }
             attention::write_kv(reborrow(kc), reborrow(vc), shape, &k, &v, b.slot_mapping)?;
             let batch = self.attention_batch(&q, b);
             attention::paged_attention(view(kc), view(vc), shape, batch, params, &mut attn)?;
             mm.linear(&attn, t, &layer.wo, &mut o)?;
-            ops::rms_norm(&o, h, &layer.ffn_norm, self.eps, Some(x), &mut hn)?;
+            let o_in = match &layer.post_attn_norm {
+                Some(w) => {
+                    ops::rms_norm(&o, h, w, self.eps, None, &mut o2)?;
+                    &o2
+                }
+                None => &o,
+            };
+            ops::rms_norm(o_in, h, &layer.ffn_norm, self.eps, Some(x), &mut hn)?;
             mm.linear(&hn, t, &layer.w_gate_up, &mut gu)?;
-            ops::silu_and_mul(&gu, f, &mut act)?;
+            ops::act_and_mul(&gu, f, self.act, &mut act)?;
             mm.linear(&act, t, &layer.w_down, &mut delta)?;
+            if let Some(w) = &layer.post_ffn_norm {
+                ops::rms_norm(&delta, h, w, self.eps, None, &mut o2)?;
+                delta.copy_from_slice(&o2);
+            }
         }
         for (a, &c) in x.iter_mut().zip(&delta) {
             *a += c;

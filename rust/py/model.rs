@@ -1,5 +1,5 @@
-//! The fused decoder (`LlamaDecoder`): a Llama-architecture layer stack run in one GIL-free call
-//! per engine step (see `rust/model/llama.rs`).
+//! The fused decoder (`LlamaDecoder`): the decoder stack of every supported architecture, run in
+//! one GIL-free call per engine step (see `rust/model/llama.rs`).
 
 use std::sync::Arc;
 
@@ -13,13 +13,18 @@ use super::linear::QLinear;
 use super::type_name;
 use crate::attention::KvMut;
 use crate::attention::{CacheShape, DType};
-use crate::model::{Decoder, Head, Layer, RopeMode, StepBatch};
+use crate::model::{Decoder, Head, Layer, RopeMode, RopeTable, StepBatch};
+use crate::ops::Activation;
 
-/// A Llama-architecture decoder stack over `QLinear` weights (shared, not copied).
+/// A decoder stack over `QLinear` weights (shared, not copied), described by data.
 ///
 /// `layers`: one dict per layer with `attn_norm`, `ffn_norm` (float32 `[H]`), `wqkv`, `wo`,
-/// `wgu`, `wdown` (`QLinear`), and optionally `bqkv` (float32 `[(Hq + 2 Hkv) D]` or None).
+/// `wgu`, `wdown` (`QLinear`), and optionally (None or absent: not there) `bqkv` (float32
+/// `[(Hq + 2 Hkv) D]`), `q_norm`, `k_norm` (float32 `[D]`, per head before RoPE),
+/// `post_attn_norm`, `post_ffn_norm` (float32 `[H]`), `rope_table` (int: 0 is `cos`/`sin`, i the
+/// i-th pair of `rope_tables`) and `sliding_window` (int; absent: the decoder's `sliding_window`).
 /// `cos`, `sin`: float32 `[max_len, D/2]` RoPE tables. `rope_mode`: "half" or "adjacent".
+/// `activation`: "silu" or "gelu_tanh"; `attn_scale`: the attention logits' scale (None: 1/sqrt(D)).
 #[pyclass(frozen, module = "pagedkv_rs._core")]
 pub struct LlamaDecoder {
     inner: Arc<Decoder>,
@@ -51,7 +56,7 @@ fn table(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(Vec<f32>, Vec<usize>)>
 #[pymethods]
 impl LlamaDecoder {
     #[new]
-    #[pyo3(signature = (layers, cos, sin, *, num_heads, num_kv_heads, rms_eps, rope_mode = "half", sliding_window = None, final_norm = None, lm_head = None))]
+    #[pyo3(signature = (layers, cos, sin, *, num_heads, num_kv_heads, rms_eps, rope_mode = "half", sliding_window = None, final_norm = None, lm_head = None, rope_tables = None, activation = "silu", attn_scale = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -65,7 +70,19 @@ impl LlamaDecoder {
         sliding_window: Option<i64>,
         final_norm: Option<&Bound<'_, PyAny>>,
         lm_head: Option<&Bound<'_, PyAny>>,
+        rope_tables: Option<&Bound<'_, PyAny>>,
+        activation: &str,
+        attn_scale: Option<f64>,
     ) -> PyResult<Self> {
+        let pos_int = |name: &str, v: i64| -> PyResult<usize> {
+            if !(1..=1 << 20).contains(&v) {
+                return Err(PyValueError::new_err(format!("{name} must be in [1, 2**20], got {v}")));
+            }
+            Ok(v as usize)
+        };
+        let window = sliding_window
+            .map(|w| pos_int("sliding_window", w.min(1 << 20)))
+            .transpose()?;
         let seq: Vec<Bound<'_, PyAny>> = layers
             .try_iter()
             .map_err(|_| {
@@ -81,6 +98,30 @@ impl LlamaDecoder {
                 item(d, k)?.ok_or_else(|| PyValueError::new_err(format!("layers[{i}] has no '{k}'")))
             };
             let name = |k: &str| format!("layers[{i}]['{k}']");
+            let opt = |k: &str| item(d, k)?.map(|b| vector(&b, &name(k))).transpose();
+            let int = |k: &str| -> PyResult<Option<i64>> {
+                item(d, k)?
+                    .map(|o| {
+                        o.extract::<i64>().map_err(|_| {
+                            PyTypeError::new_err(format!("{} must be an int, got {}", name(k), type_name(&o)))
+                        })
+                    })
+                    .transpose()
+            };
+            let rope_table = match int("rope_table")? {
+                None => 0,
+                Some(r) if r >= 0 => r as usize,
+                Some(r) => {
+                    return Err(PyValueError::new_err(format!(
+                        "{} must be >= 0, got {r}",
+                        name("rope_table")
+                    )))
+                }
+            };
+            let layer_window = match int("sliding_window")? {
+                None => window,
+                Some(w) => Some(pos_int(&name("sliding_window"), w.min(1 << 20))?),
+            };
             out.push(Layer {
                 attn_norm: vector(&get("attn_norm")?, &name("attn_norm"))?,
                 wqkv: qweight(&get("wqkv")?, &name("wqkv"))?,
@@ -89,6 +130,12 @@ impl LlamaDecoder {
                 ffn_norm: vector(&get("ffn_norm")?, &name("ffn_norm"))?,
                 w_gate_up: qweight(&get("wgu")?, &name("wgu"))?,
                 w_down: qweight(&get("wdown")?, &name("wdown"))?,
+                q_norm: opt("q_norm")?,
+                k_norm: opt("k_norm")?,
+                post_attn_norm: opt("post_attn_norm")?,
+                post_ffn_norm: opt("post_ffn_norm")?,
+                rope_table,
+                sliding_window: layer_window,
             });
         }
         let (c, cs) = table(cos, "cos")?;
@@ -98,16 +145,34 @@ impl LlamaDecoder {
                 "cos and sin must have one shape, got {cs:?} and {ss:?}"
             )));
         }
-        let pos_int = |name: &str, v: i64| -> PyResult<usize> {
-            if !(1..=1 << 20).contains(&v) {
-                return Err(PyValueError::new_err(format!("{name} must be in [1, 2**20], got {v}")));
+        let mut ropes = vec![RopeTable { cos: c, sin: s }];
+        if let Some(extra) = rope_tables.filter(|v| !v.is_none()) {
+            let pairs = extra.try_iter().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "rope_tables must be a sequence of (cos, sin) pairs, got {}",
+                    type_name(extra)
+                ))
+            })?;
+            for (i, p) in pairs.enumerate() {
+                let p = p?;
+                let (co, so): (Bound<'_, PyAny>, Bound<'_, PyAny>) = p.extract().map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "rope_tables[{i}] must be a (cos, sin) pair, got {}",
+                        type_name(&p)
+                    ))
+                })?;
+                let (c2, c2s) = table(&co, &format!("rope_tables[{i}] cos"))?;
+                let (s2, s2s) = table(&so, &format!("rope_tables[{i}] sin"))?;
+                if c2s != cs || s2s != cs {
+                    return Err(PyValueError::new_err(format!(
+                        "rope_tables[{i}] must be two {cs:?} arrays (cos's shape), got {c2s:?} and {s2s:?}"
+                    )));
+                }
+                ropes.push(RopeTable { cos: c2, sin: s2 });
             }
-            Ok(v as usize)
-        };
+        }
+        let act = Activation::parse(activation).map_err(PyErr::from)?;
         let (hq, hkv) = (pos_int("num_heads", num_heads)?, pos_int("num_kv_heads", num_kv_heads)?);
-        let window = sliding_window
-            .map(|w| pos_int("sliding_window", w.min(1 << 20)))
-            .transpose()?;
         let rope = RopeMode::parse(rope_mode).map_err(PyErr::from)?;
         let head = match (final_norm.filter(|v| !v.is_none()), lm_head.filter(|v| !v.is_none())) {
             (None, None) => None,
@@ -123,7 +188,7 @@ impl LlamaDecoder {
         };
         let dec = py
             .detach(|| {
-                let d = Decoder::new(out, c, s, cs[1], rope, hq, hkv, rms_eps as f32, window)?;
+                let d = Decoder::new(out, ropes, cs[1], rope, hq, hkv, rms_eps as f32, act, attn_scale)?;
                 match head {
                     Some(h) => d.with_head(h),
                     None => Ok(d),
