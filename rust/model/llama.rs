@@ -16,10 +16,10 @@
 //!                                                (act: SiLU or GELU-tanh; added by the next norm)
 //! ```
 //!
-//! Geometry comes from the weights: `H` = the QKV input width, `D` = 2 × the RoPE table width, `F`
-//! = half of `w_gate_up`'s rows; only `Hq` and `Hkv` are given (the fused QKV rows cannot tell
-//! them apart). RoPE tables are the caller's (so any scaling and each layer's base live in them);
-//! `RopeMode::Half` rotates `(x[i], x[i + D/2])`, `Adjacent` rotates `(x[2i], x[2i + 1])`. Each
+//! Geometry comes from the weights: `H` = the QKV input width, `F` = half of `w_gate_up`'s rows;
+//! `Hq`, `Hkv` and `D` are given (the fused QKV rows cannot tell them apart). RoPE's cos/sin rows
+//! come with each step (`StepBatch::rope`, one `[T, D/2]` pair per base: any scaling and each
+//! layer's base live in them, and no `[max_len, D/2]` table is held here); `RopeMode::Half` rotates `(x[i], x[i + D/2])`, `Adjacent` rotates `(x[2i], x[2i + 1])`. Each
 //! product is the multiply then the subtraction/addition in f32 (no fused multiply-add), as numpy
 //! computes it.
 
@@ -82,23 +82,25 @@ pub struct Layer {
     /// `[H]`: RMSNorm of the attention / FFN output before its residual add (Gemma 3).
     pub post_attn_norm: Option<Vec<f32>>,
     pub post_ffn_norm: Option<Vec<f32>>,
-    /// Index of this layer's RoPE table (Gemma 3's local and global layers have their own bases).
+    /// Index of this layer's RoPE rows in `StepBatch::rope` (Gemma 3's local and global layers have
+    /// their own bases).
     pub rope_table: usize,
     /// Attend only the last `w` positions, the query's own included (local layers).
     pub sliding_window: Option<usize>,
 }
 
-/// One RoPE table pair, `[max_pos, D/2]` each, flat.
-pub struct RopeTable {
-    pub cos: Vec<f32>,
-    pub sin: Vec<f32>,
+/// The step's RoPE rows for one base: `cos`, `sin` `[T, D/2]` each, row `r` at token `r`'s position.
+#[derive(Clone, Copy)]
+pub struct RopeRows<'a> {
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
 }
 
 /// The decoder stack: layers, RoPE tables and the numbers they need.
 pub struct Decoder {
     layers: Vec<Layer>,
-    /// `[max_pos, D/2]` each, all of one shape; `Layer::rope_table` indexes them.
-    ropes: Vec<RopeTable>,
+    /// How many RoPE row pairs a step brings (`Layer::rope_table` indexes them).
+    num_ropes: usize,
     rope: RopeMode,
     num_heads: usize,
     num_kv_heads: usize,
@@ -115,7 +117,15 @@ pub struct Decoder {
 /// The output head: the final RMSNorm and the vocabulary projection `[V, H]`.
 pub struct Head {
     pub norm: Vec<f32>,
-    pub lm_head: Arc<QWeight>,
+    /// `[V, H]` as consecutive row chunks (vocabulary slices): a large head is built chunk by chunk
+    /// so its file pages can be dropped as it goes; each chunk's logits are the same bits as one matrix's.
+    pub lm_head: Vec<Arc<QWeight>>,
+}
+
+impl Head {
+    fn vocab(&self) -> usize {
+        self.lm_head.iter().map(|w| w.n()).sum()
+    }
 }
 
 /// The step's batch: what `prepare_batch` returns, as the kernels take it.
@@ -131,16 +141,18 @@ pub struct StepBatch<'a> {
     pub indptr: Option<&'a [i32]>,
     pub seq_lens: &'a [i32],
     pub query_start_loc: &'a [i32],
+    /// RoPE rows of the step's tokens, one pair per base.
+    pub rope: &'a [RopeRows<'a>],
 }
 
 impl Decoder {
-    /// Check every layer's shapes against the first layer and the RoPE tables (each `cos`, `sin`
-    /// `[max_pos, D/2]` flat, `half` = D/2, all of one shape).
+    /// Check every layer's shapes against the first layer, `head_dim` and the `num_ropes` RoPE row
+    /// pairs each step brings.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         layers: Vec<Layer>,
-        ropes: Vec<RopeTable>,
-        half: usize,
+        num_ropes: usize,
+        head_dim: usize,
         rope: RopeMode,
         num_heads: usize,
         num_kv_heads: usize,
@@ -152,23 +164,11 @@ impl Decoder {
         let Some(first) = layers.first() else {
             return bad("a decoder needs at least one layer".into());
         };
-        let Some(r0) = ropes.first() else {
+        if num_ropes == 0 {
             return bad("a decoder needs at least one RoPE table".into());
-        };
-        for (i, r) in ropes.iter().enumerate() {
-            if half == 0
-                || r.cos.len() != r.sin.len()
-                || r.cos.is_empty()
-                || !r.cos.len().is_multiple_of(half)
-                || r.cos.len() != r0.cos.len()
-            {
-                return bad(format!(
-                    "RoPE table {i}: cos and sin must be [max_len, head_dim/2] of one shape (table 0's), got {} and \
-                     {} values for width {half}",
-                    r.cos.len(),
-                    r.sin.len()
-                ));
-            }
+        }
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return bad(format!("head_dim must be even and positive, got {head_dim}"));
         }
         if let Some(s) = attn_scale {
             if !(s.is_finite() && s > 0.0) {
@@ -183,7 +183,7 @@ impl Decoder {
         if !(eps >= 0.0 && eps.is_finite()) {
             return bad(format!("rms_eps must be finite and >= 0, got {eps}"));
         }
-        let (d, h) = (2 * half, first.wqkv.k());
+        let (d, h) = (head_dim, first.wqkv.k());
         let (nq, nkv) = (num_heads * d, num_kv_heads * d);
         let ffn = first.w_gate_up.n() / 2;
         for (i, l) in layers.iter().enumerate() {
@@ -228,11 +228,10 @@ impl Decoder {
                     }
                 }
             }
-            if l.rope_table >= ropes.len() {
+            if l.rope_table >= num_ropes {
                 return bad(format!(
-                    "layer {i}: rope_table {} is not one of the {} tables",
-                    l.rope_table,
-                    ropes.len()
+                    "layer {i}: rope_table {} is not one of the {num_ropes} tables",
+                    l.rope_table
                 ));
             }
             if l.sliding_window == Some(0) {
@@ -241,7 +240,7 @@ impl Decoder {
         }
         Ok(Decoder {
             layers,
-            ropes,
+            num_ropes,
             rope,
             num_heads,
             num_kv_heads,
@@ -258,12 +257,12 @@ impl Decoder {
     /// Attach the output head (`forward_logits` needs it): `norm [H]`, `lm_head [V, H]`.
     pub fn with_head(mut self, head: Head) -> Result<Self> {
         let h = self.hidden;
-        if head.norm.len() != h || head.lm_head.k() != h {
+        let k = head.lm_head.iter().map(|w| w.k()).find(|&k| k != h).unwrap_or(h);
+        if head.norm.len() != h || k != h || head.lm_head.is_empty() {
             return Err(Error::Invalid(format!(
-                "the head needs final_norm [{h}] and lm_head [V, {h}], got final_norm [{}] and lm_head [{}, {}]",
+                "the head needs final_norm [{h}] and lm_head [V, {h}], got final_norm [{}] and lm_head [{}, {k}]",
                 head.norm.len(),
-                head.lm_head.n(),
-                head.lm_head.k()
+                head.vocab(),
             )));
         }
         self.head = Some(head);
@@ -272,7 +271,7 @@ impl Decoder {
 
     /// Rows of the output head (the vocabulary), `None` without a head.
     pub fn vocab_size(&self) -> Option<usize> {
-        self.head.as_ref().map(|h| h.lm_head.n())
+        self.head.as_ref().map(Head::vocab)
     }
 
     pub fn num_layers(&self) -> usize {
@@ -293,9 +292,9 @@ impl Decoder {
     pub fn intermediate_size(&self) -> usize {
         self.ffn
     }
-    /// Rows of the RoPE tables: positions must be below it.
-    pub fn max_positions(&self) -> usize {
-        self.ropes[0].cos.len() / (self.head_dim / 2)
+    /// How many RoPE row pairs each step brings.
+    pub fn num_rope_tables(&self) -> usize {
+        self.num_ropes
     }
 
     /// Run every layer over the step: `x [T, H]` is the embedded tokens on entry and the residual
@@ -332,7 +331,7 @@ impl Decoder {
         let Some(head) = &self.head else {
             return bad("this decoder has no head (build it with final_norm and lm_head)".into());
         };
-        let (t, h, v) = (batch.positions.len(), self.hidden, head.lm_head.n());
+        let (t, h, v) = (batch.positions.len(), self.hidden, head.vocab());
         if let Some((i, &r)) = rows.iter().enumerate().find(|(_, &r)| r >= t) {
             return bad(format!(
                 "logits row {i} is token {r}, not in [0, {t}) (the step's tokens)"
@@ -352,7 +351,21 @@ impl Decoder {
             }
             let mut hn = vec![0f32; last.len()];
             ops::rms_norm(&last, h, &head.norm, self.eps, None, &mut hn)?;
-            mm.linear(&hn, rows.len(), &head.lm_head, logits)
+            if let [w] = head.lm_head.as_slice() {
+                return mm.linear(&hn, rows.len(), w, logits);
+            }
+            // Chunk by chunk into a scratch [N, Vc], then into its columns of the logits.
+            let mut at = 0;
+            for w in &head.lm_head {
+                let vc = w.n();
+                let mut part = vec![0f32; rows.len() * vc];
+                mm.linear(&hn, rows.len(), w, &mut part)?;
+                for (dst, src) in logits.chunks_exact_mut(v).zip(part.chunks_exact(vc)) {
+                    dst[at..at + vc].copy_from_slice(src);
+                }
+                at += vc;
+            }
+            Ok(())
         })
     }
 
@@ -409,16 +422,25 @@ impl Decoder {
                 b.slot_mapping.len()
             ));
         }
-        let max = self.max_positions();
-        if let Some((i, &p)) = b
-            .positions
-            .iter()
-            .enumerate()
-            .find(|(_, &p)| p < 0 || p as u64 >= max as u64)
-        {
+        if let Some((i, &p)) = b.positions.iter().enumerate().find(|(_, &p)| p < 0) {
+            return bad(format!("positions[{i}] = {p} is negative"));
+        }
+        let half = self.head_dim / 2;
+        if b.rope.len() != self.num_ropes {
             return bad(format!(
-                "positions[{i}] = {p} is not in [0, {max}) (the RoPE tables' rows)"
+                "the step needs {} RoPE (cos, sin) row pairs, got {}",
+                self.num_ropes,
+                b.rope.len()
             ));
+        }
+        for (i, r) in b.rope.iter().enumerate() {
+            if r.cos.len() != t * half || r.sin.len() != t * half {
+                return bad(format!(
+                    "rope[{i}]: cos and sin must be [{t}, {half}] (tokens, head_dim/2), got {} and {} values",
+                    r.cos.len(),
+                    r.sin.len()
+                ));
+            }
         }
         if num_caches != self.layers.len() {
             return bad(format!(
@@ -530,10 +552,9 @@ impl Decoder {
                     (&qn, nq, &kn, nkv)
                 }
             };
-            let table = &self.ropes[layer.rope_table];
+            let table = &b.rope[layer.rope_table];
             for r in 0..t {
-                let p = b.positions[r] as usize;
-                let (c, s) = (&table.cos[p * d / 2..][..d / 2], &table.sin[p * d / 2..][..d / 2]);
+                let (c, s) = (&table.cos[r * d / 2..][..d / 2], &table.sin[r * d / 2..][..d / 2]);
                 rope_heads(&q_src[r * q_w..][..nq], &mut q[r * nq..][..nq], d, c, s, self.rope);
                 rope_heads(&k_src[r * k_w..][..nkv], &mut k[r * nkv..][..nkv], d, c, s, self.rope);
                 v[r * nkv..][..nkv].copy_from_slice(&qkv[r * (nq + 2 * nkv) + nq + nkv..][..nkv]);

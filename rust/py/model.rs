@@ -13,7 +13,7 @@ use super::linear::QLinear;
 use super::type_name;
 use crate::attention::KvMut;
 use crate::attention::{CacheShape, DType};
-use crate::model::{Decoder, Head, Layer, RopeMode, RopeTable, StepBatch};
+use crate::model::{Decoder, Head, Layer, RopeMode, RopeRows, StepBatch};
 use crate::ops::Activation;
 
 /// A decoder stack over `QLinear` weights (shared, not copied), described by data.
@@ -21,10 +21,12 @@ use crate::ops::Activation;
 /// `layers`: one dict per layer with `attn_norm`, `ffn_norm` (float32 `[H]`), `wqkv`, `wo`,
 /// `wgu`, `wdown` (`QLinear`), and optionally (None or absent: not there) `bqkv` (float32
 /// `[(Hq + 2 Hkv) D]`), `q_norm`, `k_norm` (float32 `[D]`, per head before RoPE),
-/// `post_attn_norm`, `post_ffn_norm` (float32 `[H]`), `rope_table` (int: 0 is `cos`/`sin`, i the
-/// i-th pair of `rope_tables`) and `sliding_window` (int; absent: the decoder's `sliding_window`).
-/// `cos`, `sin`: float32 `[max_len, D/2]` RoPE tables. `rope_mode`: "half" or "adjacent".
+/// `post_attn_norm`, `post_ffn_norm` (float32 `[H]`), `rope_table` (int, default 0: which of the
+/// step's `rope_tables` RoPE row pairs the layer rotates with) and `sliding_window` (int; absent:
+/// the decoder's `sliding_window`). Each step's batch brings `rope`: `rope_tables` pairs of float32
+/// `[T, D/2]` cos and sin rows at its tokens' positions. `rope_mode`: "half" or "adjacent".
 /// `activation`: "silu" or "gelu_tanh"; `attn_scale`: the attention logits' scale (None: 1/sqrt(D)).
+/// `lm_head`: a `QLinear` `[V, H]`, or a sequence of them holding consecutive vocabulary rows.
 #[pyclass(frozen, module = "pagedkv_rs._core")]
 pub struct LlamaDecoder {
     inner: Arc<Decoder>,
@@ -47,30 +49,23 @@ fn qweight(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Arc<crate::linear::QW
     Ok(q.get().weight())
 }
 
-fn table(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(Vec<f32>, Vec<usize>)> {
-    let r = typed::<f32>(obj, name, 2, "float32")?;
-    let v = slice_of(&readonly::<f32>(&r, name)?, name)?.to_vec();
-    Ok((v, r.shape))
-}
-
 #[pymethods]
 impl LlamaDecoder {
     #[new]
-    #[pyo3(signature = (layers, cos, sin, *, num_heads, num_kv_heads, rms_eps, rope_mode = "half", sliding_window = None, final_norm = None, lm_head = None, rope_tables = None, activation = "silu", attn_scale = None))]
+    #[pyo3(signature = (layers, *, head_dim, num_heads, num_kv_heads, rms_eps, rope_mode = "half", rope_tables = 1, sliding_window = None, final_norm = None, lm_head = None, activation = "silu", attn_scale = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         layers: &Bound<'_, PyAny>,
-        cos: &Bound<'_, PyAny>,
-        sin: &Bound<'_, PyAny>,
+        head_dim: i64,
         num_heads: i64,
         num_kv_heads: i64,
         rms_eps: f64,
         rope_mode: &str,
+        rope_tables: i64,
         sliding_window: Option<i64>,
         final_norm: Option<&Bound<'_, PyAny>>,
         lm_head: Option<&Bound<'_, PyAny>>,
-        rope_tables: Option<&Bound<'_, PyAny>>,
         activation: &str,
         attn_scale: Option<f64>,
     ) -> PyResult<Self> {
@@ -138,39 +133,8 @@ impl LlamaDecoder {
                 sliding_window: layer_window,
             });
         }
-        let (c, cs) = table(cos, "cos")?;
-        let (s, ss) = table(sin, "sin")?;
-        if cs != ss {
-            return Err(PyValueError::new_err(format!(
-                "cos and sin must have one shape, got {cs:?} and {ss:?}"
-            )));
-        }
-        let mut ropes = vec![RopeTable { cos: c, sin: s }];
-        if let Some(extra) = rope_tables.filter(|v| !v.is_none()) {
-            let pairs = extra.try_iter().map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "rope_tables must be a sequence of (cos, sin) pairs, got {}",
-                    type_name(extra)
-                ))
-            })?;
-            for (i, p) in pairs.enumerate() {
-                let p = p?;
-                let (co, so): (Bound<'_, PyAny>, Bound<'_, PyAny>) = p.extract().map_err(|_| {
-                    PyTypeError::new_err(format!(
-                        "rope_tables[{i}] must be a (cos, sin) pair, got {}",
-                        type_name(&p)
-                    ))
-                })?;
-                let (c2, c2s) = table(&co, &format!("rope_tables[{i}] cos"))?;
-                let (s2, s2s) = table(&so, &format!("rope_tables[{i}] sin"))?;
-                if c2s != cs || s2s != cs {
-                    return Err(PyValueError::new_err(format!(
-                        "rope_tables[{i}] must be two {cs:?} arrays (cos's shape), got {c2s:?} and {s2s:?}"
-                    )));
-                }
-                ropes.push(RopeTable { cos: c2, sin: s2 });
-            }
-        }
+        let num_ropes = pos_int("rope_tables", rope_tables)?;
+        let d = pos_int("head_dim", head_dim)?;
         let act = Activation::parse(activation).map_err(PyErr::from)?;
         let (hq, hkv) = (pos_int("num_heads", num_heads)?, pos_int("num_kv_heads", num_kv_heads)?);
         let rope = RopeMode::parse(rope_mode).map_err(PyErr::from)?;
@@ -178,7 +142,20 @@ impl LlamaDecoder {
             (None, None) => None,
             (Some(n), Some(w)) => Some(Head {
                 norm: vector(n, "final_norm")?,
-                lm_head: qweight(w, "lm_head")?,
+                lm_head: if w.cast::<QLinear>().is_ok() {
+                    vec![qweight(w, "lm_head")?]
+                } else {
+                    let items = w.try_iter().map_err(|_| {
+                        PyTypeError::new_err(format!(
+                            "lm_head must be a QLinear or a sequence of them, got {}",
+                            type_name(w)
+                        ))
+                    })?;
+                    items
+                        .enumerate()
+                        .map(|(i, q)| qweight(&q?, &format!("lm_head[{i}]")))
+                        .collect::<PyResult<_>>()?
+                },
             }),
             _ => {
                 return Err(PyValueError::new_err(
@@ -188,7 +165,7 @@ impl LlamaDecoder {
         };
         let dec = py
             .detach(|| {
-                let d = Decoder::new(out, ropes, cs[1], rope, hq, hkv, rms_eps as f32, act, attn_scale)?;
+                let d = Decoder::new(out, num_ropes, d, rope, hq, hkv, rms_eps as f32, act, attn_scale)?;
                 match head {
                     Some(h) => d.with_head(h),
                     None => Ok(d),
@@ -366,6 +343,12 @@ impl LlamaDecoder {
             field("seq_lens")?,
             field("query_start_loc")?,
         );
+        let rope_o = batch.getattr("rope").map_err(|_| {
+            PyTypeError::new_err(
+                "batch has no 'rope' (per RoPE base, the (cos, sin) rows at the step's positions: \
+                 LlamaWeights.rope_rows)",
+            )
+        })?;
         let pos = typed::<i64>(&pos_o, "batch.positions", 1, "int64")?;
         let slot = typed::<i64>(&slot_o, "batch.slot_mapping", 1, "int64")?;
         // The table: padded `[B, max_blocks]`, or the CSR tuple `(indptr, indices)`.
@@ -385,6 +368,30 @@ impl LlamaDecoder {
         };
         let sl = typed::<i32>(&sl_o, "batch.seq_lens", 1, "int32")?;
         let qsl = typed::<i32>(&qsl_o, "batch.query_start_loc", 1, "int32")?;
+        // The RoPE rows: a sequence of (cos, sin) float32 [T, D/2] pairs.
+        let mut rope_arrs = Vec::new();
+        for (i, p) in rope_o
+            .try_iter()
+            .map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "batch.rope must be a sequence of (cos, sin) pairs, got {}",
+                    type_name(&rope_o)
+                ))
+            })?
+            .enumerate()
+        {
+            let p = p?;
+            let (co, so): (Bound<'py, PyAny>, Bound<'py, PyAny>) = p.extract().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "batch.rope[{i}] must be a (cos, sin) pair, got {}",
+                    type_name(&p)
+                ))
+            })?;
+            rope_arrs.push((
+                typed::<f32>(&co, &format!("batch.rope[{i}] cos"), 2, "float32")?,
+                typed::<f32>(&so, &format!("batch.rope[{i}] sin"), 2, "float32")?,
+            ));
+        }
         let t = xr.shape[0];
         if pos.shape[0] != t || slot.shape[0] != t {
             return Err(PyValueError::new_err(format!(
@@ -452,16 +459,18 @@ impl LlamaDecoder {
                     return Err(PyValueError::new_err("kv_caches must not share memory with each other"));
                 }
             }
-            for (r, n) in [
-                (&xr, "x"),
-                (&pos, "batch.positions"),
-                (&slot, "batch.slot_mapping"),
-                (&bt, "batch.block_tables"),
-                (&sl, "batch.seq_lens"),
-                (&qsl, "batch.query_start_loc"),
-            ]
-            .into_iter()
-            .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
+            for (r, n) in rope_arrs
+                .iter()
+                .flat_map(|(c, s)| [(c, "batch.rope"), (s, "batch.rope")])
+                .chain([
+                    (&xr, "x"),
+                    (&pos, "batch.positions"),
+                    (&slot, "batch.slot_mapping"),
+                    (&bt, "batch.block_tables"),
+                    (&sl, "batch.seq_lens"),
+                    (&qsl, "batch.query_start_loc"),
+                ])
+                .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
             {
                 if ra.overlaps(r) {
                     return Err(PyValueError::new_err(format!(
@@ -470,15 +479,17 @@ impl LlamaDecoder {
                 }
             }
         }
-        for (r, n) in [
-            (&pos, "batch.positions"),
-            (&slot, "batch.slot_mapping"),
-            (&bt, "batch.block_tables"),
-            (&sl, "batch.seq_lens"),
-            (&qsl, "batch.query_start_loc"),
-        ]
-        .into_iter()
-        .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
+        for (r, n) in rope_arrs
+            .iter()
+            .flat_map(|(c, s)| [(c, "batch.rope"), (s, "batch.rope")])
+            .chain([
+                (&pos, "batch.positions"),
+                (&slot, "batch.slot_mapping"),
+                (&bt, "batch.block_tables"),
+                (&sl, "batch.seq_lens"),
+                (&qsl, "batch.query_start_loc"),
+            ])
+            .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
         {
             if xr.overlaps(r) {
                 return Err(PyValueError::new_err(format!("x must not share memory with {n}")));
@@ -495,6 +506,24 @@ impl LlamaDecoder {
             .as_ref()
             .map(|r| readonly::<i32>(r, "batch.block_tables indptr"))
             .transpose()?;
+        let rope_guards = rope_arrs
+            .iter()
+            .map(|(c, s)| {
+                Ok((
+                    readonly::<f32>(c, "batch.rope cos")?,
+                    readonly::<f32>(s, "batch.rope sin")?,
+                ))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let rope = rope_guards
+            .iter()
+            .map(|(c, s)| {
+                Ok(RopeRows {
+                    cos: slice_of(c, "batch.rope cos")?,
+                    sin: slice_of(s, "batch.rope sin")?,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
         let step = StepBatch {
             positions: slice_of(&pg, "batch.positions")?,
             slot_mapping: slice_of(&sg, "batch.slot_mapping")?,
@@ -506,6 +535,7 @@ impl LlamaDecoder {
                 .transpose()?,
             seq_lens: slice_of(&slg, "batch.seq_lens")?,
             query_start_loc: slice_of(&qslg, "batch.query_start_loc")?,
+            rope: &rope,
         };
         let mut xg = xr
             .arr

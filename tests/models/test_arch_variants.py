@@ -119,6 +119,27 @@ def test_dense_matches_paged_for_every_architecture(files, backend):
         np.testing.assert_allclose(got, dense, rtol=1e-3, atol=1e-3 * np.abs(dense).max(), err_msg=name)
 
 
+@pytest.mark.parametrize("impl", ["numpy", "fused"])
+def test_a_head_built_in_chunks_gives_the_same_logits(files, impl, backend, monkeypatch):
+    """A large int8 head is built row chunk by row chunk (peak memory); its logits are the one matrix's bits."""
+    from pagedkv_rs.models import llama
+
+    whole = LlamaWeights.load(files["gemma3"], weights="int8")
+    monkeypatch.setattr(llama, "HEAD_CHUNK_BYTES", 64 * 68)  # 64-row chunks of the 300 x 64 Q8_0 table
+    chunked = LlamaWeights.load(files["gemma3"], weights="int8")
+    assert isinstance(chunked.lm_head, llama.ChunkedLinear) and [p.n for p in chunked.lm_head.parts] == [
+        64,
+        64,
+        64,
+        64,
+        44,
+    ]
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    a = _paged_logits(LlamaModel(whole, impl=impl), ids, backend)
+    b = _paged_logits(LlamaModel(chunked, impl=impl), ids, backend)
+    np.testing.assert_array_equal(a, b)
+
+
 def test_gemma3_parts_change_the_output(files, backend):
     """Each Gemma 3 part the spec names is used: dropping one changes the logits."""
     w = LlamaWeights.load(files["gemma3"], weights="float32")

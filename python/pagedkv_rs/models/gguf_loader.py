@@ -230,6 +230,30 @@ class GGUFFile:
             hi = -(-(start + t.data.nbytes) // page) * page
             self._map.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(self._map)) - lo)
 
+    def read(self, name: str) -> np.ndarray:
+        """A copy of one tensor's stored bytes (``uint8``, the shape of ``data``), read with ``pread``, not the map."""
+        t = self.tensors[name]
+        off = t.data.__array_interface__["data"][0] - self._base() if self._map is not None else None
+        if off is None:
+            return t.data.copy()
+        with open(self.path, "rb") as fh:
+            buf = os.pread(fh.fileno(), t.data.nbytes, off)
+        if len(buf) != t.data.nbytes:
+            raise GGUFError(f"{self.path}: tensor {name!r}: short read ({len(buf)} of {t.data.nbytes} bytes)")
+        return np.frombuffer(bytearray(buf), np.uint8).reshape(t.data.shape)
+
+    def release_rows(self, name: str, lo: int, hi: int) -> None:
+        """``release`` for rows ``lo..hi`` of one 2-D tensor only (pages it shares with other rows stay)."""
+        if self._map is None or not hasattr(self._map, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        t = self.tensors[name]
+        page = mmap.PAGESIZE
+        start = t.data.__array_interface__["data"][0] - self._base() + lo * t.data.shape[1]
+        end = start + (hi - lo) * t.data.shape[1]
+        first, last = -(-start // page) * page, end // page * page  # whole pages inside the rows
+        if last > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
     def _base(self) -> int:
         return int(np.frombuffer(self._map, np.uint8, count=1).__array_interface__["data"][0]) if self._map else 0
 

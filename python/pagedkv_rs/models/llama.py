@@ -101,17 +101,32 @@ def rope_tables(
     ``factor`` is linear RoPE scaling (``rope.scaling.factor``); ``freq_factors`` Llama 3's ``rope_freqs``;
     ``theta`` the base (default ``cfg.rope_theta``; Gemma 3's local layers have their own).
     """
+    return rope_rows(np.arange(cfg.max_model_len), rope_inv_freq(cfg, freq_factors, theta), cfg.rope_scaling_factor)
+
+
+def rope_inv_freq(
+    cfg: LlamaConfig, freq_factors: Optional[np.ndarray] = None, theta: Optional[float] = None
+) -> np.ndarray:
+    """float64 ``[D/2]``: pair i turns by ``theta^(-2i/D) / freq_factors[i]`` a position."""
     d = cfg.head_dim
     base = cfg.rope_theta if theta is None else theta
     inv_freq = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
     if freq_factors is not None:
         inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
-    pos = np.arange(cfg.max_model_len, dtype=np.float64) / cfg.rope_scaling_factor
-    ang = pos[:, None] * inv_freq[None, :]
+    return inv_freq
+
+
+def rope_rows(positions: np.ndarray, inv_freq: np.ndarray, factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``cos, sin [T, D/2]`` at ``positions`` (int ``[T]``): each entry ``pos / factor * inv_freq[i]``
+    in float64, then rounded; a row depends only on its position (the table's row, to the bit)."""
+    ang = (np.asarray(positions, np.float64) / factor)[:, None] * inv_freq[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
 WEIGHT_FORMATS = ("auto", "int8", "float32")
+# An int8 output head larger than this is built (and run) in row chunks of about this size (see ``_lm_head``).
+HEAD_CHUNK_BYTES = 32 << 20
+LINEAR_PANEL = 64  # rows a chunk is a multiple of (QLinear packs rows in panels of at most this many)
 MODEL_IMPLS = ("auto", "fused", "numpy")
 
 
@@ -119,6 +134,12 @@ MODEL_IMPLS = ("auto", "fused", "numpy")
 # AVX2 vpmaddubsw tile (Zen 3, PAGEDKV_ISA=avx2: ~2.5x output tok/s at 1 sequence, ~1.9x at 8, ~1.2x
 # at 32, where the 512-token prefill chunks run slower than sgemm). The scalar tile is far slower.
 FAST_LINEAR_ISAS = ("avx512vnni", "avx2")
+
+
+def _core_qlinear() -> Any:
+    from pagedkv_rs import _core
+
+    return _core
 
 
 def int8_is_fast() -> bool:
@@ -159,6 +180,24 @@ class Int8Linear:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.q(np.ascontiguousarray(x, np.float32))
+
+
+class ChunkedLinear:
+    """One ``[out, in]`` int8 layer held as consecutive row chunks (``Int8Linear`` each): ``x -> [T, out]``."""
+
+    def __init__(self, parts: list[Int8Linear]):
+        self.parts = parts
+        self.k = parts[0].k
+        self.n = sum(p.n for p in parts)
+        self.q = [p.q for p in parts]  # what the fused decoder's head takes
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = np.empty((x.shape[0], self.n), np.float32)
+        at = 0
+        for p in self.parts:
+            out[:, at : at + p.n] = p(x)
+            at += p.n
+        return out
 
 
 class Embedding:
@@ -233,23 +272,30 @@ class LlamaWeights:
             _trim_heap()
         factors = self._vector("rope_freqs.weight") if cfg.rope_freq_factors else None
         del self._gguf
-        self._factors = factors
-        self._thetas = sorted(theta_of, key=theta_of.__getitem__)
+        # One float64 [D/2] frequency vector per distinct RoPE base; ``layer["rope_table"]`` indexes them.
+        self._inv_freqs = [rope_inv_freq(cfg, factors, theta) for theta in sorted(theta_of, key=theta_of.__getitem__)]
         self._rope_tables: Optional[list[tuple[np.ndarray, np.ndarray]]] = None
 
     @property
+    def num_rope_tables(self) -> int:
+        """How many RoPE bases the layers use (Gemma 3: local and global)."""
+        return len(self._inv_freqs) if self._rope_tables is None else len(self._rope_tables)
+
+    def rope_rows(self, positions: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per RoPE base, float32 ``cos, sin [T, D/2]`` at ``positions``: what a step rotates with.
+
+        Computed per step from the positions (no ``[max_len, D/2]`` table is kept: at Gemma 3's 32k context
+        its two bases' tables would take 64 MB), or rows of ``rope_tables`` when those were set."""
+        if self._rope_tables is not None:
+            return [(c[positions], s[positions]) for c, s in self._rope_tables]
+        return [rope_rows(positions, f, self.config.rope_scaling_factor) for f in self._inv_freqs]
+
+    @property
     def rope_tables(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """One ``(cos, sin)`` ``[max_len, D/2]`` pair per distinct RoPE base; ``layer["rope_table"]`` indexes it.
-
-        Built on first use (a fused model hands them to Rust and never builds them here)."""
-        if self._rope_tables is None:
-            self._rope_tables = [rope_tables(self.config, self._factors, theta) for theta in self._thetas]
-        return self._rope_tables
-
-    def drop_rope_tables(self) -> None:
-        """Free the RoPE tables (rebuilt, the same bits, on next use); weights without a config file keep them."""
-        if getattr(self, "_thetas", None) is not None:
-            self._rope_tables = None
+        """Per RoPE base, the whole ``cos, sin [max_len, D/2]`` tables (built when asked, for tests and tools)."""
+        if self._rope_tables is not None:
+            return self._rope_tables
+        return self.rope_rows(np.arange(self.config.max_model_len))
 
     @property
     def cos(self) -> np.ndarray:
@@ -273,11 +319,13 @@ class LlamaWeights:
         return np.concatenate(parts)
 
     def _vector(self, name: str) -> np.ndarray:
-        """A 1-D float32 tensor (norm weights): a view of the file when stored as F32."""
+        """A 1-D float32 tensor (norm weights, biases), read from the file (not through its map: a fault on a
+        small tensor between two large ones maps pages around it, tens of MB over a model's norms)."""
         t = self._gguf.tensors[name]
+        raw = self._gguf.read(name)
         if t.type == "F32":
-            return t.data.view(np.float32)
-        return t.dequantize()
+            return raw.view(np.float32)
+        return GGUFTensor(t.path, t.name, t.type, t.shape, raw).dequantize()
 
     def _rows(self, name: str, *, vector: bool = False) -> np.ndarray:
         """Stored rows ``uint8 [out, row_bytes]`` of a tensor, Q/K rows in the order ``rope_pairs`` rotates.
@@ -311,12 +359,32 @@ class LlamaWeights:
         bundled model, the int8 QLinear head cost 288 ms a step at 32 sequences vs 49 ms for float32, 54 vs 90
         decode tok/s; equal at 1 sequence)."""
         name = "token_embd.weight" if self.config.tie_embeddings else "output.weight"
-        return self._linear([name])
+        t = self._gguf.tensors[name]
+        small = t.data.nbytes <= HEAD_CHUNK_BYTES
+        if self.weight_format != "int8" or small or t.type not in RAW_TYPES or t.shape[1] % 32:
+            return self._linear([name])
+        # A large int8 head (Gemma 3: 262,144 x 640 Q8_0, 178 MB) is built in row chunks, each chunk's file
+        # pages dropped before the next is read: the file's copy and the head's never sit in memory whole
+        # together (peak RSS). Each chunk's logits are the bits one matrix would give.
+        rows = max(LINEAR_PANEL, HEAD_CHUNK_BYTES // t.data.shape[1] // LINEAR_PANEL * LINEAR_PANEL)
+        parts = []
+        for lo in range(0, t.shape[0], rows):
+            parts.append(self._linear([name], rows=(lo, min(lo + rows, t.shape[0]))))
+        return ChunkedLinear(parts)
 
-    def _linear(self, names: list[str], *, int8: Optional[bool] = None) -> Any:
-        """One linear layer whose output features are the named ``[out, in]`` tensors' rows, in order."""
+    def _linear(self, names: list[str], *, int8: Optional[bool] = None, rows: Optional[tuple[int, int]] = None) -> Any:
+        """One linear layer whose output features are the named ``[out, in]`` tensors' rows, in order.
+
+        ``rows``: just rows ``lo..hi`` of the one named tensor (a chunk of a large head)."""
         g = self._gguf
         ts = [g.tensors[n] for n in names]
+        if rows is not None:
+            lo, hi = rows
+            t = ts[0]
+            ts = [GGUFTensor(t.path, t.name, t.type, (hi - lo,) + t.shape[1:], t.data[lo:hi])]
+            q = _core_qlinear().QLinear.stack_gguf([(np.ascontiguousarray(ts[0].data), t.type)], t.shape[1], names)
+            g.release_rows(names[0], lo, hi)
+            return Int8Linear(q)
         shape = (sum(t.shape[0] for t in ts), ts[0].shape[1])
         kinds = {t.type for t in ts}
         if not (self.weight_format == "int8" if int8 is None else int8):
@@ -477,8 +545,6 @@ class LlamaModel:
             raise ValueError(f"impl='fused' is not available: {why}")
         self.impl: str = "numpy" if impl == "numpy" or why is not None else "fused"
         self._decoder = _fused_decoder(weights, self._mode) if self.impl == "fused" else None
-        if self._decoder is not None:
-            weights.drop_rope_tables()  # the decoder holds its own copy; the numpy path rebuilds them if asked
         # The fused call also runs the final norm and lm_head when the head is a QLinear.
         self._fused_head = self._decoder is not None and self._decoder.vocab_size is not None
 
@@ -534,7 +600,7 @@ class LlamaModel:
         rows = qsl[1:] - 1 if logits_indices is None else np.asarray(logits_indices, np.int64)
         if self._fused_head:  # layers, final norm and lm_head in one GIL-free call
             x, pos = self._embedded(batch, kv_caches)
-            return self._decoder.forward(x, _kernel_batch(batch, pos), kv_caches, rows)
+            return self._decoder.forward(x, _kernel_batch(batch, pos, self.weights), kv_caches, rows)
         hidden = self.forward_hidden(batch, kv_caches)
         w = self.weights
         return linear(rms_norm(hidden[rows], w.final_norm, self.config.rms_eps), w.lm_head)  # [N, V]
@@ -543,7 +609,7 @@ class LlamaModel:
         """Residual stream ``[T, H]`` after the last layer (before the final norm)."""
         x, pos = self._embedded(batch, kv_caches)
         if self._decoder is not None:
-            return self._decoder.forward_hidden(x, _kernel_batch(batch, pos), kv_caches)
+            return self._decoder.forward_hidden(x, _kernel_batch(batch, pos, self.weights), kv_caches)
         return self._forward_hidden_numpy(x, pos, batch, kv_caches)
 
     def _embedded(
@@ -575,7 +641,7 @@ class LlamaModel:
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nq, nk = hq * d, hkv * d
         act = cfg.spec.activation
-        tables = [(c[pos], s[pos]) for c, s in w.rope_tables]  # [T, D/2] rows of each RoPE base
+        tables = w.rope_rows(pos)  # [T, D/2] cos/sin rows of each RoPE base
         attn = np.empty((n, hq, d), np.float32)
         delta: Optional[np.ndarray] = None  # the last sublayer's output, not yet added to x
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, kv_caches)):
@@ -638,7 +704,7 @@ def _fused_decoder(weights: LlamaWeights, mode: str) -> Any:
 
     cfg = weights.config
     head = weights.lm_head
-    int8_head = isinstance(head, Int8Linear)
+    int8_head = isinstance(head, (Int8Linear, ChunkedLinear))
     c = np.ascontiguousarray
     layers = []
     for i, layer in enumerate(weights.layers):
@@ -653,25 +719,23 @@ def _fused_decoder(weights: LlamaWeights, mode: str) -> Any:
             if layer.get(k) is not None:
                 entry[k] = c(layer[k], np.float32)
         layers.append(entry)
-    tables = weights.rope_tables
     dec = _core.LlamaDecoder(
         layers,
-        tables[0][0],
-        tables[0][1],
+        head_dim=cfg.head_dim,
         num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads,
         rms_eps=cfg.rms_eps,
         rope_mode=mode,
         final_norm=c(weights.final_norm, np.float32) if int8_head else None,
         lm_head=head.q if int8_head else None,
-        rope_tables=tables[1:],
+        rope_tables=weights.num_rope_tables,
         activation=cfg.spec.activation,
         attn_scale=cfg.attention_scale,
     )
     return dec
 
 
-def _kernel_batch(batch: BatchInputs, positions: np.ndarray) -> types.SimpleNamespace:
+def _kernel_batch(batch: BatchInputs, positions: np.ndarray, weights: LlamaWeights) -> types.SimpleNamespace:
     """The arrays ``LlamaDecoder.forward_hidden`` reads, in the dtypes it takes."""
     c = np.ascontiguousarray
     return types.SimpleNamespace(
@@ -680,6 +744,7 @@ def _kernel_batch(batch: BatchInputs, positions: np.ndarray) -> types.SimpleName
         block_tables=(c(batch.indptr, np.int32), c(batch.indices, np.int32)),  # CSR: no padding
         seq_lens=c(batch.seq_lens, np.int32),
         query_start_loc=c(batch.query_start_loc, np.int32),
+        rope=weights.rope_rows(positions),  # per RoPE base, float32 cos and sin [T, D/2]
     )
 
 
@@ -736,7 +801,7 @@ class DenseLlama:
         nq, nk = hq * d, hkv * d
         end = start + t
         pos = np.tile(np.arange(start, end), b)  # rows are batch-major
-        tables = [(c[pos], s_[pos]) for c, s_ in w.rope_tables]
+        tables = w.rope_rows(pos)
         causal = np.arange(end)[None, :] <= np.arange(start, end)[:, None]  # [T, S]
         scale = np.float32(cfg.attention_scale if cfg.attention_scale is not None else 1.0 / np.sqrt(d))
         x = w.embed[ids.reshape(-1)]  # [B*T, H]
