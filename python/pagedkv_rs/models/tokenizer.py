@@ -26,7 +26,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
-from pagedkv_rs.models.chat_template import ChatTemplate, Message
+from pagedkv_rs.models.chat_template import ChatTemplate, ChatTemplateError, Message
 from pagedkv_rs.models.gguf_loader import GGUFError, GGUFFile, PathLike, _parse, bundled_model_path
 from pagedkv_rs.models.vocab import Attr, Vocab, read_vocab, special_token_ids
 
@@ -330,7 +330,7 @@ class GGUFTokenizer:
         ``kwargs`` reach the template as variables (e.g. ``date_string``, ``enable_thinking``).
         """
         if self.chat_template is None:
-            raise ValueError(
+            raise ChatTemplateError(
                 f"{self.path} has no tokenizer.chat_template: a chat request needs one; send a raw prompt "
                 "(completion) or token ids instead"
             )
