@@ -120,3 +120,15 @@ def test_peak_rss_within_file_plus_kv_plus_150mb(gemma_path, impl):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     budget = os.path.getsize(gemma_path) + r["kv"] + 150 * 2**20
     assert r["maxrss"] <= budget, f"peak RSS {r['maxrss'] / 2**20:.0f} MiB > budget {budget / 2**20:.0f} MiB"
+
+
+def test_llm_loads_the_file_and_completes_text(gemma_path):
+    """``LLM(model=path)``: the file's own SentencePiece tokenizer (with its BOS), the fused decoder, plain text out."""
+    from pagedkv_rs import LLM
+
+    llm = LLM(model=gemma_path, kv_memory="32MiB")
+    assert llm.model.impl == "fused" and llm.model.config.architecture == "gemma3"
+    ids = llm.get_tokenizer().encode("Once upon a time, there was a little", add_special_tokens=True)
+    assert ids[0] == BOS
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=8, temperature=0.0))
+    assert out[0].outputs[0].text.startswith(" girl named Lily"), out[0].outputs[0].text
