@@ -38,7 +38,7 @@ mod _core {
 
     // Block-quantized linear layers and the row-wise ops around them.
     #[pymodule_export]
-    use super::py::{dequantize_gguf, gguf_strings, rms_norm, silu_and_mul, QLinear};
+    use super::py::{dequantize_gguf, gelu_tanh_and_mul, gguf_strings, rms_norm, silu_and_mul, QLinear};
 
     // The fused decoder stack: every layer of one engine step in one call.
     #[pymodule_export]

@@ -1,5 +1,5 @@
-//! Row-wise kernels of a Llama layer: RMSNorm (optionally fused with the residual add) and
-//! SwiGLU's `silu(gate) * up` (no pyo3).
+//! Row-wise kernels of a decoder layer: RMSNorm (optionally fused with the residual add) and the
+//! gated activations `silu(gate) * up` (SwiGLU) and `gelu_tanh(gate) * up` (Gemma's GeGLU) (no pyo3).
 //!
 //! | variant  | used when                                                                   |
 //! |----------|-----------------------------------------------------------------------------|
@@ -11,7 +11,9 @@
 //! then up columns) and its output `[T, F]`. Sums of squares use 16 interleaved partial sums
 //! (a fixed order, so every build gives the same bits). `exp` is `simd::exp`, a branch-free
 //! polynomial (relative error < 2e-7 over the range SiLU needs) in plain f32 arithmetic so it
-//! vectorizes; `silu(g) = g / (1 + exp(-g))`.
+//! vectorizes; `silu(g) = g / (1 + exp(-g))`; `gelu_tanh(g) = 0.5 g (1 + tanh(u))` with
+//! `u = sqrt(2/pi) (g + 0.044715 g^3)`, computed as `g / (1 + exp(-2u))` (the same value, and no
+//! cancellation in `1 + tanh(u)` for negative `g`).
 //! Tolerance (tests vs float64 numpy): 1e-6 relative.
 
 use crate::error::{Error, Result};
@@ -76,11 +78,46 @@ pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut 
     Ok(())
 }
 
+/// The gate's activation in a gated FFN (`act(gate) * up`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `g / (1 + exp(-g))` (SwiGLU: Llama, Qwen, Phi-3).
+    Silu,
+    /// The tanh approximation of GELU (GeGLU: Gemma).
+    GeluTanh,
+}
+
+impl Activation {
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "silu" => Ok(Activation::Silu),
+            "gelu_tanh" => Ok(Activation::GeluTanh),
+            _ => Err(Error::Invalid(format!(
+                "activation must be 'silu' or 'gelu_tanh', got {name:?}"
+            ))),
+        }
+    }
+}
+
 /// `out[t, j] = silu(gate_up[t, j]) * gate_up[t, F + j]`.
 pub fn silu_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
+    act_and_mul(gate_up, f, Activation::Silu, out)
+}
+
+/// `out[t, j] = gelu_tanh(gate_up[t, j]) * gate_up[t, F + j]`.
+pub fn gelu_tanh_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
+    act_and_mul(gate_up, f, Activation::GeluTanh, out)
+}
+
+/// `out[t, j] = act(gate_up[t, j]) * gate_up[t, F + j]`: gate_up `[T, 2F]`, out `[T, F]`.
+pub fn act_and_mul(gate_up: &[f32], f: usize, act: Activation, out: &mut [f32]) -> Result<()> {
     if f == 0 || !gate_up.len().is_multiple_of(2 * f) || out.len() * 2 != gate_up.len() {
         return Err(Error::Invalid(format!(
-            "silu_and_mul needs gate_up [T, {}] and out [T, {f}]; got {} and {} values",
+            "{}_and_mul needs gate_up [T, {}] and out [T, {f}]; got {} and {} values",
+            match act {
+                Activation::Silu => "silu",
+                Activation::GeluTanh => "gelu_tanh",
+            },
             2 * f,
             gate_up.len(),
             out.len()
@@ -93,12 +130,12 @@ pub fn silu_and_mul(gate_up: &[f32], f: usize, out: &mut [f32]) -> Result<()> {
         #[cfg(target_arch = "x86_64")]
         match isa {
             // SAFETY: as in `rms_norm`: AVX-512 F with AVX2 and FMA.
-            runtime::Isa::Avx512 => return unsafe { silu_rows_avx512(g, f, o) },
+            runtime::Isa::Avx512 => return unsafe { act_rows_avx512(g, f, act, o) },
             // SAFETY: as in `rms_norm`: AVX2 and FMA.
-            runtime::Isa::Avx2 => return unsafe { silu_rows_avx2(g, f, o) },
+            runtime::Isa::Avx2 => return unsafe { act_rows_avx2(g, f, act, o) },
             _ => {}
         }
-        silu_rows(g, f, o)
+        act_rows(g, f, act, o)
     };
     if rows <= ROWS {
         run(gate_up, out);
@@ -165,34 +202,48 @@ unsafe fn rms_rows_avx512(x: &[f32], h: usize, w: &[f32], eps: f32, res: Option<
     rms_rows(x, h, w, eps, res, out)
 }
 
+/// `sqrt(2 / pi)` and GELU's cubic coefficient, as the tanh approximation defines them.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_COEF_A: f32 = 0.044_715;
+
 #[inline(always)]
-fn silu_rows(gate_up: &[f32], f: usize, out: &mut [f32]) {
+fn act_rows(gate_up: &[f32], f: usize, act: Activation, out: &mut [f32]) {
     for (g, o) in gate_up.chunks_exact(2 * f).zip(out.chunks_exact_mut(f)) {
         let (gate, up) = g.split_at(f);
-        for ((o, &a), &b) in o.iter_mut().zip(gate).zip(up) {
-            *o = a / (1.0 + exp(-a)) * b;
+        match act {
+            Activation::Silu => {
+                for ((o, &a), &b) in o.iter_mut().zip(gate).zip(up) {
+                    *o = a / (1.0 + exp(-a)) * b;
+                }
+            }
+            Activation::GeluTanh => {
+                for ((o, &a), &b) in o.iter_mut().zip(gate).zip(up) {
+                    let u = SQRT_2_OVER_PI * (a + GELU_COEF_A * a * a * a);
+                    *o = a / (1.0 + exp(-2.0 * u)) * b;
+                }
+            }
         }
     }
 }
 
-/// `silu_rows` compiled with AVX2 + FMA enabled.
+/// `act_rows` compiled with AVX2 + FMA enabled.
 ///
 /// # Safety
 /// The CPU has AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn silu_rows_avx2(gate_up: &[f32], f: usize, out: &mut [f32]) {
-    silu_rows(gate_up, f, out)
+unsafe fn act_rows_avx2(gate_up: &[f32], f: usize, act: Activation, out: &mut [f32]) {
+    act_rows(gate_up, f, act, out)
 }
 
-/// `silu_rows` compiled with AVX-512 F (and AVX2 + FMA) enabled.
+/// `act_rows` compiled with AVX-512 F (and AVX2 + FMA) enabled.
 ///
 /// # Safety
 /// The CPU has AVX-512 F, AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn silu_rows_avx512(gate_up: &[f32], f: usize, out: &mut [f32]) {
-    silu_rows(gate_up, f, out)
+unsafe fn act_rows_avx512(gate_up: &[f32], f: usize, act: Activation, out: &mut [f32]) {
+    act_rows(gate_up, f, act, out)
 }
 
 #[cfg(test)]
@@ -213,24 +264,29 @@ mod tests {
         let w = data(h, 2);
         let gu = data(t * 2 * f, 3);
         let (mut a, mut sa, mut ra) = (vec![0f32; t * h], vec![0f32; t * f], data(t * h, 4));
+        let mut ga = vec![0f32; t * f];
         rms_rows(&x, h, &w, 1e-5, Some(&mut ra), &mut a);
-        silu_rows(&gu, f, &mut sa);
+        act_rows(&gu, f, Activation::Silu, &mut sa);
+        act_rows(&gu, f, Activation::GeluTanh, &mut ga);
         for isa in [runtime::Isa::Avx2, runtime::Isa::Avx512] {
             if !isa.available() {
                 continue;
             }
             let (mut b, mut sb, mut rb) = (vec![0f32; t * h], vec![0f32; t * f], data(t * h, 4));
+            let mut gb = vec![0f32; t * f];
             // SAFETY: the ISA is available (checked above): AVX2 + FMA, and AVX-512 F for Avx512.
             unsafe {
                 if isa == runtime::Isa::Avx512 {
                     rms_rows_avx512(&x, h, &w, 1e-5, Some(&mut rb), &mut b);
-                    silu_rows_avx512(&gu, f, &mut sb);
+                    act_rows_avx512(&gu, f, Activation::Silu, &mut sb);
+                    act_rows_avx512(&gu, f, Activation::GeluTanh, &mut gb);
                 } else {
                     rms_rows_avx2(&x, h, &w, 1e-5, Some(&mut rb), &mut b);
-                    silu_rows_avx2(&gu, f, &mut sb);
+                    act_rows_avx2(&gu, f, Activation::Silu, &mut sb);
+                    act_rows_avx2(&gu, f, Activation::GeluTanh, &mut gb);
                 }
             }
-            assert_eq!((&a, &ra, &sa), (&b, &rb, &sb), "{isa:?}");
+            assert_eq!((&a, &ra, &sa, &ga), (&b, &rb, &sb, &gb), "{isa:?}");
         }
     }
 
@@ -247,8 +303,11 @@ mod tests {
         assert_eq!(a, b);
         assert_eq!(ra, rb);
         let (mut sa, mut sb) = (vec![0f32; t * f], vec![0f32; t * f]);
-        silu_rows(&gu, f, &mut sa);
+        act_rows(&gu, f, Activation::Silu, &mut sa);
         silu_and_mul(&gu, f, &mut sb).unwrap();
+        assert_eq!(sa, sb);
+        act_rows(&gu, f, Activation::GeluTanh, &mut sa);
+        gelu_tanh_and_mul(&gu, f, &mut sb).unwrap();
         assert_eq!(sa, sb);
     }
 
@@ -258,5 +317,7 @@ mod tests {
         assert!(rms_norm(&[1.0; 4], 2, &[1.0; 3], 1e-5, None, &mut out).is_err());
         assert!(rms_norm(&[1.0; 4], 2, &[1.0; 2], -1.0, None, &mut out).is_err());
         assert!(silu_and_mul(&[1.0; 6], 2, &mut out).is_err());
+        assert!(gelu_tanh_and_mul(&[1.0; 6], 2, &mut out).is_err());
+        assert!(Activation::parse("relu").is_err());
     }
 }

@@ -101,6 +101,7 @@ if _core is not None:  # the kernel functions exist only in the compiled core
         build_profile,
         copy_blocks,
         fma_peak,
+        gelu_tanh_and_mul,
         get_isa,
         get_num_threads,
         kernel_info,
@@ -132,4 +133,5 @@ if _core is not None:  # the kernel functions exist only in the compiled core
         "QLinear",
         "rms_norm",
         "silu_and_mul",
+        "gelu_tanh_and_mul",
     ]

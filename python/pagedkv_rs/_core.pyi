@@ -18,6 +18,7 @@ __all__ = [
     "core_version",
     "dequantize_gguf",
     "fma_peak",
+    "gelu_tanh_and_mul",
     "gguf_strings",
     "get_isa",
     "get_num_threads",
@@ -214,6 +215,7 @@ def rms_norm(
     x: _F32, weight: _F32, eps: float, *, residual: Optional[_F32] = None, out: Optional[_F32] = None
 ) -> _F32: ...
 def silu_and_mul(gate_up: _F32, *, out: Optional[_F32] = None) -> _F32: ...
+def gelu_tanh_and_mul(gate_up: _F32, *, out: Optional[_F32] = None) -> _F32: ...
 
 # ---- the fused decoder stack (rust/model/) ----------------------------------------------------
 
@@ -224,16 +226,18 @@ class LlamaDecoder:
     def __new__(
         cls,
         layers: Sequence[dict[str, Any]],
-        cos: _F32,
-        sin: _F32,
         *,
+        head_dim: int,
         num_heads: int,
         num_kv_heads: int,
         rms_eps: float,
         rope_mode: str = "half",
+        rope_tables: int = 1,
         sliding_window: Optional[int] = None,
         final_norm: Optional[_F32] = None,
-        lm_head: Optional[QLinear] = None,
+        lm_head: Union[QLinear, Sequence[QLinear], None] = None,
+        activation: str = "silu",
+        attn_scale: Optional[float] = None,
     ) -> LlamaDecoder: ...
     @property
     def num_layers(self) -> int: ...

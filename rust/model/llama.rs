@@ -1,21 +1,27 @@
-//! The Llama decoder stack over the paged KV cache, for one engine step of `T` tokens.
+//! The decoder stack over the paged KV cache, for one engine step of `T` tokens: one code path for
+//! every architecture (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), which differ only in the data
+//! each layer carries (optional parts in brackets).
 //!
 //! Per layer, for the step's tokens `x [T, H]` (the residual stream, updated in place):
 //!
 //! ```text
 //! h    = rms_norm(x, attn_norm)                  (fused with the previous layer's residual add)
-//! qkv  = h · Wqkvᵀ (+ bqkv)                      [T, (Hq + 2 Hkv) D]
-//! q, k = rope(q), rope(k)                        cos/sin rows at each token's position
-//! write_kv(k, v) at slot_mapping; o = paged_attention(q)           [T, Hq, D]
-//! h    = rms_norm(o · Woᵀ, ffn_norm, residual = x)                 (x += attention output)
-//! delta = silu(h · Wgateᵀ) * (h · Wupᵀ) · Wdownᵀ                    (added to x by the next norm)
+//! qkv  = h · Wqkvᵀ (+ bqkv)                      [T, (Hq + 2 Hkv) D]; Hq D need not equal H
+//! q, k = [rms_norm per head (q_norm, k_norm)]    Qwen3, Gemma 3
+//! q, k = rope(q), rope(k)                        the layer's table's cos/sin rows at each position
+//! write_kv(k, v) at slot_mapping; o = paged_attention(q, scale, the layer's window)   [T, Hq, D]
+//! o    = o · Woᵀ  [then rms_norm(o, post_attn_norm)]                                  Gemma 3
+//! h    = rms_norm(o, ffn_norm, residual = x)                       (x += attention output)
+//! delta = act(h · Wgateᵀ) * (h · Wupᵀ) · Wdownᵀ  [then rms_norm(delta, post_ffn_norm)]
+//!                                                (act: SiLU or GELU-tanh; added by the next norm)
 //! ```
 //!
-//! Geometry comes from the weights: `H` = the QKV input width, `D` = 2 × the RoPE table width, `F`
-//! = half of `w_gate_up`'s rows; only `Hq` and `Hkv` are given (the fused QKV rows cannot tell
-//! them apart). RoPE tables are the caller's (so any scaling lives in them); `RopeMode::Half`
-//! rotates `(x[i], x[i + D/2])`, `Adjacent` rotates `(x[2i], x[2i + 1])`. Each product is the
-//! multiply then the subtraction/addition in f32 (no fused multiply-add), as numpy computes it.
+//! Geometry comes from the weights: `H` = the QKV input width, `F` = half of `w_gate_up`'s rows;
+//! `Hq`, `Hkv` and `D` are given (the fused QKV rows cannot tell them apart). RoPE's cos/sin rows
+//! come with each step (`StepBatch::rope`, one `[T, D/2]` pair per base: any scaling and each
+//! layer's base live in them, and no `[max_len, D/2]` table is held here); `RopeMode::Half` rotates `(x[i], x[i + D/2])`, `Adjacent` rotates `(x[2i], x[2i + 1])`. Each
+//! product is the multiply then the subtraction/addition in f32 (no fused multiply-add), as numpy
+//! computes it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,6 +30,7 @@ use super::team::{with_team, Team};
 use crate::attention::{self, Batch, CacheShape, Kv, KvMut, Params};
 use crate::error::{Error, Result};
 use crate::linear::{self, Product, QWeight};
+use crate::ops::Activation;
 use crate::{ops, runtime};
 
 /// Steps of at most this many tokens run their products on the step team (`team.rs`); larger
@@ -69,14 +76,31 @@ pub struct Layer {
     pub w_gate_up: Arc<QWeight>,
     /// `[H, F]`.
     pub w_down: Arc<QWeight>,
+    /// `[D]`: RMSNorm of each query / key head before RoPE (Qwen3, Gemma 3).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    /// `[H]`: RMSNorm of the attention / FFN output before its residual add (Gemma 3).
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub post_ffn_norm: Option<Vec<f32>>,
+    /// Index of this layer's RoPE rows in `StepBatch::rope` (Gemma 3's local and global layers have
+    /// their own bases).
+    pub rope_table: usize,
+    /// Attend only the last `w` positions, the query's own included (local layers).
+    pub sliding_window: Option<usize>,
+}
+
+/// The step's RoPE rows for one base: `cos`, `sin` `[T, D/2]` each, row `r` at token `r`'s position.
+#[derive(Clone, Copy)]
+pub struct RopeRows<'a> {
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
 }
 
 /// The decoder stack: layers, RoPE tables and the numbers they need.
 pub struct Decoder {
     layers: Vec<Layer>,
-    /// `[max_pos, D/2]` each.
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+    /// How many RoPE row pairs a step brings (`Layer::rope_table` indexes them).
+    num_ropes: usize,
     rope: RopeMode,
     num_heads: usize,
     num_kv_heads: usize,
@@ -84,14 +108,24 @@ pub struct Decoder {
     hidden: usize,
     ffn: usize,
     eps: f32,
-    sliding_window: Option<usize>,
+    act: Activation,
+    /// Attention logits scale (`None`: `1/sqrt(D)`).
+    attn_scale: Option<f64>,
     head: Option<Head>,
 }
 
 /// The output head: the final RMSNorm and the vocabulary projection `[V, H]`.
 pub struct Head {
     pub norm: Vec<f32>,
-    pub lm_head: Arc<QWeight>,
+    /// `[V, H]` as consecutive row chunks (vocabulary slices): a large head is built chunk by chunk
+    /// so its file pages can be dropped as it goes; each chunk's logits are the same bits as one matrix's.
+    pub lm_head: Vec<Arc<QWeight>>,
+}
+
+impl Head {
+    fn vocab(&self) -> usize {
+        self.lm_head.iter().map(|w| w.n()).sum()
+    }
 }
 
 /// The step's batch: what `prepare_batch` returns, as the kernels take it.
@@ -107,33 +141,39 @@ pub struct StepBatch<'a> {
     pub indptr: Option<&'a [i32]>,
     pub seq_lens: &'a [i32],
     pub query_start_loc: &'a [i32],
+    /// RoPE rows of the step's tokens, one pair per base.
+    pub rope: &'a [RopeRows<'a>],
 }
 
 impl Decoder {
-    /// Check every layer's shapes against the first layer and the RoPE tables `cos`, `sin`
-    /// (`[max_pos, D/2]` flat, `half` = D/2).
+    /// Check every layer's shapes against the first layer, `head_dim` and the `num_ropes` RoPE row
+    /// pairs each step brings.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         layers: Vec<Layer>,
-        cos: Vec<f32>,
-        sin: Vec<f32>,
-        half: usize,
+        num_ropes: usize,
+        head_dim: usize,
         rope: RopeMode,
         num_heads: usize,
         num_kv_heads: usize,
         eps: f32,
-        sliding_window: Option<usize>,
+        act: Activation,
+        attn_scale: Option<f64>,
     ) -> Result<Self> {
         let bad = |m: String| Err(Error::Invalid(m));
         let Some(first) = layers.first() else {
             return bad("a decoder needs at least one layer".into());
         };
-        if half == 0 || cos.len() != sin.len() || cos.is_empty() || !cos.len().is_multiple_of(half) {
-            return bad(format!(
-                "cos and sin must be [max_len, head_dim/2] of one shape, got {} and {} values for width {half}",
-                cos.len(),
-                sin.len()
-            ));
+        if num_ropes == 0 {
+            return bad("a decoder needs at least one RoPE table".into());
+        }
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return bad(format!("head_dim must be even and positive, got {head_dim}"));
+        }
+        if let Some(s) = attn_scale {
+            if !(s.is_finite() && s > 0.0) {
+                return bad(format!("attn_scale must be finite and > 0, got {s}"));
+            }
         }
         if num_heads == 0 || num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
             return bad(format!(
@@ -143,10 +183,7 @@ impl Decoder {
         if !(eps >= 0.0 && eps.is_finite()) {
             return bad(format!("rms_eps must be finite and >= 0, got {eps}"));
         }
-        if sliding_window == Some(0) {
-            return bad("sliding_window must be >= 1".into());
-        }
-        let (d, h) = (2 * half, first.wqkv.k());
+        let (d, h) = (head_dim, first.wqkv.k());
         let (nq, nkv) = (num_heads * d, num_kv_heads * d);
         let ffn = first.w_gate_up.n() / 2;
         for (i, l) in layers.iter().enumerate() {
@@ -178,11 +215,32 @@ impl Decoder {
             if ffn == 0 {
                 return bad(format!("layer {i}: w_gate_up needs an even, positive number of rows"));
             }
+            let optional = [
+                ("q_norm", &l.q_norm, d),
+                ("k_norm", &l.k_norm, d),
+                ("post_attn_norm", &l.post_attn_norm, h),
+                ("post_ffn_norm", &l.post_ffn_norm, h),
+            ];
+            for (name, v, want) in optional {
+                if let Some(v) = v {
+                    if v.len() != want {
+                        return bad(format!("layer {i}: {name} has {} values, expected {want}", v.len()));
+                    }
+                }
+            }
+            if l.rope_table >= num_ropes {
+                return bad(format!(
+                    "layer {i}: rope_table {} is not one of the {num_ropes} tables",
+                    l.rope_table
+                ));
+            }
+            if l.sliding_window == Some(0) {
+                return bad(format!("layer {i}: sliding_window must be >= 1"));
+            }
         }
         Ok(Decoder {
             layers,
-            cos,
-            sin,
+            num_ropes,
             rope,
             num_heads,
             num_kv_heads,
@@ -190,7 +248,8 @@ impl Decoder {
             hidden: h,
             ffn,
             eps,
-            sliding_window,
+            act,
+            attn_scale,
             head: None,
         })
     }
@@ -198,12 +257,12 @@ impl Decoder {
     /// Attach the output head (`forward_logits` needs it): `norm [H]`, `lm_head [V, H]`.
     pub fn with_head(mut self, head: Head) -> Result<Self> {
         let h = self.hidden;
-        if head.norm.len() != h || head.lm_head.k() != h {
+        let k = head.lm_head.iter().map(|w| w.k()).find(|&k| k != h).unwrap_or(h);
+        if head.norm.len() != h || k != h || head.lm_head.is_empty() {
             return Err(Error::Invalid(format!(
-                "the head needs final_norm [{h}] and lm_head [V, {h}], got final_norm [{}] and lm_head [{}, {}]",
+                "the head needs final_norm [{h}] and lm_head [V, {h}], got final_norm [{}] and lm_head [{}, {k}]",
                 head.norm.len(),
-                head.lm_head.n(),
-                head.lm_head.k()
+                head.vocab(),
             )));
         }
         self.head = Some(head);
@@ -212,7 +271,7 @@ impl Decoder {
 
     /// Rows of the output head (the vocabulary), `None` without a head.
     pub fn vocab_size(&self) -> Option<usize> {
-        self.head.as_ref().map(|h| h.lm_head.n())
+        self.head.as_ref().map(Head::vocab)
     }
 
     pub fn num_layers(&self) -> usize {
@@ -233,9 +292,9 @@ impl Decoder {
     pub fn intermediate_size(&self) -> usize {
         self.ffn
     }
-    /// Rows of the RoPE tables: positions must be below it.
-    pub fn max_positions(&self) -> usize {
-        self.cos.len() / (self.head_dim / 2)
+    /// How many RoPE row pairs each step brings.
+    pub fn num_rope_tables(&self) -> usize {
+        self.num_ropes
     }
 
     /// Run every layer over the step: `x [T, H]` is the embedded tokens on entry and the residual
@@ -272,7 +331,7 @@ impl Decoder {
         let Some(head) = &self.head else {
             return bad("this decoder has no head (build it with final_norm and lm_head)".into());
         };
-        let (t, h, v) = (batch.positions.len(), self.hidden, head.lm_head.n());
+        let (t, h, v) = (batch.positions.len(), self.hidden, head.vocab());
         if let Some((i, &r)) = rows.iter().enumerate().find(|(_, &r)| r >= t) {
             return bad(format!(
                 "logits row {i} is token {r}, not in [0, {t}) (the step's tokens)"
@@ -292,7 +351,21 @@ impl Decoder {
             }
             let mut hn = vec![0f32; last.len()];
             ops::rms_norm(&last, h, &head.norm, self.eps, None, &mut hn)?;
-            mm.linear(&hn, rows.len(), &head.lm_head, logits)
+            if let [w] = head.lm_head.as_slice() {
+                return mm.linear(&hn, rows.len(), w, logits);
+            }
+            // Chunk by chunk into a scratch [N, Vc], then into its columns of the logits.
+            let mut at = 0;
+            for w in &head.lm_head {
+                let vc = w.n();
+                let mut part = vec![0f32; rows.len() * vc];
+                mm.linear(&hn, rows.len(), w, &mut part)?;
+                for (dst, src) in logits.chunks_exact_mut(v).zip(part.chunks_exact(vc)) {
+                    dst[at..at + vc].copy_from_slice(src);
+                }
+                at += vc;
+            }
+            Ok(())
         })
     }
 
@@ -349,16 +422,25 @@ impl Decoder {
                 b.slot_mapping.len()
             ));
         }
-        let max = self.max_positions();
-        if let Some((i, &p)) = b
-            .positions
-            .iter()
-            .enumerate()
-            .find(|(_, &p)| p < 0 || p as u64 >= max as u64)
-        {
+        if let Some((i, &p)) = b.positions.iter().enumerate().find(|(_, &p)| p < 0) {
+            return bad(format!("positions[{i}] = {p} is negative"));
+        }
+        let half = self.head_dim / 2;
+        if b.rope.len() != self.num_ropes {
             return bad(format!(
-                "positions[{i}] = {p} is not in [0, {max}) (the RoPE tables' rows)"
+                "the step needs {} RoPE (cos, sin) row pairs, got {}",
+                self.num_ropes,
+                b.rope.len()
             ));
+        }
+        for (i, r) in b.rope.iter().enumerate() {
+            if r.cos.len() != t * half || r.sin.len() != t * half {
+                return bad(format!(
+                    "rope[{i}]: cos and sin must be [{t}, {half}] (tokens, head_dim/2), got {} and {} values",
+                    r.cos.len(),
+                    r.sin.len()
+                ));
+            }
         }
         if num_caches != self.layers.len() {
             return bad(format!(
@@ -404,16 +486,40 @@ impl Decoder {
         let t = b.positions.len();
         let (h, d, f) = (self.hidden, self.head_dim, self.ffn);
         let (nq, nkv) = (self.num_heads * d, self.num_kv_heads * d);
-        let params = Params::new(d, None, self.sliding_window.map(|w| w as i64), None)?;
         let mut hn = vec![0f32; t * h];
         let mut qkv = vec![0f32; t * (nq + 2 * nkv)];
         let (mut k, mut v) = (vec![0f32; t * nkv], vec![0f32; t * nkv]);
+        // Per-head normed queries / keys (Qwen3, Gemma 3), before RoPE.
+        let qk_norm = self.layers.iter().any(|l| l.q_norm.is_some() || l.k_norm.is_some());
+        let (mut qs, mut qn) = if qk_norm {
+            (vec![0f32; t * nq], vec![0f32; t * nq])
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let (mut ks, mut kn) = if qk_norm {
+            (vec![0f32; t * nkv], vec![0f32; t * nkv])
+        } else {
+            (Vec::new(), Vec::new())
+        };
         let mut attn = vec![0f32; t * nq];
         let mut o = vec![0f32; t * h];
+        let mut o2 = vec![
+            0f32;
+            if self
+                .layers
+                .iter()
+                .any(|l| l.post_attn_norm.is_some() || l.post_ffn_norm.is_some())
+            {
+                t * h
+            } else {
+                0
+            }
+        ];
         let mut gu = vec![0f32; t * 2 * f];
         let mut act = vec![0f32; t * f];
         let mut delta = vec![0f32; t * h];
         for (i, (layer, (kc, vc))) in self.layers.iter().zip(caches.iter_mut()).enumerate() {
+            let params = Params::new(d, self.attn_scale, layer.sliding_window.map(|w| w as i64), None)?;
             if i == 0 {
                 ops::rms_norm(x, h, &layer.attn_norm, self.eps, None, &mut hn)?;
             } else {
@@ -427,21 +533,51 @@ impl Decoder {
                     }
                 }
             }
-            for (r, row) in qkv.chunks_exact(nq + 2 * nkv).enumerate() {
-                let p = b.positions[r] as usize;
-                let (c, s) = (&self.cos[p * d / 2..][..d / 2], &self.sin[p * d / 2..][..d / 2]);
-                rope_heads(&row[..nq], &mut q[r * nq..][..nq], d, c, s, self.rope);
-                rope_heads(&row[nq..nq + nkv], &mut k[r * nkv..][..nkv], d, c, s, self.rope);
-                v[r * nkv..][..nkv].copy_from_slice(&row[nq + nkv..]);
+            // The rows RoPE reads: straight from qkv, or the per-head normed copies.
+            let (q_src, q_w, k_src, k_w): (&[f32], usize, &[f32], usize) = match (&layer.q_norm, &layer.k_norm) {
+                (None, None) => (&qkv, nq + 2 * nkv, &qkv[nq..], nq + 2 * nkv),
+                (qw, kw) => {
+                    for (r, row) in qkv.chunks_exact(nq + 2 * nkv).enumerate() {
+                        qs[r * nq..][..nq].copy_from_slice(&row[..nq]);
+                        ks[r * nkv..][..nkv].copy_from_slice(&row[nq..nq + nkv]);
+                    }
+                    match qw {
+                        Some(w) => ops::rms_norm(&qs, d, w, self.eps, None, &mut qn)?,
+                        None => qn.copy_from_slice(&qs),
+                    }
+                    match kw {
+                        Some(w) => ops::rms_norm(&ks, d, w, self.eps, None, &mut kn)?,
+                        None => kn.copy_from_slice(&ks),
+                    }
+                    (&qn, nq, &kn, nkv)
+                }
+            };
+            let table = &b.rope[layer.rope_table];
+            for r in 0..t {
+                let (c, s) = (&table.cos[r * d / 2..][..d / 2], &table.sin[r * d / 2..][..d / 2]);
+                rope_heads(&q_src[r * q_w..][..nq], &mut q[r * nq..][..nq], d, c, s, self.rope);
+                rope_heads(&k_src[r * k_w..][..nkv], &mut k[r * nkv..][..nkv], d, c, s, self.rope);
+                v[r * nkv..][..nkv].copy_from_slice(&qkv[r * (nq + 2 * nkv) + nq + nkv..][..nkv]);
             }
             attention::write_kv(reborrow(kc), reborrow(vc), shape, &k, &v, b.slot_mapping)?;
             let batch = self.attention_batch(&q, b);
             attention::paged_attention(view(kc), view(vc), shape, batch, params, &mut attn)?;
             mm.linear(&attn, t, &layer.wo, &mut o)?;
-            ops::rms_norm(&o, h, &layer.ffn_norm, self.eps, Some(x), &mut hn)?;
+            let o_in = match &layer.post_attn_norm {
+                Some(w) => {
+                    ops::rms_norm(&o, h, w, self.eps, None, &mut o2)?;
+                    &o2
+                }
+                None => &o,
+            };
+            ops::rms_norm(o_in, h, &layer.ffn_norm, self.eps, Some(x), &mut hn)?;
             mm.linear(&hn, t, &layer.w_gate_up, &mut gu)?;
-            ops::silu_and_mul(&gu, f, &mut act)?;
+            ops::act_and_mul(&gu, f, self.act, &mut act)?;
             mm.linear(&act, t, &layer.w_down, &mut delta)?;
+            if let Some(w) = &layer.post_ffn_norm {
+                ops::rms_norm(&delta, h, w, self.eps, None, &mut o2)?;
+                delta.copy_from_slice(&o2);
+            }
         }
         for (a, &c) in x.iter_mut().zip(&delta) {
             *a += c;

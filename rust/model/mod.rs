@@ -2,7 +2,7 @@
 //!
 //! | file      | what                                                                          |
 //! |-----------|-------------------------------------------------------------------------------|
-//! | llama.rs  | `Decoder`: the Llama-architecture decoder stack (Llama, Mistral, Qwen2 biases) |
+//! | llama.rs  | `Decoder`: the one decoder stack every architecture runs, described by data    |
 //! | team.rs   | the step team: kernel threads held for a small step, sharing its products     |
 //!
 //! The kernels are the existing ones (`ops`, `linear`, `attention`), called in the same order and
@@ -15,4 +15,4 @@
 pub mod llama;
 pub mod team;
 
-pub use llama::{Decoder, Head, Layer, RopeMode, StepBatch};
+pub use llama::{Decoder, Head, Layer, RopeMode, RopeRows, StepBatch};

@@ -302,6 +302,26 @@ pub fn silu_and_mul<'py>(
     gate_up: &Bound<'py, PyAny>,
     out: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
+    act_and_mul(py, gate_up, out, crate::ops::Activation::Silu)
+}
+
+/// GeGLU activation (Gemma): float32 `gate_up [T, 2F]` -> `gelu_tanh(gate) * up [T, F]`.
+#[pyfunction]
+#[pyo3(signature = (gate_up, *, out = None))]
+pub fn gelu_tanh_and_mul<'py>(
+    py: Python<'py>,
+    gate_up: &Bound<'py, PyAny>,
+    out: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    act_and_mul(py, gate_up, out, crate::ops::Activation::GeluTanh)
+}
+
+fn act_and_mul<'py>(
+    py: Python<'py>,
+    gate_up: &Bound<'py, PyAny>,
+    out: Option<&Bound<'py, PyAny>>,
+    act: crate::ops::Activation,
+) -> PyResult<Bound<'py, PyAny>> {
     let gr = typed::<f32>(gate_up, "gate_up", 2, "float32")?;
     if gr.shape[1] % 2 != 0 || gr.shape[1] == 0 {
         return Err(PyValueError::new_err(format!(
@@ -317,7 +337,8 @@ pub fn silu_and_mul<'py>(
     let os = og
         .as_slice_mut()
         .map_err(|e| PyValueError::new_err(format!("out: {e}")))?;
-    py.detach(|| crate::ops::silu_and_mul(gs, f, os)).map_err(PyErr::from)?;
+    py.detach(|| crate::ops::act_and_mul(gs, f, act, os))
+        .map_err(PyErr::from)?;
     drop(og);
     Ok(out_obj)
 }

@@ -7,7 +7,7 @@
 //! | alloc.rs      | `BlockAllocator`, `KVCacheManager`                                    |
 //! | arrays.rs     | numpy array views and their validation                                |
 //! | attention.rs  | `new_kv_cache`, `write_kv`, `copy_blocks`, `write_blocks`, `paged_attention` |
-//! | linear.rs     | `QLinear`, `dequantize_gguf`, `gguf_strings`, `rms_norm`, `silu_and_mul` |
+//! | linear.rs     | `QLinear`, `dequantize_gguf`, `gguf_strings`, `rms_norm`, `silu_and_mul`, `gelu_tanh_and_mul` |
 //! | model.rs      | `LlamaDecoder`: the whole decoder stack in one call per step          |
 //! | runtime.rs    | ISA and threads (`set_isa`, `kernel_info`, ...), probes, build info   |
 //!
@@ -33,7 +33,7 @@ use crate::error::Error;
 
 pub use alloc::{BlockAllocator, KVCacheManager};
 pub use attention::{copy_blocks, new_kv_cache, paged_attention, write_blocks, write_kv};
-pub use linear::{dequantize_gguf, gguf_strings, rms_norm, silu_and_mul, QLinear};
+pub use linear::{dequantize_gguf, gelu_tanh_and_mul, gguf_strings, rms_norm, silu_and_mul, QLinear};
 pub use model::LlamaDecoder;
 pub use runtime::{
     build_profile, core_version, fma_peak, get_isa, get_num_threads, kernel_info, memory_bandwidth, set_isa,

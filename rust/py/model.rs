@@ -1,5 +1,5 @@
-//! The fused decoder (`LlamaDecoder`): a Llama-architecture layer stack run in one GIL-free call
-//! per engine step (see `rust/model/llama.rs`).
+//! The fused decoder (`LlamaDecoder`): the decoder stack of every supported architecture, run in
+//! one GIL-free call per engine step (see `rust/model/llama.rs`).
 
 use std::sync::Arc;
 
@@ -13,13 +13,20 @@ use super::linear::QLinear;
 use super::type_name;
 use crate::attention::KvMut;
 use crate::attention::{CacheShape, DType};
-use crate::model::{Decoder, Head, Layer, RopeMode, StepBatch};
+use crate::model::{Decoder, Head, Layer, RopeMode, RopeRows, StepBatch};
+use crate::ops::Activation;
 
-/// A Llama-architecture decoder stack over `QLinear` weights (shared, not copied).
+/// A decoder stack over `QLinear` weights (shared, not copied), described by data.
 ///
 /// `layers`: one dict per layer with `attn_norm`, `ffn_norm` (float32 `[H]`), `wqkv`, `wo`,
-/// `wgu`, `wdown` (`QLinear`), and optionally `bqkv` (float32 `[(Hq + 2 Hkv) D]` or None).
-/// `cos`, `sin`: float32 `[max_len, D/2]` RoPE tables. `rope_mode`: "half" or "adjacent".
+/// `wgu`, `wdown` (`QLinear`), and optionally (None or absent: not there) `bqkv` (float32
+/// `[(Hq + 2 Hkv) D]`), `q_norm`, `k_norm` (float32 `[D]`, per head before RoPE),
+/// `post_attn_norm`, `post_ffn_norm` (float32 `[H]`), `rope_table` (int, default 0: which of the
+/// step's `rope_tables` RoPE row pairs the layer rotates with) and `sliding_window` (int; absent:
+/// the decoder's `sliding_window`). Each step's batch brings `rope`: `rope_tables` pairs of float32
+/// `[T, D/2]` cos and sin rows at its tokens' positions. `rope_mode`: "half" or "adjacent".
+/// `activation`: "silu" or "gelu_tanh"; `attn_scale`: the attention logits' scale (None: 1/sqrt(D)).
+/// `lm_head`: a `QLinear` `[V, H]`, or a sequence of them holding consecutive vocabulary rows.
 #[pyclass(frozen, module = "pagedkv_rs._core")]
 pub struct LlamaDecoder {
     inner: Arc<Decoder>,
@@ -42,30 +49,35 @@ fn qweight(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Arc<crate::linear::QW
     Ok(q.get().weight())
 }
 
-fn table(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<(Vec<f32>, Vec<usize>)> {
-    let r = typed::<f32>(obj, name, 2, "float32")?;
-    let v = slice_of(&readonly::<f32>(&r, name)?, name)?.to_vec();
-    Ok((v, r.shape))
-}
-
 #[pymethods]
 impl LlamaDecoder {
     #[new]
-    #[pyo3(signature = (layers, cos, sin, *, num_heads, num_kv_heads, rms_eps, rope_mode = "half", sliding_window = None, final_norm = None, lm_head = None))]
+    #[pyo3(signature = (layers, *, head_dim, num_heads, num_kv_heads, rms_eps, rope_mode = "half", rope_tables = 1, sliding_window = None, final_norm = None, lm_head = None, activation = "silu", attn_scale = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         layers: &Bound<'_, PyAny>,
-        cos: &Bound<'_, PyAny>,
-        sin: &Bound<'_, PyAny>,
+        head_dim: i64,
         num_heads: i64,
         num_kv_heads: i64,
         rms_eps: f64,
         rope_mode: &str,
+        rope_tables: i64,
         sliding_window: Option<i64>,
         final_norm: Option<&Bound<'_, PyAny>>,
         lm_head: Option<&Bound<'_, PyAny>>,
+        activation: &str,
+        attn_scale: Option<f64>,
     ) -> PyResult<Self> {
+        let pos_int = |name: &str, v: i64| -> PyResult<usize> {
+            if !(1..=1 << 20).contains(&v) {
+                return Err(PyValueError::new_err(format!("{name} must be in [1, 2**20], got {v}")));
+            }
+            Ok(v as usize)
+        };
+        let window = sliding_window
+            .map(|w| pos_int("sliding_window", w.min(1 << 20)))
+            .transpose()?;
         let seq: Vec<Bound<'_, PyAny>> = layers
             .try_iter()
             .map_err(|_| {
@@ -81,6 +93,30 @@ impl LlamaDecoder {
                 item(d, k)?.ok_or_else(|| PyValueError::new_err(format!("layers[{i}] has no '{k}'")))
             };
             let name = |k: &str| format!("layers[{i}]['{k}']");
+            let opt = |k: &str| item(d, k)?.map(|b| vector(&b, &name(k))).transpose();
+            let int = |k: &str| -> PyResult<Option<i64>> {
+                item(d, k)?
+                    .map(|o| {
+                        o.extract::<i64>().map_err(|_| {
+                            PyTypeError::new_err(format!("{} must be an int, got {}", name(k), type_name(&o)))
+                        })
+                    })
+                    .transpose()
+            };
+            let rope_table = match int("rope_table")? {
+                None => 0,
+                Some(r) if r >= 0 => r as usize,
+                Some(r) => {
+                    return Err(PyValueError::new_err(format!(
+                        "{} must be >= 0, got {r}",
+                        name("rope_table")
+                    )))
+                }
+            };
+            let layer_window = match int("sliding_window")? {
+                None => window,
+                Some(w) => Some(pos_int(&name("sliding_window"), w.min(1 << 20))?),
+            };
             out.push(Layer {
                 attn_norm: vector(&get("attn_norm")?, &name("attn_norm"))?,
                 wqkv: qweight(&get("wqkv")?, &name("wqkv"))?,
@@ -89,31 +125,37 @@ impl LlamaDecoder {
                 ffn_norm: vector(&get("ffn_norm")?, &name("ffn_norm"))?,
                 w_gate_up: qweight(&get("wgu")?, &name("wgu"))?,
                 w_down: qweight(&get("wdown")?, &name("wdown"))?,
+                q_norm: opt("q_norm")?,
+                k_norm: opt("k_norm")?,
+                post_attn_norm: opt("post_attn_norm")?,
+                post_ffn_norm: opt("post_ffn_norm")?,
+                rope_table,
+                sliding_window: layer_window,
             });
         }
-        let (c, cs) = table(cos, "cos")?;
-        let (s, ss) = table(sin, "sin")?;
-        if cs != ss {
-            return Err(PyValueError::new_err(format!(
-                "cos and sin must have one shape, got {cs:?} and {ss:?}"
-            )));
-        }
-        let pos_int = |name: &str, v: i64| -> PyResult<usize> {
-            if !(1..=1 << 20).contains(&v) {
-                return Err(PyValueError::new_err(format!("{name} must be in [1, 2**20], got {v}")));
-            }
-            Ok(v as usize)
-        };
+        let num_ropes = pos_int("rope_tables", rope_tables)?;
+        let d = pos_int("head_dim", head_dim)?;
+        let act = Activation::parse(activation).map_err(PyErr::from)?;
         let (hq, hkv) = (pos_int("num_heads", num_heads)?, pos_int("num_kv_heads", num_kv_heads)?);
-        let window = sliding_window
-            .map(|w| pos_int("sliding_window", w.min(1 << 20)))
-            .transpose()?;
         let rope = RopeMode::parse(rope_mode).map_err(PyErr::from)?;
         let head = match (final_norm.filter(|v| !v.is_none()), lm_head.filter(|v| !v.is_none())) {
             (None, None) => None,
             (Some(n), Some(w)) => Some(Head {
                 norm: vector(n, "final_norm")?,
-                lm_head: qweight(w, "lm_head")?,
+                lm_head: if w.cast::<QLinear>().is_ok() {
+                    vec![qweight(w, "lm_head")?]
+                } else {
+                    let items = w.try_iter().map_err(|_| {
+                        PyTypeError::new_err(format!(
+                            "lm_head must be a QLinear or a sequence of them, got {}",
+                            type_name(w)
+                        ))
+                    })?;
+                    items
+                        .enumerate()
+                        .map(|(i, q)| qweight(&q?, &format!("lm_head[{i}]")))
+                        .collect::<PyResult<_>>()?
+                },
             }),
             _ => {
                 return Err(PyValueError::new_err(
@@ -123,7 +165,7 @@ impl LlamaDecoder {
         };
         let dec = py
             .detach(|| {
-                let d = Decoder::new(out, c, s, cs[1], rope, hq, hkv, rms_eps as f32, window)?;
+                let d = Decoder::new(out, num_ropes, d, rope, hq, hkv, rms_eps as f32, act, attn_scale)?;
                 match head {
                     Some(h) => d.with_head(h),
                     None => Ok(d),
@@ -301,6 +343,12 @@ impl LlamaDecoder {
             field("seq_lens")?,
             field("query_start_loc")?,
         );
+        let rope_o = batch.getattr("rope").map_err(|_| {
+            PyTypeError::new_err(
+                "batch has no 'rope' (per RoPE base, the (cos, sin) rows at the step's positions: \
+                 LlamaWeights.rope_rows)",
+            )
+        })?;
         let pos = typed::<i64>(&pos_o, "batch.positions", 1, "int64")?;
         let slot = typed::<i64>(&slot_o, "batch.slot_mapping", 1, "int64")?;
         // The table: padded `[B, max_blocks]`, or the CSR tuple `(indptr, indices)`.
@@ -320,6 +368,30 @@ impl LlamaDecoder {
         };
         let sl = typed::<i32>(&sl_o, "batch.seq_lens", 1, "int32")?;
         let qsl = typed::<i32>(&qsl_o, "batch.query_start_loc", 1, "int32")?;
+        // The RoPE rows: a sequence of (cos, sin) float32 [T, D/2] pairs.
+        let mut rope_arrs = Vec::new();
+        for (i, p) in rope_o
+            .try_iter()
+            .map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "batch.rope must be a sequence of (cos, sin) pairs, got {}",
+                    type_name(&rope_o)
+                ))
+            })?
+            .enumerate()
+        {
+            let p = p?;
+            let (co, so): (Bound<'py, PyAny>, Bound<'py, PyAny>) = p.extract().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "batch.rope[{i}] must be a (cos, sin) pair, got {}",
+                    type_name(&p)
+                ))
+            })?;
+            rope_arrs.push((
+                typed::<f32>(&co, &format!("batch.rope[{i}] cos"), 2, "float32")?,
+                typed::<f32>(&so, &format!("batch.rope[{i}] sin"), 2, "float32")?,
+            ));
+        }
         let t = xr.shape[0];
         if pos.shape[0] != t || slot.shape[0] != t {
             return Err(PyValueError::new_err(format!(
@@ -387,16 +459,18 @@ impl LlamaDecoder {
                     return Err(PyValueError::new_err("kv_caches must not share memory with each other"));
                 }
             }
-            for (r, n) in [
-                (&xr, "x"),
-                (&pos, "batch.positions"),
-                (&slot, "batch.slot_mapping"),
-                (&bt, "batch.block_tables"),
-                (&sl, "batch.seq_lens"),
-                (&qsl, "batch.query_start_loc"),
-            ]
-            .into_iter()
-            .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
+            for (r, n) in rope_arrs
+                .iter()
+                .flat_map(|(c, s)| [(c, "batch.rope"), (s, "batch.rope")])
+                .chain([
+                    (&xr, "x"),
+                    (&pos, "batch.positions"),
+                    (&slot, "batch.slot_mapping"),
+                    (&bt, "batch.block_tables"),
+                    (&sl, "batch.seq_lens"),
+                    (&qsl, "batch.query_start_loc"),
+                ])
+                .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
             {
                 if ra.overlaps(r) {
                     return Err(PyValueError::new_err(format!(
@@ -405,15 +479,17 @@ impl LlamaDecoder {
                 }
             }
         }
-        for (r, n) in [
-            (&pos, "batch.positions"),
-            (&slot, "batch.slot_mapping"),
-            (&bt, "batch.block_tables"),
-            (&sl, "batch.seq_lens"),
-            (&qsl, "batch.query_start_loc"),
-        ]
-        .into_iter()
-        .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
+        for (r, n) in rope_arrs
+            .iter()
+            .flat_map(|(c, s)| [(c, "batch.rope"), (s, "batch.rope")])
+            .chain([
+                (&pos, "batch.positions"),
+                (&slot, "batch.slot_mapping"),
+                (&bt, "batch.block_tables"),
+                (&sl, "batch.seq_lens"),
+                (&qsl, "batch.query_start_loc"),
+            ])
+            .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
         {
             if xr.overlaps(r) {
                 return Err(PyValueError::new_err(format!("x must not share memory with {n}")));
@@ -430,6 +506,24 @@ impl LlamaDecoder {
             .as_ref()
             .map(|r| readonly::<i32>(r, "batch.block_tables indptr"))
             .transpose()?;
+        let rope_guards = rope_arrs
+            .iter()
+            .map(|(c, s)| {
+                Ok((
+                    readonly::<f32>(c, "batch.rope cos")?,
+                    readonly::<f32>(s, "batch.rope sin")?,
+                ))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let rope = rope_guards
+            .iter()
+            .map(|(c, s)| {
+                Ok(RopeRows {
+                    cos: slice_of(c, "batch.rope cos")?,
+                    sin: slice_of(s, "batch.rope sin")?,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
         let step = StepBatch {
             positions: slice_of(&pg, "batch.positions")?,
             slot_mapping: slice_of(&sg, "batch.slot_mapping")?,
@@ -441,6 +535,7 @@ impl LlamaDecoder {
                 .transpose()?,
             seq_lens: slice_of(&slg, "batch.seq_lens")?,
             query_start_loc: slice_of(&qslg, "batch.query_start_loc")?,
+            rope: &rope,
         };
         let mut xg = xr
             .arr

@@ -1,4 +1,4 @@
-"""pagedkv_rs.rms_norm / silu_and_mul (rust/ops.rs) against the float64 numpy spec, on every ISA."""
+"""pagedkv_rs.rms_norm / silu_and_mul / gelu_tanh_and_mul (rust/ops.rs) against the float64 numpy spec, on every ISA."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pagedkv_rs
+from pagedkv_rs import kernels
 from pagedkv_rs.kernels import reference
 from session import forced_isa
 
@@ -39,6 +40,37 @@ def test_silu_and_mul_matches_reference(isa, t, f):
     np.testing.assert_allclose(pagedkv_rs.silu_and_mul(gu), reference.silu_and_mul(gu), rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("t,f", [(1, 1), (5, 17), (32, 2048), (65, 40)])
+def test_gelu_tanh_and_mul_matches_reference(isa, t, f):
+    rng = np.random.default_rng(t + 7 * f)
+    gu = (rng.standard_normal((t, 2 * f)) * 4).astype(np.float32)
+    gu[0, 0] = 100.0  # tanh saturates: gelu = x
+    if f > 1:
+        gu[0, 1] = -100.0  # gelu -> -0
+    if f > 2:
+        gu[0, 2] = -6.0  # the far negative tail, where 1 + tanh(u) cancels if computed that way
+    got = pagedkv_rs.gelu_tanh_and_mul(gu)
+    want = reference.gelu_tanh_and_mul(gu)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+    if f > 2:
+        assert abs(got[0, 2] / want[0, 2] - 1) < 1e-5  # relative, in the tail
+    np.testing.assert_array_equal(kernels.gelu_tanh_and_mul(gu), got)  # the public kernel path
+
+
+def test_gelu_tanh_reference_is_the_tanh_formula():
+    """The spec against the textbook definition (and not erf-GELU: they differ by ~1e-3 near |x| = 2)."""
+    import math
+
+    xs = [-3.0, -2.0, -0.5, 0.0, 0.1, 1.0, 2.0, 5.0]
+    gu = np.array([xs + [1.0] * len(xs)], np.float32)
+    got = reference.gelu_tanh_and_mul(gu)[0]
+    for x, g in zip(xs, got):
+        x = float(np.float32(x))
+        want = 0.5 * x * (1 + math.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+        assert g == pytest.approx(want, rel=1e-6, abs=1e-12)
+    assert abs(got[5] - 0.5 * (1 + math.erf(2 / math.sqrt(2))) * 2.0) > 1e-4
+
+
 @pytest.mark.parametrize("simd", pagedkv_rs.kernel_info()["isas"][1:])  # none on a CPU without SIMD: reported
 def test_simd_and_scalar_agree_bit_for_bit(simd):
     rng = np.random.default_rng(1)
@@ -48,7 +80,9 @@ def test_simd_and_scalar_agree_bit_for_bit(simd):
     outs = []
     for name in ("scalar", simd):
         with forced_isa(name):
-            outs.append((pagedkv_rs.rms_norm(x, w, 1e-6), pagedkv_rs.silu_and_mul(gu)))
+            outs.append(
+                (pagedkv_rs.rms_norm(x, w, 1e-6), pagedkv_rs.silu_and_mul(gu), pagedkv_rs.gelu_tanh_and_mul(gu))
+            )
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
@@ -101,6 +135,12 @@ def test_bad_input_is_a_clear_exception():
         pagedkv_rs.silu_and_mul(np.ones((2, 3), np.float32))
     with pytest.raises(ValueError, match=r"out must be \[2, 2\]"):
         pagedkv_rs.silu_and_mul(x, out=np.empty((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"gate_up must be \[T, 2F\]"):
+        pagedkv_rs.gelu_tanh_and_mul(np.ones((2, 3), np.float32))
+    with pytest.raises(TypeError, match="gate_up must be float32"):
+        pagedkv_rs.gelu_tanh_and_mul(x.astype(np.float64))
+    with pytest.raises(ValueError, match="gelu_tanh_and_mul needs float32"):
+        reference.gelu_tanh_and_mul(np.ones((2, 3), np.float32))
 
 
 def test_kernel_source_switches_at_run_time():

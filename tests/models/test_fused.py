@@ -143,7 +143,7 @@ def test_fused_head_equals_numpy_head(isa, tokens):
         assert b.dtype == np.float32 and b.shape == (1 if idx is None else len(idx), 300)
         np.testing.assert_array_equal(a, b)
         x = np.ascontiguousarray(w.embed[batch.input_ids], np.float32)
-        direct = models[1]._decoder.forward(x, batch, models[1].new_kv_caches(16, 4, "float32"), idx)
+        direct = models[1]._decoder.forward(x, with_rope(batch, w), models[1].new_kv_caches(16, 4, "float32"), idx)
         np.testing.assert_array_equal(direct, b)
 
 
@@ -156,10 +156,15 @@ def tiny():
     model = LlamaModel(w, impl="fused")
     mgr = pagedkv_rs.fallback.KVCacheManager(8, 4, enable_prefix_caching=False)
     mgr.allocate(0, [1, 2, 3, 4, 5])
-    batch = mgr.prepare_batch([0], [5])
+    batch = with_rope(mgr.prepare_batch([0], [5]), w)
     caches = model.new_kv_caches(8, 4, "float32")
     x = np.ascontiguousarray(w.embed[batch.input_ids], np.float32)
     return types.SimpleNamespace(w=w, model=model, dec=model._decoder, batch=batch, caches=caches, x=x)
+
+
+def with_rope(batch, w):
+    """A batch as the decoder takes it directly: plus each RoPE base's cos/sin rows at its positions."""
+    return types.SimpleNamespace(**{**batch.__dict__, "rope": w.rope_rows(np.asarray(batch.positions))})
 
 
 def _layers(w, **over):
@@ -174,37 +179,49 @@ def _layers(w, **over):
 
 def test_decoder_constructor_rejects_bad_weights(tiny):
     w = tiny.w
-    kw = dict(num_heads=4, num_kv_heads=2, rms_eps=1e-5)
-    dec = _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw)
+    kw = dict(head_dim=16, num_heads=4, num_kv_heads=2, rms_eps=1e-5)
+    dec = _core.LlamaDecoder(_layers(w), **kw)
     assert (dec.num_layers, dec.hidden_size, dec.head_dim, dec.intermediate_size) == (2, 64, 16, 96)
     with pytest.raises(TypeError, match=r"layers\[0\]\['wo'\] must be a QLinear"):
-        _core.LlamaDecoder(_layers(w, wo=np.zeros((64, 64), np.float32)), w.cos, w.sin, **kw)
+        _core.LlamaDecoder(_layers(w, wo=np.zeros((64, 64), np.float32)), **kw)
     with pytest.raises(ValueError, match=r"layers\[0\] has no 'wgu'"):
-        _core.LlamaDecoder([{k: v for k, v in layer.items() if k != "wgu"} for layer in _layers(w)], w.cos, w.sin, **kw)
+        _core.LlamaDecoder([{k: v for k, v in layer.items() if k != "wgu"} for layer in _layers(w)], **kw)
     with pytest.raises(TypeError, match=r"attn_norm.* must be float32"):
-        _core.LlamaDecoder(_layers(w, attn_norm=np.ones(64)), w.cos, w.sin, **kw)
+        _core.LlamaDecoder(_layers(w, attn_norm=np.ones(64)), **kw)
     with pytest.raises(ValueError, match="layer 0: attn_norm is"):
-        _core.LlamaDecoder(_layers(w, attn_norm=np.ones(32, np.float32)), w.cos, w.sin, **kw)
+        _core.LlamaDecoder(_layers(w, attn_norm=np.ones(32, np.float32)), **kw)
     with pytest.raises(ValueError, match="layer 0: wqkv is"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin, num_heads=4, num_kv_heads=1, rms_eps=1e-5)
+        _core.LlamaDecoder(_layers(w), head_dim=16, num_heads=4, num_kv_heads=1, rms_eps=1e-5)
     with pytest.raises(ValueError, match="bqkv has 3 values"):
-        _core.LlamaDecoder(_layers(w, bqkv=np.ones(3, np.float32)), w.cos, w.sin, **kw)
+        _core.LlamaDecoder(_layers(w, bqkv=np.ones(3, np.float32)), **kw)
     with pytest.raises(ValueError, match="positive multiple"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin, num_heads=3, num_kv_heads=2, rms_eps=1e-5)
-    with pytest.raises(ValueError, match="one shape"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin[:10], **kw)
-    with pytest.raises(ValueError, match="C-contiguous"):
-        _core.LlamaDecoder(_layers(w), np.asfortranarray(w.cos), w.sin, **kw)
+        _core.LlamaDecoder(_layers(w), head_dim=16, num_heads=3, num_kv_heads=2, rms_eps=1e-5)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        _core.LlamaDecoder(_layers(w), **{**kw, "head_dim": 15})
+    with pytest.raises(ValueError, match="layer 0: wqkv is"):
+        _core.LlamaDecoder(_layers(w), **{**kw, "head_dim": 8})
+    with pytest.raises(ValueError, match="rope_table 1 is not one of the 1 tables"):
+        _core.LlamaDecoder(_layers(w, rope_table=1), **kw)
+    with pytest.raises(ValueError, match=r"layer 0: q_norm has 8 values, expected 16"):
+        _core.LlamaDecoder(_layers(w, q_norm=np.ones(8, np.float32)), **kw)
+    with pytest.raises(ValueError, match=r"layer 0: post_ffn_norm has 8 values, expected 64"):
+        _core.LlamaDecoder(_layers(w, post_ffn_norm=np.ones(8, np.float32)), **kw)
+    with pytest.raises(ValueError, match="activation must be 'silu' or 'gelu_tanh'"):
+        _core.LlamaDecoder(_layers(w), activation="relu", **kw)
+    with pytest.raises(ValueError, match="attn_scale must be finite and > 0"):
+        _core.LlamaDecoder(_layers(w), attn_scale=float("inf"), **kw)
+    with pytest.raises(TypeError, match=r"layers\[0\]\['sliding_window'\] must be an int"):
+        _core.LlamaDecoder(_layers(w, sliding_window="8"), **kw)
     with pytest.raises(ValueError, match="rope_mode"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin, rope_mode="spiral", **kw)
+        _core.LlamaDecoder(_layers(w), rope_mode="spiral", **kw)
     with pytest.raises(ValueError, match="rms_eps"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin, num_heads=4, num_kv_heads=2, rms_eps=float("nan"))
+        _core.LlamaDecoder(_layers(w), head_dim=16, num_heads=4, num_kv_heads=2, rms_eps=float("nan"))
     with pytest.raises(ValueError, match="sliding_window"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin, sliding_window=0, **kw)
+        _core.LlamaDecoder(_layers(w), sliding_window=0, **kw)
     with pytest.raises(ValueError, match="at least one layer"):
-        _core.LlamaDecoder([], w.cos, w.sin, **kw)
+        _core.LlamaDecoder([], **kw)
     with pytest.raises(TypeError, match="sequence of dicts"):
-        _core.LlamaDecoder(3, w.cos, w.sin, **kw)
+        _core.LlamaDecoder(3, **kw)
 
 
 def _with(batch, **over):
@@ -225,11 +242,17 @@ def test_forward_hidden_rejects_bad_input(tiny):
     bad(ValueError, "C-contiguous", x=np.zeros((5, 128), np.float32)[:, ::2])
     bad(TypeError, "batch has no 'positions'", batch=object())
     bad(TypeError, "batch.positions must be int64", batch=_with(b, positions=b.positions.astype(np.int32)))
+    bad(ValueError, r"positions\[1\] = -3 is negative", batch=_with(b, positions=np.array([0, -3, 2, 3, 4])))
+    cos, sin = b.rope[0]
     bad(
-        ValueError,
-        r"positions\[1\] = 9999 is not in \[0, 256\)",
-        batch=_with(b, positions=np.array([0, 9999, 2, 3, 4])),
+        TypeError,
+        "batch has no 'rope'",
+        batch=types.SimpleNamespace(**{k: v for k, v in b.__dict__.items() if k != "rope"}),
     )
+    bad(ValueError, r"the step needs 1 RoPE \(cos, sin\) row pairs, got 2", batch=_with(b, rope=[(cos, sin)] * 2))
+    bad(ValueError, r"rope\[0\]: cos and sin must be \[5, 8\]", batch=_with(b, rope=[(cos[:4], sin[:4])]))
+    bad(TypeError, r"batch.rope\[0\] cos must be float32", batch=_with(b, rope=[(cos.astype(np.float64), sin)]))
+    bad(TypeError, r"batch.rope\[0\] must be a \(cos, sin\) pair", batch=_with(b, rope=[cos]))
     bad(ValueError, "slot_mapping", batch=_with(b, slot_mapping=np.array([0, 1, 2, 3, 10**6])))
     bt = b.block_tables.copy()
     bt[0, 0] = 99
@@ -271,24 +294,24 @@ def test_forward_hidden_rejects_bad_input(tiny):
 
 def test_decoder_head_rejects_bad_weights(tiny):
     w = tiny.w
-    kw = dict(num_heads=4, num_kv_heads=2, rms_eps=1e-5)
+    kw = dict(head_dim=16, num_heads=4, num_kv_heads=2, rms_eps=1e-5)
     head = dict(final_norm=np.ascontiguousarray(w.final_norm, np.float32), lm_head=w.lm_head.q)
-    dec = _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, **head)
+    dec = _core.LlamaDecoder(_layers(w), **kw, **head)
     assert dec.vocab_size == w.lm_head.q.n
-    assert _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw).vocab_size is None
+    assert _core.LlamaDecoder(_layers(w), **kw).vocab_size is None
     with pytest.raises(ValueError, match="both or neither"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, lm_head=w.lm_head.q)
+        _core.LlamaDecoder(_layers(w), **kw, lm_head=w.lm_head.q)
     with pytest.raises(ValueError, match="both or neither"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, final_norm=head["final_norm"])
-    with pytest.raises(TypeError, match="lm_head must be a QLinear"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, final_norm=head["final_norm"], lm_head=np.zeros((9, 64)))
+        _core.LlamaDecoder(_layers(w), **kw, final_norm=head["final_norm"])
+    with pytest.raises(TypeError, match=r"lm_head\[0\] must be a QLinear, got ndarray"):
+        _core.LlamaDecoder(_layers(w), **kw, final_norm=head["final_norm"], lm_head=np.zeros((9, 64)))
     with pytest.raises(TypeError, match="final_norm must be float32"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, final_norm=np.ones(64), lm_head=w.lm_head.q)
+        _core.LlamaDecoder(_layers(w), **kw, final_norm=np.ones(64), lm_head=w.lm_head.q)
     with pytest.raises(ValueError, match=r"final_norm \[64\] and lm_head \[V, 64\], got final_norm \[32\]"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, final_norm=np.ones(32, np.float32), lm_head=w.lm_head.q)
+        _core.LlamaDecoder(_layers(w), **kw, final_norm=np.ones(32, np.float32), lm_head=w.lm_head.q)
     narrow = _core.QLinear.from_float(np.ones((10, 32), np.float32))
     with pytest.raises(ValueError, match=r"lm_head \[10, 32\]"):
-        _core.LlamaDecoder(_layers(w), w.cos, w.sin, **kw, final_norm=head["final_norm"], lm_head=narrow)
+        _core.LlamaDecoder(_layers(w), **kw, final_norm=head["final_norm"], lm_head=narrow)
 
 
 def test_forward_logits_rejects_bad_input(tiny):
@@ -306,9 +329,9 @@ def test_forward_logits_rejects_bad_input(tiny):
     bad(ValueError, "sequence 0 has no token", batch=_with(b, query_start_loc=np.array([0, 0], np.int32)))
     bad(TypeError, "batch has no 'query_start_loc'", batch=object())
     bad(TypeError, "batch.query_start_loc must be int32", batch=_with(b, query_start_loc=np.array([0, 5])))
-    bad(ValueError, r"positions\[1\] = 9999", batch=_with(b, positions=np.array([0, 9999, 2, 3, 4])))
+    bad(ValueError, r"positions\[1\] = -1 is negative", batch=_with(b, positions=np.array([0, -1, 2, 3, 4])))
     w = tiny.w
-    headless = _core.LlamaDecoder(_layers(w), w.cos, w.sin, num_heads=4, num_kv_heads=2, rms_eps=1e-5)
+    headless = _core.LlamaDecoder(_layers(w), head_dim=16, num_heads=4, num_kv_heads=2, rms_eps=1e-5)
     bad(ValueError, "has no head", d=headless)
     for (k0, v0), (k1, v1) in zip(before, caches):  # nothing was written by a refused call
         np.testing.assert_array_equal(k0, k1)
@@ -327,6 +350,7 @@ def test_forward_hidden_releases_the_gil():
     batch = mgr.prepare_batch([0], [119])
     caches = model.new_kv_caches(64, 16, "float32")
     x = np.ascontiguousarray(big.embed[batch.input_ids], np.float32)
+    batch = with_rope(batch, big)
     assert gil_released_during(lambda: model._decoder.forward_hidden(x.copy(), batch, caches))
 
 
@@ -429,7 +453,7 @@ def test_forward_hidden_takes_the_csr_table_with_the_padded_ones_bits(tiny):
     mgr = pagedkv_rs.fallback.KVCacheManager(8, 4, enable_prefix_caching=False)
     mgr.allocate(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     mgr.allocate(1, [4, 5])
-    b = mgr.prepare_batch([0, 1], [9, 2])
+    b = with_rope(mgr.prepare_batch([0, 1], [9, 2]), tiny.w)
     x = np.ascontiguousarray(tiny.w.embed[b.input_ids], np.float32)
     outs = []
     for table in (b.block_tables, (b.indptr, b.indices)):

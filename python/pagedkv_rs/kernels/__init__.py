@@ -1,8 +1,8 @@
 """The kernel functions the engine and models call: the one public kernel path.
 
-``write_kv``, ``paged_attention``, ``copy_blocks``, ``write_blocks``, ``new_kv_cache``, ``rms_norm`` and
-``silu_and_mul`` come from the compiled core when it is built, else from the float64 numpy reference
-(``pagedkv_rs.kernels.reference``), which has the same signatures.
+``write_kv``, ``paged_attention``, ``copy_blocks``, ``write_blocks``, ``new_kv_cache``, ``rms_norm``,
+``silu_and_mul`` and ``gelu_tanh_and_mul`` come from the compiled core when it is built, else from the
+float64 numpy reference (``pagedkv_rs.kernels.reference``), which has the same signatures.
 
 The kernel source is read once at import from ``PAGEDKV_KERNEL=auto|rust|reference`` (``auto``: Rust
 when built; parsed here only) and switched at run time with ``set_kernel_source``; ``kernel_source()``
@@ -28,6 +28,7 @@ __all__ = [
     "new_kv_cache",
     "rms_norm",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "kernel_source",
     "set_kernel_source",
     "KERNEL_SOURCES",
@@ -100,3 +101,8 @@ def rms_norm(*args: Any, **kwargs: Any) -> Any:
 def silu_and_mul(*args: Any, **kwargs: Any) -> Any:
     """SwiGLU activation ``silu(gate) * up`` of a fused ``[T, 2F]`` projection."""
     return _impl.silu_and_mul(*args, **kwargs)
+
+
+def gelu_tanh_and_mul(*args: Any, **kwargs: Any) -> Any:
+    """GeGLU activation ``gelu_tanh(gate) * up`` of a fused ``[T, 2F]`` projection (Gemma)."""
+    return _impl.gelu_tanh_and_mul(*args, **kwargs)

@@ -38,6 +38,7 @@ __all__ = [
     "qlinear",
     "rms_norm",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
 ]
 
 DTypeLike = Union[str, np.dtype, type]
@@ -360,4 +361,18 @@ def silu_and_mul(gate_up: np.ndarray, *, out: Optional[np.ndarray] = None) -> np
     a, u = g[:, :f].astype(np.float64), g[:, f:].astype(np.float64)
     with np.errstate(over="ignore"):
         o[...] = a / (1.0 + np.exp(-a)) * u
+    return o
+
+
+def gelu_tanh_and_mul(gate_up: np.ndarray, *, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """float32 ``gate_up [T, 2F]`` -> ``gelu_tanh(gate) * up`` ``[T, F]``, float64 inside (Gemma's GeGLU).
+
+    ``gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``."""
+    g = np.asarray(gate_up)
+    if g.ndim != 2 or g.shape[1] % 2 or g.dtype != np.float32:
+        raise ValueError(f"gelu_tanh_and_mul needs float32 gate_up [T, 2F], got {g.dtype} {g.shape}")
+    f = g.shape[1] // 2
+    o = _out(out, (g.shape[0], f))
+    a, u = g[:, :f].astype(np.float64), g[:, f:].astype(np.float64)
+    o[...] = 0.5 * a * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (a + 0.044715 * a**3))) * u
     return o

@@ -1,4 +1,4 @@
-"""Read a Llama-architecture GGUF file: metadata, tokenizer tables and memory-mapped tensors.
+"""Read a decoder-model GGUF file (``architectures.py``): metadata, tokenizer tables and memory-mapped tensors.
 
 The file is parsed here (header, metadata, tensor table: a few hundred lines of ``struct``) and
 memory-mapped read-only; nothing is dequantized at load. Each :class:`GGUFTensor` is a view of
@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from pagedkv_rs.errors import PagedKVError
+from pagedkv_rs.models.architectures import ARCH_SPECS, ArchSpec
 
 __all__ = ["ARCHITECTURES", "GGUFError", "GGUFFile", "GGUFTensor", "LlamaConfig", "bundled_model_path", "load_gguf"]
 
@@ -98,9 +99,8 @@ def bundled_model_path() -> str:
     return path
 
 
-# ``general.architecture`` values this loader runs: Llama 2/3, SmolLM2, Mistral (converted as "llama"),
-# Qwen2 (Q/K/V biases; its Q/K rows are stored in rotate-half order, not permuted).
-ARCHITECTURES = ("llama", "qwen2")
+# ``general.architecture`` values this loader runs (each one's spec: ``architectures.ARCH_SPECS``).
+ARCHITECTURES = tuple(ARCH_SPECS)
 # ``{arch}.rope.scaling.type`` values understood: "linear" divides positions by ``rope.scaling.factor``;
 # Llama 3's frequency scaling arrives as the ``rope_freqs.weight`` tensor (one divisor per rotated pair).
 ROPE_SCALING_TYPES = ("none", "linear")
@@ -108,7 +108,7 @@ ROPE_SCALING_TYPES = ("none", "linear")
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Hyper-parameters of a Llama-family model, from ``{arch}.*`` GGUF metadata."""
+    """Hyper-parameters of a decoder model, from ``{arch}.*`` GGUF metadata and its ``ArchSpec``."""
 
     num_layers: int
     hidden_size: int
@@ -126,6 +126,26 @@ class LlamaConfig:
     sliding_window: Optional[int] = None  # attend to the last W positions only (Mistral)
     rope_scaling_factor: float = 1.0  # "linear" RoPE scaling: positions / factor
     rope_freq_factors: bool = False  # the file has ``rope_freqs.weight`` (Llama 3)
+    # Per layer: its sliding window (None: global attention); empty: ``sliding_window`` for every layer.
+    layer_windows: tuple[Optional[int], ...] = ()
+    rope_theta_local: Optional[float] = None  # RoPE base of the windowed layers when it differs (Gemma 3)
+    attention_scale: Optional[float] = None  # attention logits' scale; None: 1/sqrt(head_dim)
+    embedding_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden))
+
+    @property
+    def spec(self) -> ArchSpec:
+        """The architecture's decoder spec (which optional parts the layers have)."""
+        return ARCH_SPECS[self.architecture]
+
+    def layer_window(self, i: int) -> Optional[int]:
+        """Layer ``i``'s sliding window (None: it attends to every earlier position)."""
+        return self.layer_windows[i] if self.layer_windows else self.sliding_window
+
+    def layer_rope_theta(self, i: int) -> float:
+        """Layer ``i``'s RoPE base (windowed layers may have their own)."""
+        if self.rope_theta_local is not None and self.layer_window(i) is not None:
+            return self.rope_theta_local
+        return self.rope_theta
 
 
 @dataclass(frozen=True)
@@ -209,6 +229,30 @@ class GGUFFile:
             lo = start // page * page
             hi = -(-(start + t.data.nbytes) // page) * page
             self._map.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(self._map)) - lo)
+
+    def read(self, name: str) -> np.ndarray:
+        """A copy of one tensor's stored bytes (``uint8``, the shape of ``data``), read with ``pread``, not the map."""
+        t = self.tensors[name]
+        off = t.data.__array_interface__["data"][0] - self._base() if self._map is not None else None
+        if off is None:
+            return t.data.copy()
+        with open(self.path, "rb") as fh:
+            buf = os.pread(fh.fileno(), t.data.nbytes, off)
+        if len(buf) != t.data.nbytes:
+            raise GGUFError(f"{self.path}: tensor {name!r}: short read ({len(buf)} of {t.data.nbytes} bytes)")
+        return np.frombuffer(bytearray(buf), np.uint8).reshape(t.data.shape)
+
+    def release_rows(self, name: str, lo: int, hi: int) -> None:
+        """``release`` for rows ``lo..hi`` of one 2-D tensor only (pages it shares with other rows stay)."""
+        if self._map is None or not hasattr(self._map, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        t = self.tensors[name]
+        page = mmap.PAGESIZE
+        start = t.data.__array_interface__["data"][0] - self._base() + lo * t.data.shape[1]
+        end = start + (hi - lo) * t.data.shape[1]
+        first, last = -(-start // page) * page, end // page * page  # whole pages inside the rows
+        if last > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def _base(self) -> int:
         return int(np.frombuffer(self._map, np.uint8, count=1).__array_interface__["data"][0]) if self._map else 0
@@ -339,39 +383,91 @@ def _require(path: str, meta: dict[str, Any], key: str) -> Any:
 def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise GGUFError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(map(repr, ARCHITECTURES))}")
+        raise GGUFError(
+            f"{path}: unsupported architecture {arch!r} (general.architecture); supported: "
+            f"{', '.join(map(repr, ARCHITECTURES))}"
+        )
+    spec = ARCH_SPECS[arch]
     p = f"{arch}."
     hidden = int(_require(path, meta, p + "embedding_length"))
     heads = int(_require(path, meta, p + "attention.head_count"))
     kv_heads = int(meta.get(p + "attention.head_count_kv", heads))
-    if heads <= 0 or kv_heads <= 0 or heads % kv_heads or hidden % heads:
-        raise GGUFError(f"{path}: inconsistent head counts: {heads} query heads, {kv_heads} KV heads, hidden {hidden}")
-    head_dim = int(meta.get(p + "attention.key_length", hidden // heads))
-    if head_dim != hidden // heads or int(meta.get(p + "attention.value_length", head_dim)) != head_dim:
-        raise GGUFError(f"{path}: head_dim {head_dim} other than hidden/heads ({hidden // heads}) is not supported")
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads or hidden <= 0:
+        raise GGUFError(
+            f"{path}: {p}attention.head_count / head_count_kv: inconsistent head counts: {heads} query heads, "
+            f"{kv_heads} KV heads, hidden {hidden}"
+        )
+    if p + "attention.key_length" not in meta and hidden % heads:
+        raise GGUFError(f"{path}: {p}attention.key_length is missing and hidden {hidden} is not a multiple of {heads}")
+    # Qwen3 and Gemma 3: the query width head_count x key_length need not be the hidden size.
+    head_dim = int(meta.get(p + "attention.key_length", hidden // max(heads, 1)))
+    value_dim = int(meta.get(p + "attention.value_length", head_dim))
+    if head_dim <= 0 or head_dim % 2 or value_dim != head_dim:
+        raise GGUFError(
+            f"{path}: {p}attention.key_length {head_dim} / value_length {value_dim}: need one even head size "
+            "for keys and values"
+        )
     rot = int(meta.get(p + "rope.dimension_count", head_dim))
     if rot != head_dim:
-        raise GGUFError(f"{path}: partial rotary embedding ({rot} of {head_dim} dims) is not supported")
+        raise GGUFError(
+            f"{path}: {p}rope.dimension_count: partial rotary embedding ({rot} of {head_dim} dims) is not supported"
+        )
     scaling = meta.get(p + "rope.scaling.type", "none") or "none"
     if scaling not in ROPE_SCALING_TYPES:
         raise GGUFError(
-            f"{path}: RoPE scaling {scaling!r} is not supported (supported: {', '.join(ROPE_SCALING_TYPES)} and "
-            "Llama 3's rope_freqs tensor)"
+            f"{path}: RoPE scaling {scaling!r} is not supported ({p}rope.scaling.type; supported: "
+            f"{', '.join(ROPE_SCALING_TYPES)} and Llama 3's rope_freqs tensor)"
+        )
+    longrope = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n in tensors]
+    if longrope:
+        raise GGUFError(
+            f"{path}: tensor {longrope[0]!r}: LongRoPE (per-frequency long/short factors, Phi-3 128k) is not supported"
         )
     factor = float(meta.get(p + "rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
     if not factor > 0:
         raise GGUFError(f"{path}: rope.scaling.factor must be > 0, got {factor}")
+    softcap = float(meta.get(p + "final_logit_softcapping", 0.0) or 0.0)
+    if softcap:
+        raise GGUFError(f"{path}: {p}final_logit_softcapping {softcap}: final logit soft-capping is not supported")
     window = meta.get(p + "attention.sliding_window")
-    if window is not None and int(window) < 1:
+    if window is not None and int(window) < 1 and spec.sliding_window == "all":
         raise GGUFError(f"{path}: attention.sliding_window must be >= 1, got {window}")
+    n_layers = int(_require(path, meta, p + "block_count"))
+    rope_theta = float(meta.get(p + "rope.freq_base", 10000.0))
+    layer_windows: tuple[Optional[int], ...] = ()
+    rope_local: Optional[float] = None
+    if spec.sliding_window == "ignore":
+        window = None
+    elif spec.sliding_window == "pattern":
+        # llama.cpp: a window only when the key is there and > 0; then the pattern (an int period, or a
+        # per-layer bool array) and the local layers' base rope.freq_base_swa (default 10000).
+        if window is not None and int(window) > 0:
+            pattern = meta.get(p + "attention.sliding_window_pattern", spec.swa_period)
+            if isinstance(pattern, list):
+                if len(pattern) < n_layers:
+                    raise GGUFError(
+                        f"{path}: {p}attention.sliding_window_pattern has {len(pattern)} entries for {n_layers} layers"
+                    )
+                local = [bool(pattern[i]) for i in range(n_layers)]
+            else:
+                n = int(pattern)
+                local = [n == 0 or i % n < n - 1 for i in range(n_layers)]
+            layer_windows = tuple(int(window) if is_local else None for is_local in local)
+            rope_local = float(meta.get(p + "rope.freq_base_swa", spec.swa_rope_base or rope_theta))
+        window = None
     if "rope_freqs.weight" in tensors and tensors["rope_freqs.weight"].shape != (head_dim // 2,):
         shape = tensors["rope_freqs.weight"].shape
         raise GGUFError(f"{path}: tensor 'rope_freqs.weight' has shape {shape}, expected ({head_dim // 2},)")
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(tensors["token_embd.weight"].shape[0])
+    if n_layers in spec.hidden_scale_layer_counts:
+        attn_scale: Optional[float] = 1.0 / float(np.sqrt(np.float32(hidden // heads)))
+    else:
+        attn_scale = None  # 1/sqrt(head_dim), the kernels' default
+    bias = any(f"blk.0.attn_{n}.bias" in tensors for n in ("q", "k", "v", "qkv"))
     return LlamaConfig(
-        num_layers=int(_require(path, meta, p + "block_count")),
+        num_layers=n_layers,
         hidden_size=hidden,
         intermediate_size=int(_require(path, meta, p + "feed_forward_length")),
         num_heads=heads,
@@ -379,49 +475,95 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor]) -> 
         head_dim=head_dim,
         vocab_size=vocab,
         max_model_len=int(meta.get(p + "context_length", 2048)),
-        rope_theta=float(meta.get(p + "rope.freq_base", 10000.0)),
+        rope_theta=rope_theta,
         rms_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensors,
         architecture=arch,
-        attention_bias="blk.0.attn_q.bias" in tensors,
+        attention_bias=bias,
         sliding_window=None if window is None else int(window),
         rope_scaling_factor=factor,
         rope_freq_factors="rope_freqs.weight" in tensors,
+        layer_windows=layer_windows,
+        rope_theta_local=rope_local if rope_local is not None and rope_local != rope_theta else None,
+        attention_scale=attn_scale,
+        embedding_scale=float(np.sqrt(np.float32(hidden), dtype=np.float32)) if spec.embed_scale_sqrt_hidden else 1.0,
     )
+
+
+def layer_tensor_names(cfg: LlamaConfig, tensors: Any, i: int) -> dict[str, list[str]]:
+    """Layer ``i``'s tensors by role: ``qkv`` (fused ``attn_qkv`` or Q, K, V), ``qkv_bias`` (those present),
+    ``gate_up`` (gate then up, or Phi-3's fused up), and the rest one name each (absent roles omitted)."""
+    b = f"blk.{i}."
+    spec = cfg.spec
+    fused_qkv = b + "attn_qkv.weight" in tensors
+    names: dict[str, list[str]] = {
+        "attn_norm": [b + "attn_norm.weight"],
+        "ffn_norm": [b + "ffn_norm.weight"],
+        "qkv": [b + "attn_qkv.weight"] if fused_qkv else [b + f"attn_{n}.weight" for n in ("q", "k", "v")],
+        "wo": [b + "attn_output.weight"],
+        "gate_up": [b + "ffn_up.weight"] if spec.fused_gate_up else [b + "ffn_gate.weight", b + "ffn_up.weight"],
+        "down": [b + "ffn_down.weight"],
+    }
+    if b + "attn_qkv.bias" in tensors:
+        names["qkv_bias"] = [b + "attn_qkv.bias"]
+    elif any(b + f"attn_{n}.bias" in tensors for n in ("q", "k", "v")):
+        names["qkv_bias"] = [b + f"attn_{n}.bias" for n in ("q", "k", "v")]
+    if spec.qk_norm:
+        names["q_norm"] = [b + "attn_q_norm.weight"]
+        names["k_norm"] = [b + "attn_k_norm.weight"]
+    if spec.post_norms:
+        names["post_attn_norm"] = [b + spec.post_attn_norm + ".weight"]
+        names["post_ffn_norm"] = [b + spec.post_ffn_norm + ".weight"]
+    return names
 
 
 def _check_tensors(path: str, cfg: LlamaConfig, tensors: dict[str, GGUFTensor]) -> None:
     h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nq, nkv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     want: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
     if not cfg.tie_embeddings:
         want["output.weight"] = (cfg.vocab_size, h)
+    optional: dict[str, tuple[int, ...]] = {}
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
+        names = layer_tensor_names(cfg, tensors, i)
         want.update(
             {
                 b + "attn_norm.weight": (h,),
                 b + "ffn_norm.weight": (h,),
-                b + "attn_q.weight": (cfg.num_heads * hd, h),
-                b + "attn_k.weight": (cfg.num_kv_heads * hd, h),
-                b + "attn_v.weight": (cfg.num_kv_heads * hd, h),
-                b + "attn_output.weight": (h, cfg.num_heads * hd),
-                b + "ffn_gate.weight": (f, h),
-                b + "ffn_up.weight": (f, h),
+                b + "attn_output.weight": (h, nq),
                 b + "ffn_down.weight": (h, f),
             }
         )
-        if cfg.attention_bias:
-            want.update(
-                {
-                    b + "attn_q.bias": (cfg.num_heads * hd,),
-                    b + "attn_k.bias": (cfg.num_kv_heads * hd,),
-                    b + "attn_v.bias": (cfg.num_kv_heads * hd,),
-                }
-            )
+        if names["qkv"][0].endswith("attn_qkv.weight"):
+            want[b + "attn_qkv.weight"] = (nq + 2 * nkv, h)
+        else:
+            want.update({b + "attn_q.weight": (nq, h), b + "attn_k.weight": (nkv, h), b + "attn_v.weight": (nkv, h)})
+        if cfg.spec.fused_gate_up:
+            want[b + "ffn_up.weight"] = (2 * f, h)
+        else:
+            want.update({b + "ffn_gate.weight": (f, h), b + "ffn_up.weight": (f, h)})
+        for role in ("q_norm", "k_norm"):
+            if role in names:
+                want[names[role][0]] = (hd,)
+        for role in ("post_attn_norm", "post_ffn_norm"):
+            if role in names:
+                want[names[role][0]] = (h,)
+        optional.update(
+            {
+                b + "attn_qkv.bias": (nq + 2 * nkv,),
+                b + "attn_q.bias": (nq,),
+                b + "attn_k.bias": (nkv,),
+                b + "attn_v.bias": (nkv,),
+            }
+        )
     for name, shape in want.items():
         if name not in tensors:
             raise GGUFError(f"{path}: tensor {name!r} is missing")
         if tuple(tensors[name].shape) != shape:
+            raise GGUFError(f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    for name, shape in optional.items():
+        if name in tensors and tuple(tensors[name].shape) != shape:
             raise GGUFError(f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
 
 

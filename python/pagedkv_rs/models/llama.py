@@ -1,4 +1,8 @@
-"""Llama-architecture forward pass in numpy, over our paged KV cache.
+"""The decoder forward pass in numpy, over our paged KV cache: every architecture of ``architectures.py``.
+
+One decoder, described by data: the config's ``ArchSpec`` says which optional parts a layer has
+(Q/K norms, post-sublayer norms, biases, the gate's activation, per-layer windows and RoPE bases);
+there is no branch or subclass per model.
 
 Two consumers of one set of weights (:class:`LlamaWeights`: float32 for numpy's BLAS, or int8
 blocks for ``pagedkv_rs.QLinear``):
@@ -31,7 +35,16 @@ from typing import Any, Optional
 import numpy as np
 
 from pagedkv_rs.batch import BatchInputs
-from pagedkv_rs.models.gguf_loader import RAW_TYPES, GGUFError, GGUFFile, GGUFTensor, LlamaConfig, load_gguf
+from pagedkv_rs.models.architectures import ARCH_SPECS
+from pagedkv_rs.models.gguf_loader import (
+    RAW_TYPES,
+    GGUFError,
+    GGUFFile,
+    GGUFTensor,
+    LlamaConfig,
+    layer_tensor_names,
+    load_gguf,
+)
 
 __all__ = [
     "NATIVE_ROPE_PAIRS",
@@ -76,25 +89,44 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 # The Q/K row order each architecture's GGUF stores: llama.cpp permutes Llama's rows so rotated pairs
-# are adjacent; Qwen2's converter leaves the rows in rotate-half (NeoX) order.
-NATIVE_ROPE_PAIRS = {"llama": "adjacent", "qwen2": "half"}
+# are adjacent; the others' converters leave the rows in rotate-half (NeoX) order.
+NATIVE_ROPE_PAIRS = {name: spec.rope_pairs for name, spec in ARCH_SPECS.items()}
 
 
-def rope_tables(cfg: LlamaConfig, freq_factors: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(
+    cfg: LlamaConfig, freq_factors: Optional[np.ndarray] = None, theta: Optional[float] = None
+) -> tuple[np.ndarray, np.ndarray]:
     """float32 ``cos, sin [max_len, D/2]``: pair i turns by ``pos / factor * theta^(-2i/D) / freq_factors[i]``.
 
-    ``factor`` is linear RoPE scaling (``rope.scaling.factor``); ``freq_factors`` Llama 3's ``rope_freqs``.
+    ``factor`` is linear RoPE scaling (``rope.scaling.factor``); ``freq_factors`` Llama 3's ``rope_freqs``;
+    ``theta`` the base (default ``cfg.rope_theta``; Gemma 3's local layers have their own).
     """
+    return rope_rows(np.arange(cfg.max_model_len), rope_inv_freq(cfg, freq_factors, theta), cfg.rope_scaling_factor)
+
+
+def rope_inv_freq(
+    cfg: LlamaConfig, freq_factors: Optional[np.ndarray] = None, theta: Optional[float] = None
+) -> np.ndarray:
+    """float64 ``[D/2]``: pair i turns by ``theta^(-2i/D) / freq_factors[i]`` a position."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    base = cfg.rope_theta if theta is None else theta
+    inv_freq = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
     if freq_factors is not None:
         inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
-    pos = np.arange(cfg.max_model_len, dtype=np.float64) / cfg.rope_scaling_factor
-    ang = pos[:, None] * inv_freq[None, :]
+    return inv_freq
+
+
+def rope_rows(positions: np.ndarray, inv_freq: np.ndarray, factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``cos, sin [T, D/2]`` at ``positions`` (int ``[T]``): each entry ``pos / factor * inv_freq[i]``
+    in float64, then rounded; a row depends only on its position (the table's row, to the bit)."""
+    ang = (np.asarray(positions, np.float64) / factor)[:, None] * inv_freq[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
 WEIGHT_FORMATS = ("auto", "int8", "float32")
+# An int8 output head larger than this is built (and run) in row chunks of about this size (see ``_lm_head``).
+HEAD_CHUNK_BYTES = 32 << 20
+LINEAR_PANEL = 64  # rows a chunk is a multiple of (QLinear packs rows in panels of at most this many)
 MODEL_IMPLS = ("auto", "fused", "numpy")
 
 
@@ -102,6 +134,12 @@ MODEL_IMPLS = ("auto", "fused", "numpy")
 # AVX2 vpmaddubsw tile (Zen 3, PAGEDKV_ISA=avx2: ~2.5x output tok/s at 1 sequence, ~1.9x at 8, ~1.2x
 # at 32, where the 512-token prefill chunks run slower than sgemm). The scalar tile is far slower.
 FAST_LINEAR_ISAS = ("avx512vnni", "avx2")
+
+
+def _core_qlinear() -> Any:
+    from pagedkv_rs import _core
+
+    return _core
 
 
 def int8_is_fast() -> bool:
@@ -142,6 +180,24 @@ class Int8Linear:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.q(np.ascontiguousarray(x, np.float32))
+
+
+class ChunkedLinear:
+    """One ``[out, in]`` int8 layer held as consecutive row chunks (``Int8Linear`` each): ``x -> [T, out]``."""
+
+    def __init__(self, parts: list[Int8Linear]):
+        self.parts = parts
+        self.k = parts[0].k
+        self.n = sum(p.n for p in parts)
+        self.q = [p.q for p in parts]  # what the fused decoder's head takes
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = np.empty((x.shape[0], self.n), np.float32)
+        at = 0
+        for p in self.parts:
+            out[:, at : at + p.n] = p(x)
+            at += p.n
+        return out
 
 
 class Embedding:
@@ -188,60 +244,147 @@ class LlamaWeights:
         self.lm_head = self._lm_head()
         self.final_norm: np.ndarray = self._vector("output_norm.weight")
         self.layers: list[dict[str, Any]] = []
+        theta_of: dict[float, int] = {}  # RoPE base -> index into self.rope_tables
         for i in range(cfg.num_layers):
-            b = f"blk.{i}."
-            self.layers.append(
-                {
-                    "attn_norm": self._vector(b + "attn_norm.weight"),
-                    "ffn_norm": self._vector(b + "ffn_norm.weight"),
-                    # out features: Hq D query, Hkv D key, Hkv D value
-                    "wqkv": self._linear([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]),
-                    "wo": self._linear([b + "attn_output.weight"]),
-                    # out features: F gate then F up
-                    "wgu": self._linear([b + "ffn_gate.weight", b + "ffn_up.weight"]),
-                    "wdown": self._linear([b + "ffn_down.weight"]),
-                }
-            )
+            names = layer_tensor_names(cfg, t, i)
+            theta = cfg.layer_rope_theta(i)
+            layer: dict[str, Any] = {
+                "attn_norm": self._vector(names["attn_norm"][0]),
+                "ffn_norm": self._vector(names["ffn_norm"][0]),
+                # out features: Hq D query, Hkv D key, Hkv D value
+                "wqkv": self._linear(names["qkv"]),
+                "wo": self._linear(names["wo"]),
+                # out features: F gate then F up
+                "wgu": self._linear(names["gate_up"]),
+                "wdown": self._linear(names["down"]),
+                "window": cfg.layer_window(i),
+                "rope_table": theta_of.setdefault(theta, len(theta_of)),
+            }
+            for role in ("q_norm", "k_norm"):  # [D], in the order the Q/K rows are rotated
+                if role in names:
+                    layer[role] = self._rows(names[role][0], vector=True)
+            for role in ("post_attn_norm", "post_ffn_norm"):  # [H]
+                if role in names:
+                    layer[role] = self._vector(names[role][0])
+            if "qkv_bias" in names:  # added after the fused QKV linear: [(Hq + 2 Hkv) D] float32
+                layer["bqkv"] = self._qkv_bias(names["qkv_bias"])
+            self.layers.append(layer)
             _trim_heap()
-            if cfg.attention_bias:  # added after the fused QKV linear: [(Hq + 2 Hkv) D] float32
-                names = [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"]
-                self.layers[-1]["bqkv"] = np.concatenate([self._rows(n, vector=True) for n in names])
         factors = self._vector("rope_freqs.weight") if cfg.rope_freq_factors else None
         del self._gguf
-        self.cos, self.sin = rope_tables(cfg, factors)  # [max_len, D/2] each
+        # One float64 [D/2] frequency vector per distinct RoPE base; ``layer["rope_table"]`` indexes them.
+        self._inv_freqs = [rope_inv_freq(cfg, factors, theta) for theta in sorted(theta_of, key=theta_of.__getitem__)]
+        self._rope_tables: Optional[list[tuple[np.ndarray, np.ndarray]]] = None
+
+    @property
+    def num_rope_tables(self) -> int:
+        """How many RoPE bases the layers use (Gemma 3: local and global)."""
+        return len(self._inv_freqs) if self._rope_tables is None else len(self._rope_tables)
+
+    def rope_rows(self, positions: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per RoPE base, float32 ``cos, sin [T, D/2]`` at ``positions``: what a step rotates with.
+
+        Computed per step from the positions (no ``[max_len, D/2]`` table is kept: at Gemma 3's 32k context
+        its two bases' tables would take 64 MB), or rows of ``rope_tables`` when those were set."""
+        if self._rope_tables is not None:
+            return [(c[positions], s[positions]) for c, s in self._rope_tables]
+        return [rope_rows(positions, f, self.config.rope_scaling_factor) for f in self._inv_freqs]
+
+    @property
+    def rope_tables(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per RoPE base, the whole ``cos, sin [max_len, D/2]`` tables (built when asked, for tests and tools)."""
+        if self._rope_tables is not None:
+            return self._rope_tables
+        return self.rope_rows(np.arange(self.config.max_model_len))
+
+    @property
+    def cos(self) -> np.ndarray:
+        """The first RoPE table's cosines ``[max_len, D/2]`` (every layer's, unless bases differ per layer)."""
+        return self.rope_tables[0][0]
+
+    @property
+    def sin(self) -> np.ndarray:
+        return self.rope_tables[0][1]
+
+    def _qkv_bias(self, names: list[str]) -> np.ndarray:
+        """float32 ``[(Hq + 2 Hkv) D]``: the fused bias, or Q, K, V biases (an absent one is zeros)."""
+        if len(names) == 1:
+            return self._rows(names[0], vector=True)
+        cfg = self.config
+        sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+        parts = [
+            self._rows(n, vector=True) if n in self._gguf.tensors else np.zeros(size, np.float32)
+            for n, size in zip(names, sizes)
+        ]
+        return np.concatenate(parts)
 
     def _vector(self, name: str) -> np.ndarray:
-        """A 1-D float32 tensor (norm weights): a view of the file when stored as F32."""
+        """A 1-D float32 tensor (norm weights, biases), read from the file (not through its map: a fault on a
+        small tensor between two large ones maps pages around it, tens of MB over a model's norms)."""
         t = self._gguf.tensors[name]
+        raw = self._gguf.read(name)
         if t.type == "F32":
-            return t.data.view(np.float32)
-        return t.dequantize()
+            return raw.view(np.float32)
+        return GGUFTensor(t.path, t.name, t.type, t.shape, raw).dequantize()
 
     def _rows(self, name: str, *, vector: bool = False) -> np.ndarray:
         """Stored rows ``uint8 [out, row_bytes]`` of a tensor, Q/K rows in the order ``rope_pairs`` rotates.
 
-        ``vector``: a 1-D tensor (a bias) as float32 ``[out]``, its Q/K entries reordered the same way.
+        ``vector``: a 1-D tensor (a bias, a Q/K norm) as float32 ``[out]``, its Q/K entries reordered the
+        same way. A fused ``attn_qkv`` has its Q and K sections reordered, V left as stored.
         """
+        cfg = self.config
         w = self._vector(name)[:, None] if vector else self._gguf.tensors[name].data
-        if name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
-            heads = self.config.num_heads if ".attn_q." in name else self.config.num_kv_heads
-            if self.rope_pairs == "half" and self.native_rope_pairs == "adjacent":
-                w = unpermute_rope_rows(w, heads)
-            elif self.rope_pairs == "adjacent" and self.native_rope_pairs == "half":
-                w = permute_rope_rows(w, heads)
+        if name.endswith(("attn_qkv.weight", "attn_qkv.bias")):
+            nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            if {self.rope_pairs, self.native_rope_pairs} == {"half", "adjacent"}:
+                q, k = self._reorder(w[:nq], cfg.num_heads), self._reorder(w[nq : nq + nkv], cfg.num_kv_heads)
+                w = np.concatenate([q, k, w[nq + nkv :]])
+        elif name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")):
+            w = self._reorder(w, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        elif name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+            w = self._reorder(w, 1)  # one head's worth of entries
         return np.ascontiguousarray(w[:, 0], np.float32) if vector else w
+
+    def _reorder(self, w: np.ndarray, heads: int) -> np.ndarray:
+        """Q or K rows ``[heads * D, ...]`` from the file's order into the order ``rope_pairs`` rotates."""
+        if self.rope_pairs == "half" and self.native_rope_pairs == "adjacent":
+            return unpermute_rope_rows(w, heads)
+        if self.rope_pairs == "adjacent" and self.native_rope_pairs == "half":
+            return permute_rope_rows(w, heads)
+        return w
 
     def _lm_head(self) -> Any:
         """The output projection in the chosen format (float32: an sgemm; measured on this AVX2-only VM with the
         bundled model, the int8 QLinear head cost 288 ms a step at 32 sequences vs 49 ms for float32, 54 vs 90
         decode tok/s; equal at 1 sequence)."""
         name = "token_embd.weight" if self.config.tie_embeddings else "output.weight"
-        return self._linear([name])
+        t = self._gguf.tensors[name]
+        small = t.data.nbytes <= HEAD_CHUNK_BYTES
+        if self.weight_format != "int8" or small or t.type not in RAW_TYPES or t.shape[1] % 32:
+            return self._linear([name])
+        # A large int8 head (Gemma 3: 262,144 x 640 Q8_0, 178 MB) is built in row chunks, each chunk's file
+        # pages dropped before the next is read: the file's copy and the head's never sit in memory whole
+        # together (peak RSS). Each chunk's logits are the bits one matrix would give.
+        rows = max(LINEAR_PANEL, HEAD_CHUNK_BYTES // t.data.shape[1] // LINEAR_PANEL * LINEAR_PANEL)
+        parts = []
+        for lo in range(0, t.shape[0], rows):
+            parts.append(self._linear([name], rows=(lo, min(lo + rows, t.shape[0]))))
+        return ChunkedLinear(parts)
 
-    def _linear(self, names: list[str], *, int8: Optional[bool] = None) -> Any:
-        """One linear layer whose output features are the named ``[out, in]`` tensors' rows, in order."""
+    def _linear(self, names: list[str], *, int8: Optional[bool] = None, rows: Optional[tuple[int, int]] = None) -> Any:
+        """One linear layer whose output features are the named ``[out, in]`` tensors' rows, in order.
+
+        ``rows``: just rows ``lo..hi`` of the one named tensor (a chunk of a large head)."""
         g = self._gguf
         ts = [g.tensors[n] for n in names]
+        if rows is not None:
+            lo, hi = rows
+            t = ts[0]
+            ts = [GGUFTensor(t.path, t.name, t.type, (hi - lo,) + t.shape[1:], t.data[lo:hi])]
+            q = _core_qlinear().QLinear.stack_gguf([(np.ascontiguousarray(ts[0].data), t.type)], t.shape[1], names)
+            g.release_rows(names[0], lo, hi)
+            return Int8Linear(q)
         shape = (sum(t.shape[0] for t in ts), ts[0].shape[1])
         kinds = {t.type for t in ts}
         if not (self.weight_format == "int8" if int8 is None else int8):
@@ -329,10 +472,31 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np
     return out
 
 
-def swiglu_mlp(h: np.ndarray, layer: dict[str, Any]) -> np.ndarray:
-    """h: [T, H] -> [T, H]: one fused gate/up projection, ``silu(gate) * up``, the down projection."""
+def gated_mlp(h: np.ndarray, layer: dict[str, Any], activation: str = "silu") -> np.ndarray:
+    """h: [T, H] -> [T, H]: one fused gate/up projection, ``act(gate) * up``, the down projection.
+
+    ``activation``: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)."""
     gu = linear(h, layer["wgu"])  # [T, 2F]
-    return linear(kernels().silu_and_mul(gu), layer["wdown"])
+    act = kernels().gelu_tanh_and_mul if activation == "gelu_tanh" else kernels().silu_and_mul
+    return linear(act(gu), layer["wdown"])
+
+
+def swiglu_mlp(h: np.ndarray, layer: dict[str, Any]) -> np.ndarray:
+    """h: [T, H] -> [T, H]: ``gated_mlp`` with SiLU."""
+    return gated_mlp(h, layer, "silu")
+
+
+def qk_norm(x: np.ndarray, weight: Optional[np.ndarray], eps: float) -> np.ndarray:
+    """x: [T, heads, D] -> each head RMS-normed by ``weight [D]`` (Qwen3, Gemma 3); x itself without one."""
+    if weight is None:
+        return x
+    n, heads, d = x.shape
+    return rms_norm(x.reshape(n * heads, d), weight, eps).reshape(n, heads, d)
+
+
+def layer_window(cfg: LlamaConfig, layer: dict[str, Any], i: int) -> Optional[int]:
+    """Layer ``i``'s sliding window: the layer's own entry, else the config's."""
+    return layer["window"] if "window" in layer else cfg.layer_window(i)
 
 
 def _rope_mode(w: LlamaWeights) -> str:
@@ -436,7 +600,7 @@ class LlamaModel:
         rows = qsl[1:] - 1 if logits_indices is None else np.asarray(logits_indices, np.int64)
         if self._fused_head:  # layers, final norm and lm_head in one GIL-free call
             x, pos = self._embedded(batch, kv_caches)
-            return self._decoder.forward(x, _kernel_batch(batch, pos), kv_caches, rows)
+            return self._decoder.forward(x, _kernel_batch(batch, pos, self.weights), kv_caches, rows)
         hidden = self.forward_hidden(batch, kv_caches)
         w = self.weights
         return linear(rms_norm(hidden[rows], w.final_norm, self.config.rms_eps), w.lm_head)  # [N, V]
@@ -445,7 +609,7 @@ class LlamaModel:
         """Residual stream ``[T, H]`` after the last layer (before the final norm)."""
         x, pos = self._embedded(batch, kv_caches)
         if self._decoder is not None:
-            return self._decoder.forward_hidden(x, _kernel_batch(batch, pos), kv_caches)
+            return self._decoder.forward_hidden(x, _kernel_batch(batch, pos, self.weights), kv_caches)
         return self._forward_hidden_numpy(x, pos, batch, kv_caches)
 
     def _embedded(
@@ -462,7 +626,11 @@ class LlamaModel:
             raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
         if n and (pos.min() < 0 or pos.max() >= cfg.max_model_len):
             raise ValueError(f"positions must be in [0, {cfg.max_model_len})")
-        return np.ascontiguousarray(w.embed[ids], np.float32), pos
+        x = np.ascontiguousarray(w.embed[ids], np.float32)
+        scale = getattr(cfg, "embedding_scale", 1.0)
+        if scale != 1.0:  # Gemma: embeddings times sqrt(hidden), in float32 as llama.cpp's ggml_scale
+            x *= np.float32(scale)
+        return x, pos
 
     def _forward_hidden_numpy(
         self, x: np.ndarray, pos: np.ndarray, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]
@@ -472,11 +640,11 @@ class LlamaModel:
         n = x.shape[0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         nq, nk = hq * d, hkv * d
-        cos, sin = w.cos[pos], w.sin[pos]
-        window = getattr(cfg, "sliding_window", None)  # Mistral
+        act = cfg.spec.activation
+        tables = w.rope_rows(pos)  # [T, D/2] cos/sin rows of each RoPE base
         attn = np.empty((n, hq, d), np.float32)
         delta: Optional[np.ndarray] = None  # the last sublayer's output, not yet added to x
-        for layer, (k_cache, v_cache) in zip(w.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, kv_caches)):
             h = (
                 rms_norm(x, layer["attn_norm"], cfg.rms_eps)
                 if delta is None
@@ -485,8 +653,11 @@ class LlamaModel:
             qkv = linear(h, layer["wqkv"])  # [T, (Hq + 2 Hkv) D]
             if layer.get("bqkv") is not None:  # Qwen2
                 qkv += layer["bqkv"]
-            q = apply_rope(qkv[:, :nq].reshape(n, hq, d), cos, sin, self._mode)
-            k = apply_rope(qkv[:, nq : nq + nk].reshape(n, hkv, d), cos, sin, self._mode)
+            cos, sin = tables[layer.get("rope_table", 0)]
+            q = qk_norm(qkv[:, :nq].reshape(n, hq, d), layer.get("q_norm"), cfg.rms_eps)
+            k = qk_norm(qkv[:, nq : nq + nk].reshape(n, hkv, d), layer.get("k_norm"), cfg.rms_eps)
+            q = apply_rope(q, cos, sin, self._mode)
+            k = apply_rope(k, cos, sin, self._mode)
             v = np.ascontiguousarray(qkv[:, nq + nk :]).reshape(n, hkv, d)
             kern.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             kern.paged_attention(
@@ -496,11 +667,17 @@ class LlamaModel:
                 batch.block_tables,
                 batch.seq_lens,
                 batch.query_start_loc,
-                sliding_window=window,
+                scale=cfg.attention_scale,
+                sliding_window=layer_window(cfg, layer, i),
                 out=attn,
             )
-            h = rms_norm(linear(attn.reshape(n, nq), layer["wo"]), layer["ffn_norm"], cfg.rms_eps, residual=x)
-            delta = swiglu_mlp(h, layer)
+            o = linear(attn.reshape(n, nq), layer["wo"])
+            if layer.get("post_attn_norm") is not None:  # Gemma 3
+                o = rms_norm(o, layer["post_attn_norm"], cfg.rms_eps)
+            h = rms_norm(o, layer["ffn_norm"], cfg.rms_eps, residual=x)
+            delta = gated_mlp(h, layer, act)
+            if layer.get("post_ffn_norm") is not None:  # Gemma 3
+                delta = rms_norm(delta, layer["post_ffn_norm"], cfg.rms_eps)
         if delta is not None:
             x += delta
         return x
@@ -527,31 +704,38 @@ def _fused_decoder(weights: LlamaWeights, mode: str) -> Any:
 
     cfg = weights.config
     head = weights.lm_head
-    int8_head = isinstance(head, Int8Linear)
-    layers = [
-        {
-            "attn_norm": np.ascontiguousarray(layer["attn_norm"], np.float32),
-            "ffn_norm": np.ascontiguousarray(layer["ffn_norm"], np.float32),
-            "bqkv": None if layer.get("bqkv") is None else np.ascontiguousarray(layer["bqkv"], np.float32),
+    int8_head = isinstance(head, (Int8Linear, ChunkedLinear))
+    c = np.ascontiguousarray
+    layers = []
+    for i, layer in enumerate(weights.layers):
+        entry: dict[str, Any] = {
+            "attn_norm": c(layer["attn_norm"], np.float32),
+            "ffn_norm": c(layer["ffn_norm"], np.float32),
             **{k: layer[k].q for k in ("wqkv", "wo", "wgu", "wdown")},
+            "rope_table": layer.get("rope_table", 0),
+            "sliding_window": layer_window(cfg, layer, i),
         }
-        for layer in weights.layers
-    ]
-    return _core.LlamaDecoder(
+        for k in ("bqkv", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"):
+            if layer.get(k) is not None:
+                entry[k] = c(layer[k], np.float32)
+        layers.append(entry)
+    dec = _core.LlamaDecoder(
         layers,
-        weights.cos,
-        weights.sin,
+        head_dim=cfg.head_dim,
         num_heads=cfg.num_heads,
         num_kv_heads=cfg.num_kv_heads,
         rms_eps=cfg.rms_eps,
         rope_mode=mode,
-        sliding_window=getattr(cfg, "sliding_window", None),
-        final_norm=np.ascontiguousarray(weights.final_norm, np.float32) if int8_head else None,
+        final_norm=c(weights.final_norm, np.float32) if int8_head else None,
         lm_head=head.q if int8_head else None,
+        rope_tables=weights.num_rope_tables,
+        activation=cfg.spec.activation,
+        attn_scale=cfg.attention_scale,
     )
+    return dec
 
 
-def _kernel_batch(batch: BatchInputs, positions: np.ndarray) -> types.SimpleNamespace:
+def _kernel_batch(batch: BatchInputs, positions: np.ndarray, weights: LlamaWeights) -> types.SimpleNamespace:
     """The arrays ``LlamaDecoder.forward_hidden`` reads, in the dtypes it takes."""
     c = np.ascontiguousarray
     return types.SimpleNamespace(
@@ -560,6 +744,7 @@ def _kernel_batch(batch: BatchInputs, positions: np.ndarray) -> types.SimpleName
         block_tables=(c(batch.indptr, np.int32), c(batch.indices, np.int32)),  # CSR: no padding
         seq_lens=c(batch.seq_lens, np.int32),
         query_start_loc=c(batch.query_start_loc, np.int32),
+        rope=weights.rope_rows(positions),  # per RoPE base, float32 cos and sin [T, D/2]
     )
 
 
@@ -616,19 +801,26 @@ class DenseLlama:
         nq, nk = hq * d, hkv * d
         end = start + t
         pos = np.tile(np.arange(start, end), b)  # rows are batch-major
-        cos, sin = w.cos[pos], w.sin[pos]
-        mask = np.arange(end)[None, :] <= np.arange(start, end)[:, None]  # [T, S]
-        if cfg.sliding_window is not None:
-            mask &= np.arange(end)[None, :] > np.arange(start, end)[:, None] - cfg.sliding_window
-        scale = np.float32(1.0 / np.sqrt(d))
+        tables = w.rope_rows(pos)
+        causal = np.arange(end)[None, :] <= np.arange(start, end)[:, None]  # [T, S]
+        scale = np.float32(cfg.attention_scale if cfg.attention_scale is not None else 1.0 / np.sqrt(d))
         x = w.embed[ids.reshape(-1)]  # [B*T, H]
-        for layer, (kc, vc) in zip(w.layers, cache):
+        if cfg.embedding_scale != 1.0:
+            x = x * np.float32(cfg.embedding_scale)
+        for i, (layer, (kc, vc)) in enumerate(zip(w.layers, cache)):
+            window = layer_window(cfg, layer, i)
+            mask = causal
+            if window is not None:
+                mask = causal & (np.arange(end)[None, :] > np.arange(start, end)[:, None] - window)
+            cos, sin = tables[layer.get("rope_table", 0)]
             h = rms_norm(x, layer["attn_norm"], cfg.rms_eps)
             qkv = linear(h, layer["wqkv"])
             if "bqkv" in layer:
                 qkv += layer["bqkv"]
-            q = apply_rope(qkv[:, :nq].reshape(b * t, hq, d), cos, sin, self._mode)
-            k = apply_rope(qkv[:, nq : nq + nk].reshape(b * t, hkv, d), cos, sin, self._mode)
+            q = qk_norm(qkv[:, :nq].reshape(b * t, hq, d), layer.get("q_norm"), cfg.rms_eps)
+            k = qk_norm(qkv[:, nq : nq + nk].reshape(b * t, hkv, d), layer.get("k_norm"), cfg.rms_eps)
+            q = apply_rope(q, cos, sin, self._mode)
+            k = apply_rope(k, cos, sin, self._mode)
             v = qkv[:, nq + nk :].reshape(b, t, hkv, d)
             kc[:, :, start:end] = k.reshape(b, t, hkv, d).transpose(0, 2, 1, 3)
             vc[:, :, start:end] = v.transpose(0, 2, 1, 3)
@@ -643,9 +835,14 @@ class DenseLlama:
             p = np.exp(s)
             p /= p.sum(axis=-1, keepdims=True)
             o = p.reshape(b, hkv, g * t, end) @ vv  # [B, Hkv, G*T, D]
-            o = o.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b * t, nq)
-            x += linear(o, layer["wo"])
-            x += swiglu_mlp(rms_norm(x, layer["ffn_norm"], cfg.rms_eps), layer)
+            o = linear(o.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b * t, nq), layer["wo"])
+            if layer.get("post_attn_norm") is not None:
+                o = rms_norm(o, layer["post_attn_norm"], cfg.rms_eps)
+            x += o
+            f = gated_mlp(rms_norm(x, layer["ffn_norm"], cfg.rms_eps), layer, cfg.spec.activation)
+            if layer.get("post_ffn_norm") is not None:
+                f = rms_norm(f, layer["post_ffn_norm"], cfg.rms_eps)
+            x += f
         if all_positions:
             return linear(rms_norm(x, w.final_norm, cfg.rms_eps), w.lm_head).reshape(b, t, -1)
         last = x.reshape(b, t, -1)[:, -1]

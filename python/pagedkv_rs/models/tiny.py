@@ -200,5 +200,5 @@ def tiny_llama_weights(
     w.lm_head = lin(vocab_size, h)
     inv_freq = 1.0 / (rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     ang = np.arange(max_model_len, dtype=np.float64)[:, None] * inv_freq[None, :]
-    w.cos, w.sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    w._rope_tables = [(np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32))]
     return w

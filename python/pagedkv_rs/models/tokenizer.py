@@ -1,100 +1,253 @@
-"""Byte-level BPE tokenizer and chat template, built from a GGUF file's own metadata.
+"""The tokenizer of a GGUF file, token for token as llama.cpp's (src/llama-vocab.cpp), built on ``tokenizers``.
 
-The ``tokenizers`` library does the BPE; the pre-tokenizer follows ``tokenizer.ggml.pre``.
-For ``"qwen2"`` it is Qwen2's own split regex (as its ``tokenizer.json``); for ``"smollm"`` (and the
-other llama.cpp pre-tokenizers that split numbers per digit)
-digits are split one by one *before* the GPT-2 byte-level regex, as llama.cpp and the
-model's original ``tokenizer.json`` do (Hugging Face's GGUF conversion drops that rule).
-The chat template is rendered the way ``transformers`` does: a sandboxed jinja2
-environment with ``trim_blocks``/``lstrip_blocks`` and a ``raise_exception`` global.
+``vocab.read_vocab`` reads the metadata as llama.cpp does; here it becomes a ``tokenizers.Tokenizer``:
+
+- SentencePiece (``tokenizer.ggml.model == "llama"``): a ``models.BPE`` whose merges are every pair of tokens
+  that concatenates to a token, ranked by that token's score (llama.cpp merges the highest-scoring pair first,
+  the leftmost on a tie), with byte fallback to ``<0xXX>``; spaces become U+2581 and, with ``add_space_prefix``,
+  every text fragment (the text's start and the text after each special token) gets one in front.
+- byte-level BPE (``"gpt2"``): the file's merges over GPT-2's byte alphabet, after llama.cpp's split regexes for
+  ``tokenizer.ggml.pre`` (``vocab.PRE_TOKENIZERS``).
+- Gemma 4 (``"gemma4"``): BPE over raw UTF-8 with U+2581 for spaces, split into newline runs, byte fallback.
+- BERT WordPiece (``"bert"``): greedy longest match after llama.cpp's lowercasing / accent stripping split.
+
+Special tokens: control and unknown tokens become their ids only when ``parse_special`` (llama.cpp's flag; our
+default, since chat templates write them as text); user-defined tokens always do. ``decode`` is llama.cpp's
+detokenizer: each token's piece (control tokens rendered unless skipped, ``<0xXX>`` as that byte, U+2581 as a
+space), the first token's leading space dropped for SentencePiece, and llama.cpp's ``clean_spaces`` rules where
+the vocabulary asks for them. The chat template is rendered in ``chat_template.py``.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
-from pagedkv_rs.models.gguf_loader import GGUFError, GGUFFile, load_gguf
+from pagedkv_rs.models.chat_template import ChatTemplate, ChatTemplateError, Message
+from pagedkv_rs.models.gguf_loader import GGUFError, GGUFFile, PathLike, _parse, bundled_model_path
+from pagedkv_rs.models.vocab import Attr, Vocab, read_vocab, special_token_ids
 
 __all__ = ["GGUFTokenizer", "IncrementalDecoder"]
 
-# llama.cpp pre-tokenizer names whose regex splits digits individually (\p{N} alone) before
-# the GPT-2 rules. Everything else byte-level uses the plain GPT-2 split.
-_DIGIT_PRE = {"smollm", "starcoder", "refact", "command-r", "deepseek-coder", "codeshell"}
-# Qwen2's own split (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2, the model's tokenizer.json): case-insensitive
-# contractions, a letter run with at most one leading non-letter, single digits, punctuation runs.
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT2_PRE = {"gpt2", "default", "gpt-2", "olmo", "jais", "stablelm2", "mpt", "phi-2", "poro-chat"}
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
-
-Message = Mapping[str, Any]
+SPACE = "\u2581"  # SentencePiece's visible space
 
 
-def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, ...]]:
-    """``"a b"`` merge rules as ``(a, b)`` pairs. Byte-level tokens hold no space, so when every rule has
-    exactly one (n rules, n spaces inside them, none without), one split of the joined rules gives every
-    pair at once; rules spaced otherwise are split one by one at their first space, as before."""
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the alphabet of byte-level BPE tokens)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _byte_alphabet().items()}
+
+
+def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, str]]:
+    """``"a b"`` rules as pairs, split at the first space after the first character (as llama.cpp does)."""
     words = " ".join(merges).split(" ")
     if len(words) == 2 * len(merges) and all(map(str.__contains__, merges, itertools.repeat(" "))):
-        it = iter(words)
+        it = iter(words)  # one space in every rule: one split gives every pair at once
         return list(zip(it, it))
-    return [tuple(m.split(" ", 1)) for m in merges]
+    out = []
+    for m in merges:
+        k = m.find(" ", 1)
+        out.append((m[:k], m[k + 1 :]) if k > 0 else ("", ""))
+    return out
+
+
+def _spm_merges(vocab: Vocab, ids: Mapping[str, int]) -> list[tuple[str, str]]:
+    """SentencePiece as BPE: every split of a token into two tokens, best-scored token first, ties by id."""
+    scores = vocab.scores
+    assert scores is not None
+    ranked: list[tuple[float, int, int]] = []
+    for t, i in ids.items():
+        for k in range(1, len(t)):
+            if t[:k] in ids and t[k:] in ids:
+                ranked.append((-scores[i], i, k))
+    ranked.sort()
+    toks = vocab.tokens
+    return [(toks[i][:k], toks[i][k:]) for _, i, k in ranked]
+
+
+def _build(vocab: Vocab, parse_special: bool) -> Any:
+    """The ``tokenizers.Tokenizer`` that encodes as llama.cpp does (one per ``parse_special`` value)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
+
+    ids = {t: i for i, t in enumerate(vocab.tokens)}
+    if vocab.model == "llama":
+        unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
+        tok = Tokenizer(
+            models.BPE(vocab=ids, merges=_spm_merges(vocab, ids), unk_token=unk, byte_fallback=True, fuse_unk=False)
+        )
+        steps = [normalizers.Replace(" ", SPACE)]
+        if vocab.add_space_prefix:
+            steps.insert(0, normalizers.Prepend(SPACE))
+        tok.normalizer = normalizers.Sequence(steps)
+    elif vocab.model == "bert":
+        tok = _wordpiece(vocab)
+    else:
+        pre = vocab.pre_tokenizer
+        assert pre is not None and vocab.merges is not None
+        pairs = _merge_pairs(vocab.merges)
+        byte_level = vocab.byte_level
+
+        def bpe(pairs: list[tuple[str, str]]) -> Any:
+            return models.BPE(
+                vocab=ids, merges=pairs, byte_fallback=not byte_level, fuse_unk=False, ignore_merges=pre.ignore_merges
+            )
+
+        try:
+            model = bpe(pairs)
+        except Exception:  # a rule whose parts or result are not tokens: llama.cpp never completes it either
+            model = bpe([(a, b) for a, b in pairs if a in ids and b in ids and a + b in ids])
+        tok = Tokenizer(model)
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+        if byte_level:
+            splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        if vocab.escape_whitespaces:
+            tok.normalizer = normalizers.Replace(" ", SPACE)
+        tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
+    ctl, user = special_token_ids(vocab)
+
+    def added(i: int, special: bool) -> Any:
+        a = vocab.attrs[i]
+        lstrip, rstrip = bool(a & Attr.LSTRIP), bool(a & Attr.RSTRIP)
+        return AddedToken(vocab.tokens[i], special=special, normalized=False, lstrip=lstrip, rstrip=rstrip)
+
+    tok.add_special_tokens([added(i, True) for i in ctl])
+    tok.add_tokens([added(i, False) for i in user])
+    # special (control / unknown) tokens stay text when parse_special is off; user-defined ones always split
+    tok.encode_special_tokens = not parse_special
+    return tok
+
+
+def _wordpiece(vocab: Vocab) -> Any:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    # llama.cpp's BERT vocabulary marks a word's first piece with U+2581 and leaves continuations bare;
+    # WordPiece wants the opposite: bare first pieces, "##" continuations.
+    wp = {}
+    for i, t in enumerate(vocab.tokens):
+        if vocab.attrs[i] & (Attr.CONTROL | Attr.UNKNOWN | Attr.USER_DEFINED):
+            wp[t] = i
+        elif t.startswith(SPACE):
+            wp.setdefault(t[1:], i)
+        else:
+            wp.setdefault("##" + t, i)
+    unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else "[UNK]"
+    tok = Tokenizer(models.WordPiece(vocab=wp, unk_token=unk, max_input_chars_per_word=1 << 30))
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=True, lowercase=True
+    )
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    return tok
+
+
+# GPT-2's printable alphabet back to bytes, as str.translate table (then latin-1 gives the bytes)
+_UNBYTE = {ord(c): b for c, b in _BYTE_OF_CHAR.items()}
+
+
+def _pieces(vocab: Vocab) -> tuple[list[bytes], list[bytes]]:
+    """Each token's text as llama.cpp's ``token_to_piece`` gives it: with control tokens rendered, and without."""
+    out = []
+    for t, a in zip(vocab.tokens, vocab.attrs):
+        if a & (Attr.CONTROL | Attr.UNKNOWN | Attr.USER_DEFINED):
+            out.append(t.encode())
+        elif a & Attr.NORMAL:
+            if vocab.byte_level:
+                try:
+                    out.append(t.translate(_UNBYTE).encode("latin-1"))
+                except UnicodeEncodeError:  # a character outside the byte alphabet
+                    out.append(t.encode())
+            else:
+                out.append(t.replace(SPACE, " ").encode())
+        elif a & Attr.BYTE:
+            out.append(bytes([int(t[3:5], 16)]) if t.startswith("<0x") and len(t) == 6 else t.encode())
+        else:
+            out.append(b"")
+    plain = list(out)
+    for i, a in enumerate(vocab.attrs):
+        if a & (Attr.CONTROL | Attr.UNKNOWN):
+            plain[i] = b""
+    return out, plain
+
+
+# llama.cpp's clean_spaces passes, in order: " ?" " !" " ." " ," lose the space; " ' " becomes "'";
+# " 's" " 'm" " 're" " 've" lose the space.
+_CLEAN = (
+    (re.compile(rb" (?=[?!.,])"), b""),
+    (re.compile(rb" ' "), b"'"),
+    (re.compile(rb" '(?=[sm]|re|ve)"), b"'"),
+)
+# Text ending like this may still change when more text follows (the start of a clean_spaces pattern).
+_CLEAN_OPEN = (b" ", b" '", b" 'r", b" 'v")
+
+
+def _clean_spaces(b: bytes) -> bytes:
+    for rx, rep in _CLEAN:
+        b = rx.sub(rep, b)
+    return b
+
+
+def _read_metadata(path: Optional[PathLike]) -> tuple[str, dict[str, Any]]:
+    """A GGUF file's metadata only: enough for a vocabulary-only file (no tensors, no architecture)."""
+    import mmap
+    import os
+
+    spath = bundled_model_path() if path is None else os.fspath(path)
+    if not os.path.isfile(spath):
+        raise GGUFError(f"{spath}: no such GGUF file")
+    with open(spath, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise GGUFError(f"{spath}: not a GGUF file")
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            meta, _, _ = _parse(spath, mm)
+    return spath, meta
 
 
 class GGUFTokenizer:
     """``encode(text) -> list[int]``, ``decode(ids) -> str`` and ``apply_chat_template(messages)``."""
 
     def __init__(self, metadata: Mapping[str, Any], *, path: str = "<gguf>"):
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
-        kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise GGUFError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
-        tokens = metadata.get("tokenizer.ggml.tokens")
-        merges = metadata.get("tokenizer.ggml.merges")
-        if not tokens or merges is None:
-            raise GGUFError(f"{path}: tokenizer tokens or merges are missing from the metadata")
-        pre = str(metadata.get("tokenizer.ggml.pre", "default"))
-        if pre not in _DIGIT_PRE and pre not in _GPT2_PRE and pre != "qwen2":
-            raise GGUFError(f"{path}: pre-tokenizer {pre!r} is not supported")
-        types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        self._tokens: list[str] = list(tokens)
-        vocab = {t: i for i, t in enumerate(self._tokens)}
-        pairs = _merge_pairs(merges)
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre == "qwen2":
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        elif pre in _DIGIT_PRE:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
-            tok.pre_tokenizer = byte_level
-        tok.decoder = decoders.ByteLevel()
-        specials = [i for i, t in enumerate(types) if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)]
-        tok.add_special_tokens([AddedToken(self._tokens[i], special=True, normalized=False) for i in specials])
-        self._tok = tok
-        self.special_ids: frozenset[int] = frozenset(specials)
-        self.vocab_size = len(self._tokens)
-        self.bos_token_id: Optional[int] = _opt_int(metadata.get("tokenizer.ggml.bos_token_id"))
-        self.eos_token_id: Optional[int] = _opt_int(metadata.get("tokenizer.ggml.eos_token_id"))
-        self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+        self.vocab: Vocab = read_vocab(metadata, path)
+        v = self.vocab
+        self._tokens = v.tokens
+        self._ids = {t: i for i, t in enumerate(v.tokens)}
+        try:
+            self._tok = _build(v, parse_special=True)
+        except Exception as e:  # tokenizers raises plain Exceptions for a bad regex or merge table
+            raise GGUFError(f"{path}: the tokenizer cannot be built from this vocabulary ({e})") from e
+        self._tok_plain: Any = None  # parse_special=False twin, built on first use
+        self._lock = threading.Lock()
+        self._pieces, self._pieces_plain = _pieces(v)
+        ctl, user = special_token_ids(v)
+        self.special_ids: frozenset[int] = frozenset(ctl + user)
+        self.eog_token_ids: frozenset[int] = v.eog_ids
+        self.vocab_size = len(v.tokens)
+        self.bos_token_id: Optional[int] = v.bos_id
+        self.eos_token_id: Optional[int] = v.eos_id
+        self.add_bos_token = v.add_bos
+        self.add_eos_token = v.add_eos
         self.chat_template: Optional[str] = metadata.get("tokenizer.chat_template")
-        self._template: Any = None
+        self._template: Optional[ChatTemplate] = None
+        self.path = path
 
     @classmethod
     def from_gguf(cls, gguf: Any = None) -> GGUFTokenizer:
-        """Build from a ``GGUFFile``, a path, or ``None`` (the bundled SmolLM2)."""
-        g = gguf if isinstance(gguf, GGUFFile) else load_gguf(gguf, load_tensors=False)
-        return cls(g.metadata, path=g.path)
+        """Build from a ``GGUFFile``, a path (a vocabulary-only GGUF will do), or ``None`` (the bundled SmolLM2)."""
+        if isinstance(gguf, GGUFFile):
+            return cls(gguf.metadata, path=gguf.path)
+        path, meta = _read_metadata(gguf)
+        return cls(meta, path=path)
 
     @property
     def bos_token(self) -> str:
@@ -105,74 +258,107 @@ class GGUFTokenizer:
         return self._tokens[self.eos_token_id] if self.eos_token_id is not None else ""
 
     def token_to_id(self, token: str) -> Optional[int]:
-        return self._tok.token_to_id(token)
+        return self._ids.get(token)
 
     def id_to_token(self, token_id: int) -> str:
         return self._tokens[token_id]
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; special-token strings in it become their ids."""
-        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            ids.insert(0, self.bos_token_id)
+    def _encoder(self, parse_special: bool) -> Any:
+        if parse_special:
+            return self._tok
+        if self._tok_plain is None:
+            with self._lock:
+                if self._tok_plain is None:
+                    self._tok_plain = _build(self.vocab, parse_special=False)
+        return self._tok_plain
+
+    def _specials(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        v = self.vocab
+        if add_special_tokens:
+            if v.add_bos and v.bos_id is not None:
+                ids.insert(0, v.bos_id)
+            if v.add_eos and v.eos_id is not None:
+                ids.append(v.eos_id)
+            if v.add_sep and v.sep_id is not None:
+                ids.append(v.sep_id)
         return ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+    def encode(self, text: str, *, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text`` (llama.cpp's ``llama_tokenize(text, add_special, parse_special)``).
+
+        ``add_special_tokens``: BOS / EOS as the vocabulary asks (``tokenizer.ggml.add_bos_token`` ...);
+        ``parse_special``: control-token strings in the text become their ids (user-defined ones always do).
+        """
+        ids = list(self._encoder(parse_special).encode(text, add_special_tokens=False).ids)
+        return self._specials(ids, add_special_tokens)
+
+    def encode_batch(
+        self, texts: Sequence[str], *, add_special_tokens: bool = False, parse_special: bool = True
+    ) -> list[list[int]]:
+        """``encode`` of each text, in parallel inside ``tokenizers``."""
+        encs = self._encoder(parse_special).encode_batch(list(texts), add_special_tokens=False)
+        return [self._specials(list(e.ids), add_special_tokens) for e in encs]
+
+    def _detokenize(self, ids: list[int], skip_special_tokens: bool, first: bool) -> bytes:
+        """llama.cpp's detokenizer before UTF-8 decoding (``first``: ids start the text)."""
+        n = self.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= n):
+            bad = next(i for i in ids if not 0 <= i < n)
+            raise ValueError(f"token id {bad} is out of range for a vocabulary of {n}")
+        table = self._pieces_plain if skip_special_tokens else self._pieces
+        out = b"".join(map(table.__getitem__, ids))
+        if first and ids and self.vocab.add_space_prefix and table[ids[0]].startswith(b" "):
+            out = out[1:]  # llama.cpp's remove_space: the first token's leading space
+        if self.vocab.clean_spaces:
+            out = _clean_spaces(out)
+        return out
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of ``ids``; bytes that do not form whole UTF-8 characters decode as U+FFFD."""
-        out = [int(i) for i in ids]
-        for i in out:
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is out of range for a vocabulary of {self.vocab_size}")
-        return self._tok.decode(out, skip_special_tokens=skip_special_tokens)
+        """Text of ``ids`` (llama.cpp's ``llama_detokenize``); bytes that do not form UTF-8 decode as U+FFFD."""
+        return self._detokenize([int(i) for i in ids], skip_special_tokens, True).decode("utf-8", "replace")
 
-    def render_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """The chat template rendered as text (what ``apply_chat_template(..., tokenize=False)`` gives)."""
+    def render_chat_template(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        **kwargs: Any,
+    ) -> str:
+        """The chat template rendered as text (what ``apply_chat_template(..., tokenize=False)`` gives).
+
+        ``kwargs`` reach the template as variables (e.g. ``date_string``, ``enable_thinking``).
+        """
         if self.chat_template is None:
-            raise ValueError("this GGUF has no tokenizer.chat_template; pass token ids or raw prompts instead")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        for m in messages:
-            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-                raise ValueError(f"a chat message needs 'role' and 'content' keys, got {m!r}")
-        return str(
-            self._template.render(
-                messages=[dict(m) for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
+            raise ChatTemplateError(
+                f"{self.path} has no tokenizer.chat_template: a chat request needs one; send a raw prompt "
+                "(completion) or token ids instead"
             )
+        if self._template is None:
+            self._template = ChatTemplate(self.chat_template)
+        return self._template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **kwargs,
         )
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         """Token ids of the rendered chat template (special tokens come from the template text)."""
-        return self.encode(self.render_chat_template(messages, add_generation_prompt))
-
-
-def _opt_int(v: Any) -> Optional[int]:
-    return None if v is None else int(v)
-
-
-def _compile_template(source: str) -> Any:
-    # As transformers' _compile_jinja_template does.
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
+        return self.encode(self.render_chat_template(messages, add_generation_prompt, **kwargs))
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8.
+    """Turns a growing list of token ids into text deltas whose concatenation is ``decode(ids)``.
 
-    Each push decodes only the tokens since the last character boundary (plus that window's
-    start), so streaming costs O(new tokens), not O(all tokens).
+    Each push decodes only the tokens since the last emitted boundary (plus that window's start), so streaming
+    costs O(new tokens), not O(all tokens). Text is held back while it ends inside a multi-byte character or,
+    for vocabularies with llama.cpp's ``clean_spaces``, in a space that later text may remove; ``flush()``
+    returns what is held at the end of a stream.
     """
 
     def __init__(self, tokenizer: GGUFTokenizer, *, skip_special_tokens: bool = True):
@@ -183,14 +369,29 @@ class IncrementalDecoder:
         self._read = 0  # tokens whose text has been emitted
         self.text = ""
 
+    def _window(self, stop: Optional[int]) -> bytes:
+        ids = self._ids[self._prefix : stop]
+        return self._tok._detokenize(ids, self._skip, self._prefix == 0)
+
     def push(self, token_ids: Iterable[int]) -> str:
         """Add new tokens; return the text that is now final."""
         self._ids.extend(int(t) for t in token_ids)
-        done = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
-        full = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        full_b = self._window(None)
+        if self._tok.vocab.clean_spaces and full_b.endswith(_CLEAN_OPEN):
+            return ""  # the next token may still remove this space
+        full = full_b.decode("utf-8", "replace")
         if full.endswith("\ufffd"):  # a multi-byte character is still arriving
             return ""
+        done = self._window(self._read).decode("utf-8", "replace")
         delta = full[len(done) :]
         self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """The text still held back (call once the stream has ended)."""
+        full = self._window(None).decode("utf-8", "replace")
+        delta = full[len(self._window(self._read).decode("utf-8", "replace")) :]
+        self._prefix = self._read = len(self._ids)
         self.text += delta
         return delta
