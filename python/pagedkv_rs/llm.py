@@ -43,8 +43,8 @@ class _TextDecoder:
     def __init__(self, tok: GGUFTokenizer):
         self._tok = tok
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

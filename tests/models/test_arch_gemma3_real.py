@@ -132,3 +132,6 @@ def test_llm_loads_the_file_and_completes_text(gemma_path):
     assert ids[0] == BOS
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=8, temperature=0.0))
     assert out[0].outputs[0].text.startswith(" girl named Lily"), out[0].outputs[0].text
+    # a text prompt gets the vocabulary's BOS at the door, as vLLM adds it: the same ids, the same answer
+    (text_out,) = llm.generate("Once upon a time, there was a little", SamplingParams(max_tokens=8, temperature=0.0))
+    assert text_out.prompt_token_ids == ids and text_out.outputs[0].text == out[0].outputs[0].text

@@ -95,6 +95,15 @@ def check_request_id(request_id: Any) -> str:
     return request_id
 
 
+def _encode_text(tokenizer: Any, text: str) -> Any:
+    """A text prompt's ids with the vocabulary's BOS/EOS rules (vLLM's ``add_special_tokens=True``): Gemma and
+    Llama add BOS, SmolLM2 adds nothing. A tokenizer without that keyword encodes the text as it is."""
+    try:
+        return tokenizer.encode(text, add_special_tokens=True)
+    except TypeError:
+        return tokenizer.encode(text)
+
+
 def check_request(
     prompt: Any,
     params: Any = None,
@@ -145,7 +154,7 @@ def check_request(
             raise InvalidRequestError(
                 "a text prompt needs an engine with a tokenizer; pass token ids instead", param="prompt"
             )
-        enc = limits.tokenizer.encode(prompt)
+        enc = _encode_text(limits.tokenizer, prompt)
         text, prompt = prompt, list(getattr(enc, "ids", enc))
     elif isinstance(prompt, bytes) or not isinstance(prompt, (Sequence, np.ndarray)):
         raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")

@@ -184,7 +184,7 @@ def build_app(
         items = req.prompts()
 
         def encode() -> list[list[int]]:
-            return [_encode(state, p) if isinstance(p, str) else list(p) for p in items]
+            return [_encode(state, p, True) if isinstance(p, str) else list(p) for p in items]
 
         long = sum(len(p) for p in items) > LONG_INPUT
         prompts = await asyncio.to_thread(encode) if long else encode()  # a long text must not stall the loop

@@ -162,7 +162,7 @@ class TokenizeRequest(_Request):
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1, max_length=4096)
     add_generation_prompt: bool = True
-    add_special_tokens: bool = False
+    add_special_tokens: bool = True  # vLLM's default: a text prompt gets the vocabulary's BOS/EOS
 
 
 class DetokenizeRequest(_Request):
