@@ -156,6 +156,18 @@ def _wordpiece(vocab: Vocab) -> Any:
 _UNBYTE = {ord(c): b for c, b in _BYTE_OF_CHAR.items()}
 
 
+def _unbyte_marked(t: str) -> bytes:
+    """llama.cpp's ``llama_decode_text`` for a token with characters outside the byte alphabet: each such
+    character becomes ``[UNK_BYTE_0x<its UTF-8 hex><the token's text>]``."""
+    out = b""
+    for c in t:
+        if c in _BYTE_OF_CHAR:
+            out += bytes([_BYTE_OF_CHAR[c]])
+        else:
+            out += b"[UNK_BYTE_0x" + c.encode().hex().encode() + t.encode() + b"]"
+    return out
+
+
 def _pieces(vocab: Vocab) -> tuple[list[bytes], list[bytes]]:
     """Each token's text as llama.cpp's ``token_to_piece`` gives it: with control tokens rendered, and without."""
     out = []
@@ -167,7 +179,7 @@ def _pieces(vocab: Vocab) -> tuple[list[bytes], list[bytes]]:
                 try:
                     out.append(t.translate(_UNBYTE).encode("latin-1"))
                 except UnicodeEncodeError:  # a character outside the byte alphabet
-                    out.append(t.encode())
+                    out.append(_unbyte_marked(t))
             else:
                 out.append(t.replace(SPACE, " ").encode())
         elif a & Attr.BYTE:

@@ -285,10 +285,10 @@ def read_vocab(metadata: Mapping[str, Any], path: str = "<gguf>") -> Vocab:
     for e in (eos,):
         if e is not None:
             eog.add(e)
-    if "</s>" in eog and ("<|tool_response>" in tokens or "<|plamo:eos|>" in tokens):
-        s = tokens.index("</s>")  # Gemma 4: a normal </s>
-        eog.discard(s)
-        attrs[s] = Attr.NORMAL
+    ids = {t: i for i, t in enumerate(tokens) if t in ("</s>", "<|tool_response>", "<|plamo:eos|>")}
+    if ids.get("</s>") in eog and (ids.get("<|tool_response>") in eog or ids.get("<|plamo:eos|>") in eog):
+        eog.discard(ids["</s>"])  # Gemma 4 and PLaMo: </s> is a normal token
+        attrs[ids["</s>"]] = Attr.NORMAL
     name = str(metadata.get("general.name", "")).lower()
     if "phi-3" in name or "phi3" in name:
         # llama.cpp: Phi-3's special tokens swallow the whitespace after them, except <unk>, <s>, <|endoftext|>
