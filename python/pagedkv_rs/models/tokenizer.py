@@ -114,6 +114,12 @@ def _build(vocab: Vocab, parse_special: bool) -> Any:
             model = bpe([p for p in pairs if len(p) == 2 and p[0] in ids and p[1] in ids and p[0] + p[1] in ids])
         tok = Tokenizer(model)
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+        lost = [b for b in range(128) if byte_level and _byte_alphabet()[b] not in ids]
+        if (
+            lost
+        ):  # a character with no token: llama.cpp keeps it between its neighbours (no merge across), then drops it
+            cls = "".join(f"\\x{{{b:02X}}}" for b in lost)
+            splits.insert(0, pre_tokenizers.Split(Regex(f"[{cls}]"), behavior="isolated"))
         if byte_level:
             splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
         if vocab.escape_whitespaces:
@@ -121,10 +127,8 @@ def _build(vocab: Vocab, parse_special: bool) -> Any:
         tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
     ctl, user = special_token_ids(vocab)
 
-    def added(i: int, special: bool) -> Any:
-        a = vocab.attrs[i]
-        lstrip, rstrip = bool(a & Attr.LSTRIP), bool(a & Attr.RSTRIP)
-        return AddedToken(vocab.tokens[i], special=special, normalized=False, lstrip=lstrip, rstrip=rstrip)
+    def added(i: int, special: bool) -> Any:  # lstrip / rstrip: see _strip_pattern
+        return AddedToken(vocab.tokens[i], special=special, normalized=False)
 
     tok.add_special_tokens([added(i, True) for i in ctl])
     tok.add_tokens([added(i, False) for i in user])
@@ -182,6 +186,8 @@ def _nfd_first() -> dict[int, str]:
         d = unicodedata.normalize("NFD", chr(cp))
         if d[0] != chr(cp):
             table[cp] = d[0]
+    # whitespace to llama.cpp, control characters to transformers' BertNormalizer (which would drop them)
+    table.update({0x0B: " ", 0x0C: " ", 0x85: " "})
     return table
 
 
@@ -208,6 +214,26 @@ def _pieces(vocab: Vocab) -> tuple[list[bytes], list[bytes]]:
         if a & (Attr.CONTROL | Attr.UNKNOWN):
             plain[i] = b""
     return out, plain
+
+
+def _strip_pattern(vocab: Vocab, parse_special: bool) -> Optional[re.Pattern[str]]:
+    """The whitespace llama.cpp's lstrip / rstrip special tokens swallow (ASCII ``isspace`` only, where
+    ``tokenizers`` would take any Unicode space): ``sub(_strip_sub, text)`` drops it before encoding."""
+    ctl, user = special_token_ids(vocab)
+    ids = (ctl + user) if parse_special else user
+    left = sorted((vocab.tokens[i] for i in ids if vocab.attrs[i] & Attr.LSTRIP), key=len, reverse=True)
+    right = sorted((vocab.tokens[i] for i in ids if vocab.attrs[i] & Attr.RSTRIP), key=len, reverse=True)
+    alts = []
+    if left:
+        alts.append(rf"[ \t\n\v\f\r]+(?P<l>{'|'.join(map(re.escape, left))})")
+    if right:
+        alts.append(rf"(?P<r>{'|'.join(map(re.escape, right))})[ \t\n\v\f\r]+")
+    return re.compile("|".join(alts)) if alts else None
+
+
+def _strip_sub(m: re.Match[str]) -> str:
+    g = m.groupdict()
+    return g.get("l") or g.get("r") or ""
 
 
 # llama.cpp's clean_spaces passes, in order: " ?" " !" " ." " ," lose the space; " ' " becomes "'";
@@ -257,6 +283,7 @@ class GGUFTokenizer:
             raise GGUFError(f"{path}: the tokenizer cannot be built from this vocabulary ({e})") from e
         self._tok_plain: Any = None  # parse_special=False twin, built on first use
         self._prenorm = _nfd_first() if v.model == "bert" else None
+        self._strip = {p: _strip_pattern(v, p) for p in (False, True)}
         self._lock = threading.Lock()
         self._pieces, self._pieces_plain = _pieces(v)
         ctl, user = special_token_ids(v)
@@ -302,6 +329,14 @@ class GGUFTokenizer:
                     self._tok_plain = _build(self.vocab, parse_special=False)
         return self._tok_plain
 
+    def _prepare(self, text: str, parse_special: bool) -> str:
+        """What llama.cpp does to the text that ``tokenizers`` cannot: BERT's per-code-point NFD, and the
+        whitespace lstrip / rstrip special tokens swallow."""
+        if self._prenorm is not None:
+            text = text.translate(self._prenorm)
+        rx = self._strip[parse_special]
+        return text if rx is None else rx.sub(_strip_sub, text)
+
     def _specials(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         v = self.vocab
         if add_special_tokens:
@@ -319,16 +354,14 @@ class GGUFTokenizer:
         ``add_special_tokens``: BOS / EOS as the vocabulary asks (``tokenizer.ggml.add_bos_token`` ...);
         ``parse_special``: control-token strings in the text become their ids (user-defined ones always do).
         """
-        if self._prenorm is not None:
-            text = text.translate(self._prenorm)
-        ids = list(self._encoder(parse_special).encode(text, add_special_tokens=False).ids)
+        ids = list(self._encoder(parse_special).encode(self._prepare(text, parse_special)).ids)
         return self._specials(ids, add_special_tokens)
 
     def encode_batch(
         self, texts: Sequence[str], *, add_special_tokens: bool = False, parse_special: bool = True
     ) -> list[list[int]]:
         """``encode`` of each text, in parallel inside ``tokenizers``."""
-        batch = [t.translate(self._prenorm) for t in texts] if self._prenorm is not None else list(texts)
+        batch = [self._prepare(t, parse_special) for t in texts]
         encs = self._encoder(parse_special).encode_batch(batch, add_special_tokens=False)
         return [self._specials(list(e.ids), add_special_tokens) for e in encs]
 

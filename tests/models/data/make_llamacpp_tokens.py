@@ -27,6 +27,8 @@ TEXT = (
     "emoji 🦙🎉🚀👩‍💻 ✅ and symbols ∑∫√∞ ≠ ≤ → ©® ½ ¾\n"
     "def f(x):\n    return x ** 2  # 3.14159e-10\n"
     'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }\n'
+    # spaces llama.cpp's regexes see as \v, a byte some vocabularies lack, a space after an rstrip token
+    "中\xa0 \u3000<b>\u2003x\t\x0b\n</s>\u3000y <|end|> \u3000z\x0c\x85\n"
     "   \n \n\n\n\n\n\n\n\nlots of\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\n\nnewlines"
 )
 
