@@ -172,6 +172,11 @@ def test_spm_space_prefix_and_byte_fallback():
     ids = tok.encode("\U0001f999")
     assert [tok.id_to_token(i) for i in ids] == ["▁", "<0xF0>", "<0x9F>", "<0xA6>", "<0x99>"]
     assert tok.decode(ids) == "\U0001f999"
+    # a continuation (a generation after its prompt) keeps it, streamed or not
+    ids = tok.encode("Paris is")
+    assert tok.decode(ids, continuation=True) == " Paris is"
+    dec = IncrementalDecoder(tok, continuation=True)
+    assert "".join(dec.push([i]) for i in ids) + dec.flush() == " Paris is"
     # decode drops the first token's leading space only
     assert tok.decode(tok.encode("Hi there")) == "Hi there"
     assert tok.decode([1, *tok.encode("Hi")]) == "<s> Hi"

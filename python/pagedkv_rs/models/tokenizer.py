@@ -379,9 +379,14 @@ class GGUFTokenizer:
             out = _clean_spaces(out)
         return out
 
-    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of ``ids`` (llama.cpp's ``llama_detokenize``); bytes that do not form UTF-8 decode as U+FFFD."""
-        return self._detokenize([int(i) for i in ids], skip_special_tokens, True).decode("utf-8", "replace")
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False, continuation: bool = False) -> str:
+        """Text of ``ids`` (llama.cpp's ``llama_detokenize``); bytes that do not form UTF-8 decode as U+FFFD.
+
+        ``continuation``: the ids continue a text (a generation after its prompt), so a SentencePiece
+        vocabulary's first token keeps its leading space, as llama.cpp's ``token_to_piece`` stream does.
+        """
+        ids = [int(i) for i in ids]
+        return self._detokenize(ids, skip_special_tokens, not continuation).decode("utf-8", "replace")
 
     def render_chat_template(
         self,
@@ -426,7 +431,7 @@ class GGUFTokenizer:
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas whose concatenation is ``decode(ids)``.
+    """Turns a growing list of token ids into text deltas whose concatenation is ``decode(ids, continuation=...)``.
 
     Each push decodes only the tokens since the last emitted boundary (plus that window's start), so streaming
     costs O(new tokens), not O(all tokens). Text is held back while it ends inside a multi-byte character or,
@@ -434,9 +439,10 @@ class IncrementalDecoder:
     returns what is held at the end of a stream.
     """
 
-    def __init__(self, tokenizer: GGUFTokenizer, *, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: GGUFTokenizer, *, skip_special_tokens: bool = True, continuation: bool = False):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._continuation = continuation  # as decode(..., continuation=True): keep the first leading space
         self._ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens whose text has been emitted
@@ -444,7 +450,7 @@ class IncrementalDecoder:
 
     def _window(self, stop: Optional[int]) -> bytes:
         ids = self._ids[self._prefix : stop]
-        return self._tok._detokenize(ids, self._skip, self._prefix == 0)
+        return self._tok._detokenize(ids, self._skip, self._prefix == 0 and not self._continuation)
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Add new tokens; return the text that is now final."""
