@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from pagedkv_rs.models.chat_template import ChatTemplate, ChatTemplateError, Message
 from pagedkv_rs.models.gguf_loader import GGUFError, GGUFFile, PathLike, _parse, bundled_model_path
-from pagedkv_rs.models.vocab import Attr, Vocab, read_vocab, special_token_ids
+from pagedkv_rs.models.vocab import GPT2, Attr, Vocab, read_vocab, special_token_ids
 
 __all__ = ["GGUFTokenizer", "IncrementalDecoder"]
 
@@ -103,9 +103,17 @@ def _build(vocab: Vocab, parse_special: bool) -> Any:
         pairs = _merge_pairs(vocab.merges)
         byte_level = vocab.byte_level
 
+        lost = "<|pagedkv:lost-byte|>" if _lost_bytes(vocab, ids) else None
+        bpe_vocab = {**ids, lost: len(ids)} if lost else ids
+
         def bpe(pairs: list[tuple[str, ...]]) -> Any:
             return models.BPE(
-                vocab=ids, merges=pairs, byte_fallback=not byte_level, fuse_unk=False, ignore_merges=pre.ignore_merges
+                vocab=bpe_vocab,
+                merges=pairs,
+                byte_fallback=not byte_level,
+                fuse_unk=False,
+                unk_token=lost,
+                ignore_merges=pre.ignore_merges,
             )
 
         try:
@@ -113,18 +121,21 @@ def _build(vocab: Vocab, parse_special: bool) -> Any:
         except Exception:  # a rule whose parts or result are not tokens: llama.cpp never completes it either
             model = bpe([p for p in pairs if len(p) == 2 and p[0] in ids and p[1] in ids and p[0] + p[1] in ids])
         tok = Tokenizer(model)
-        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-        lost = [b for b in range(128) if byte_level and _byte_alphabet()[b] not in ids]
-        if (
-            lost
-        ):  # a character with no token: llama.cpp keeps it between its neighbours (no merge across), then drops it
-            cls = "".join(f"\\x{{{b:02X}}}" for b in lost)
-            splits.insert(0, pre_tokenizers.Split(Regex(f"[{cls}]"), behavior="isolated"))
-        if byte_level:
-            splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        regexes = list(pre.regexes)
+        last: list[Any] = []
+        if byte_level:  # GPT-2's own split is built into ByteLevel (one pass instead of two)
+            use_regex = regexes[-1:] == [GPT2]
+            last = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)]
+            regexes = regexes[:-1] if use_regex else regexes
+        splits = [
+            pre_tokenizers.Digits(individual_digits=True)  # \p{N} alone, without a regex
+            if r == r"\p{N}"
+            else pre_tokenizers.Split(Regex(r), behavior="isolated")
+            for r in regexes
+        ]
         if vocab.escape_whitespaces:
             tok.normalizer = normalizers.Replace(" ", SPACE)
-        tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
+        tok.pre_tokenizer = pre_tokenizers.Sequence(splits + last)
     ctl, user = special_token_ids(vocab)
 
     def added(i: int, special: bool) -> Any:  # lstrip / rstrip: see _strip_pattern
@@ -231,6 +242,19 @@ def _strip_pattern(vocab: Vocab, parse_special: bool) -> Optional[re.Pattern[str
     return re.compile("|".join(alts)) if alts else None
 
 
+def _lost_bytes(vocab: Vocab, ids: Mapping[str, int]) -> list[int]:
+    """ASCII characters a byte-level vocabulary has no token for. llama.cpp keeps such a character as a symbol
+    (nothing merges across it) and drops it at the end; here it becomes a stand-in token id ``len(vocab)``
+    (the BPE model's unknown token) that ``encode`` removes."""
+    alphabet = _byte_alphabet()
+    return [b for b in range(128) if vocab.byte_level and alphabet[b] not in ids]
+
+
+def _lost_pattern(vocab: Vocab) -> Optional[re.Pattern[str]]:
+    lost = _lost_bytes(vocab, set(vocab.tokens))  # type: ignore[arg-type]
+    return re.compile("[" + "".join(f"\\x{b:02x}" for b in lost) + "]") if lost else None
+
+
 def _strip_sub(m: re.Match[str]) -> str:
     g = m.groupdict()
     return g.get("l") or g.get("r") or ""
@@ -284,6 +308,7 @@ class GGUFTokenizer:
         self._tok_plain: Any = None  # parse_special=False twin, built on first use
         self._prenorm = _nfd_first() if v.model == "bert" else None
         self._strip = {p: _strip_pattern(v, p) for p in (False, True)}
+        self._lost = _lost_pattern(v)
         self._lock = threading.Lock()
         self._pieces, self._pieces_plain = _pieces(v)
         ctl, user = special_token_ids(v)
@@ -354,8 +379,15 @@ class GGUFTokenizer:
         ``add_special_tokens``: BOS / EOS as the vocabulary asks (``tokenizer.ggml.add_bos_token`` ...);
         ``parse_special``: control-token strings in the text become their ids (user-defined ones always do).
         """
-        ids = list(self._encoder(parse_special).encode(self._prepare(text, parse_special)).ids)
+        text = self._prepare(text, parse_special)
+        if self._lost is not None and self._lost.search(text):
+            return self._specials(self._encode_around_lost(text, parse_special), add_special_tokens)
+        ids = list(self._encoder(parse_special).encode(text).ids)
         return self._specials(ids, add_special_tokens)
+
+    def _encode_around_lost(self, text: str, parse_special: bool) -> list[int]:
+        ids = self._encoder(parse_special).encode(text).ids
+        return [i for i in ids if i != self.vocab_size]  # the lost characters' stand-in
 
     def encode_batch(
         self, texts: Sequence[str], *, add_special_tokens: bool = False, parse_special: bool = True
@@ -363,7 +395,12 @@ class GGUFTokenizer:
         """``encode`` of each text, in parallel inside ``tokenizers``."""
         batch = [self._prepare(t, parse_special) for t in texts]
         encs = self._encoder(parse_special).encode_batch(batch, add_special_tokens=False)
-        return [self._specials(list(e.ids), add_special_tokens) for e in encs]
+        out = [list(e.ids) for e in encs]
+        if self._lost is not None:
+            for k, t in enumerate(batch):
+                if self._lost.search(t):
+                    out[k] = self._encode_around_lost(t, parse_special)
+        return [self._specials(ids, add_special_tokens) for ids in out]
 
     def _detokenize(self, ids: list[int], skip_special_tokens: bool, first: bool) -> bytes:
         """llama.cpp's detokenizer before UTF-8 decoding (``first``: ids start the text)."""
