@@ -3,7 +3,8 @@
 Each template is put in a GGUF tokenizer's metadata beside the vocabulary of its model family from llama.cpp's
 vocab test files (Llama 3 -> llama-bpe, Qwen -> qwen2, Phi-3.5 -> phi-3, Gemma 2 -> the real Gemma 3 270M file,
 which uses the same turn markers); the expected strings are written from each model's documented chat format,
-and the rendered text must encode into the family's special-token ids. Mistral Nemo's Tekken vocabulary is not
+and the rendered text must encode into the family's special-token ids, with BOS as llama.cpp's chat path adds
+it (once, whether the template writes it or not). Mistral Nemo's Tekken vocabulary is not
 among the test files: its template is checked as text only.
 """
 
@@ -135,9 +136,10 @@ def test_phi35():
     system, user, end, assistant = 32006, 32010, 32007, 32001
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
-    # Phi-3's special tokens swallow the newline after them (llama.cpp's rstrip for this model)
-    parts: list[Union[str, int]] = [system, "Be brief.", end, user, "Hi", end, assistant]
-    check(tok, msgs, text, parts, decoded="<|system|> Be brief.<|end|><|user|> Hi<|end|><|assistant|>")
+    # Phi-3's special tokens swallow the newline after them (llama.cpp's rstrip for this model); the template
+    # writes no BOS and the vocabulary adds one, as llama.cpp's chat path does
+    parts: list[Union[str, int]] = [1, system, "Be brief.", end, user, "Hi", end, assistant]
+    check(tok, msgs, text, parts, decoded="<s><|system|> Be brief.<|end|><|user|> Hi<|end|><|assistant|>")
     assert tok.render_chat_template(msgs, add_generation_prompt=False).endswith("<|end|>\n<|endoftext|>")
 
 

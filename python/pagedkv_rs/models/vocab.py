@@ -88,7 +88,9 @@ _DEEPSEEK_LETTERS = (
     r"\x{104B0}-\x{104D3}\x{104D8}-\x{104FB}\x{10C80}-\x{10CB2}\x{10CC0}-\x{10CF2}\x{118A0}-\x{118DF}"
     r"\x{1E900}-\x{1E943}"
 )
-_CJK = r"[\x{4E00}-\x{9FA5}\x{800}-\x{4E00}\x{AC00}-\x{D7FF}]+"
+# llama.cpp matches a regex without \p{..} on code points with every non-ASCII space turned into \v first, so
+# no class of such a regex matches one: "&&[^\s]" says so (U+3000 lies in two of these ranges).
+_CJK = r"[\x{4E00}-\x{9FA5}\x{800}-\x{4E00}\x{AC00}-\x{D7FF}&&[^\s]]+"
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "deepseek-llm": PreTokenizer(
         (
             "[\r\n]",
-            rf"\s?[{_DEEPSEEK_LETTERS}]+",
-            r"\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}]+",
+            rf"\s?[{_DEEPSEEK_LETTERS}&&[^\s]]+",
+            r"\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}&&[^\s]]+",
             r"\s+\z",
             _CJK,
             r"\p{N}+",
@@ -285,10 +287,10 @@ def read_vocab(metadata: Mapping[str, Any], path: str = "<gguf>") -> Vocab:
     for e in (eos,):
         if e is not None:
             eog.add(e)
-    if "</s>" in eog and ("<|tool_response>" in tokens or "<|plamo:eos|>" in tokens):
-        s = tokens.index("</s>")  # Gemma 4: a normal </s>
-        eog.discard(s)
-        attrs[s] = Attr.NORMAL
+    ids = {t: i for i, t in enumerate(tokens) if t in ("</s>", "<|tool_response>", "<|plamo:eos|>")}
+    if ids.get("</s>") in eog and (ids.get("<|tool_response>") in eog or ids.get("<|plamo:eos|>") in eog):
+        eog.discard(ids["</s>"])  # Gemma 4 and PLaMo: </s> is a normal token
+        attrs[ids["</s>"]] = Attr.NORMAL
     name = str(metadata.get("general.name", "")).lower()
     if "phi-3" in name or "phi3" in name:
         # llama.cpp: Phi-3's special tokens swallow the whitespace after them, except <unk>, <s>, <|endoftext|>
