@@ -20,7 +20,7 @@ import numpy as np
 __all__ = ["PerplexityResult", "build_parser", "main", "perplexity"]
 
 BLOCK_SIZE = 16
-LOGITS_BUDGET = 1 << 25  # float32 logits per step (128 MiB): bounds how many chunks share a step
+LOGITS_BUDGET = 1 << 24  # float32 logits per step (64 MiB): bounds how many chunks share a step
 
 
 @dataclass
@@ -83,11 +83,11 @@ def perplexity(
         rows = (np.arange(len(seqs))[:, None] * ctx + np.arange(first, ctx - 1)[None, :]).reshape(-1)
         logits = model.forward(batch, caches, logits_indices=rows).reshape(len(seqs), scored, -1)
         for s, c in zip(seqs, chunks):
-            x = logits[s].astype(np.float64)
+            x = logits[s]  # float32 [scored, V]; the sums in float64, as llama.cpp's log-softmax
             top = x.max(-1)
-            lse = np.log(np.exp(x - top[:, None]).sum(-1)) + top
+            lse = np.log(np.exp(x - top[:, None]).sum(-1, dtype=np.float64)) + top
             target = tokens[c * ctx + first + 1 : (c + 1) * ctx]
-            nl = lse - x[np.arange(scored), target]
+            nl = lse - x[np.arange(scored), target].astype(np.float64)
             nll += float(nl.sum())
             nll2 += float((nl * nl).sum())
             count += scored
