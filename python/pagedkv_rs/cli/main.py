@@ -19,6 +19,7 @@ commands:
   bench load              process start to a 32-token answer: wall time and peak RSS per weight format
   bench serve             benchmark any OpenAI-compatible server over HTTP (same table as bench e2e)
   bench tiers             TTFT of a long prefix: cold, in the pool, only on disk, only in Redis
+  perplexity FILE         llama-perplexity's measure of a model on a text file (chunks, second halves scored)
   serve                   OpenAI-compatible HTTP server (needs the serve extra)
   simulate                replay a synthetic trace to size a KV cache (paged vs contiguous)
   info                    backend, build profile and CPU features
@@ -39,6 +40,7 @@ COMMANDS = {
     ("bench", "load"): "pagedkv_rs.cli.bench.load",
     ("bench", "serve"): "pagedkv_rs.cli.bench.serve",
     ("bench", "tiers"): "pagedkv_rs.cli.bench.tiers",
+    ("perplexity",): "pagedkv_rs.cli.perplexity",
     ("serve",): "pagedkv_rs.cli.serve",
     ("simulate",): "pagedkv_rs.cli.simulate",
 }
