@@ -47,7 +47,8 @@ class _TextDecoder:
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        # generated ids continue their prompt: a SentencePiece piece keeps its leading space (" Paris")
+        return self._tok.decode(ids, skip_special_tokens=True, continuation=True)
 
 
 class LLM:
@@ -93,9 +94,11 @@ class LLM:
             self.tokenizer = tokenizer if tokenizer is not None else GGUFTokenizer(g.metadata, path=g.path)
             if model_impl == "fused" and weights == "auto":
                 weights = "int8"  # what the fused decoder runs
-            self.model = LlamaModel(
-                LlamaWeights(g, weights=weights), eos_token_ids=eos_ids_from_metadata(g.metadata), impl=model_impl
+            # end-of-generation ids as llama.cpp marks them (<|eot_id|>, <end_of_turn>, <|im_end|>...) beside EOS
+            eog = dict.fromkeys(
+                [*eos_ids_from_metadata(g.metadata), *sorted(getattr(self.tokenizer, "eog_token_ids", ()))]
             )
+            self.model = LlamaModel(LlamaWeights(g, weights=weights), eos_token_ids=tuple(eog), impl=model_impl)
         self.weight_format: str = self.model.weights.weight_format
         del g
         if num_blocks is not None and kv_memory is not None:

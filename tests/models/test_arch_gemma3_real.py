@@ -135,3 +135,14 @@ def test_llm_loads_the_file_and_completes_text(gemma_path):
     # a text prompt gets the vocabulary's BOS at the door, as vLLM adds it: the same ids, the same answer
     (text_out,) = llm.generate("Once upon a time, there was a little", SamplingParams(max_tokens=8, temperature=0.0))
     assert text_out.prompt_token_ids == ids and text_out.outputs[0].text == out[0].outputs[0].text
+
+
+def test_llm_stops_at_the_vocabularys_end_of_generation_ids(gemma_path):
+    """Gemma's chat turns end with <end_of_turn>, which llama.cpp marks end-of-generation beside <eos>."""
+    from pagedkv_rs import LLM
+
+    llm = LLM(model=gemma_path, kv_memory="16MiB")
+    tok = llm.get_tokenizer()
+    end_of_turn = tok.encode("<end_of_turn>")
+    assert len(end_of_turn) == 1 and end_of_turn[0] in llm.model.eos_token_ids
+    assert tok.eos_token_id in llm.model.eos_token_ids

@@ -92,7 +92,7 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
         for i, stream in enumerate(streams):
             if len(streams) > 1:
                 out.write(f"{'' if i == 0 else chr(10)}--- [{i + 1}/{len(streams)}] {args.prompts[i]}\n")
-            dec = IncrementalDecoder(tok)
+            dec = IncrementalDecoder(tok, continuation=True)  # the text continues the prompt
             if args.raw:
                 out.write(args.prompts[i])
             shown = ""
@@ -106,6 +106,8 @@ def main(argv: Optional[list[str]] = None, out: Optional[TextIO] = None) -> int:
                 out.flush()
                 if o.finished:
                     n_out += len(o.token_ids)
+            if not params.stop:
+                out.write(dec.flush())
             out.write("\n")
             out.flush()
     except KeyboardInterrupt:

@@ -103,11 +103,17 @@ def perplexity(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv perplexity", description=__doc__.splitlines()[0])
+    from pagedkv_rs.cli.formatting import HelpFormatter
+
+    p = argparse.ArgumentParser(
+        prog="pagedkv perplexity", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     p.add_argument("file", metavar="FILE", help="a UTF-8 text file")
     p.add_argument("--model", default=None, metavar="GGUF", help="GGUF model file (default: the bundled SmolLM2)")
-    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (llama-perplexity -c; default 512)")
-    p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (llama's --chunks)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (llama-perplexity -c)")
+    p.add_argument(
+        "--chunks", type=int, default=None, help="score at most this many chunks (llama's --chunks; default: all)"
+    )
     p.add_argument("--impl", choices=("auto", "numpy", "fused"), default="auto", help="model implementation")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
