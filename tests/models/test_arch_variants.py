@@ -19,8 +19,9 @@ import pytest
 from arch_files import GEMMA3, PHI3, QWEN3, ArchFile, write_arch_gguf
 from test_fused import run_pair
 
+from dense_llama import DenseLlama
 from pagedkv_rs.models.gguf_loader import GGUFError, load_gguf
-from pagedkv_rs.models.llama import DenseLlama, LlamaModel, LlamaWeights
+from pagedkv_rs.models.llama import LlamaModel, LlamaWeights
 
 VARIANTS = {
     "qwen3": QWEN3,

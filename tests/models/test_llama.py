@@ -10,9 +10,9 @@ import pytest
 from dense_oracle import DenseOracle
 
 import pagedkv_rs
+from dense_llama import DenseLlama
 from pagedkv_rs.models.gguf_loader import GGUFError, bundled_model_path, load_gguf
 from pagedkv_rs.models.llama import (
-    DenseLlama,
     FloatLinear,
     Int8Linear,
     LlamaModel,
