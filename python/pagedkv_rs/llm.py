@@ -21,7 +21,7 @@ from pagedkv_rs.models.tokenizer import GGUFTokenizer
 from pagedkv_rs.units import parse_memory
 
 # The `model` extra, checked here so that its absence is named; found, not imported (each is imported
-# where it is used: importing gguf alone costs ~80 ms of a 1 s start).
+# where it is used: importing gguf alone is a noticeable part of the start-up).
 for _extra in ("gguf", "jinja2", "tokenizers"):
     if importlib.util.find_spec(_extra) is None:
         raise ImportError(
@@ -190,8 +190,7 @@ def _gc_paused() -> Iterator[None]:
 
     A load allocates ~100k container objects (the vocabulary and merge tables, the model's) that
     refcounting frees or that live as long as the model; the collections they set off walk them
-    again and again (gc.callbacks counted 76 young, 7 middle and 1 full collection in the bundled
-    model's load, ~0.1 s on the 2-core VM).
+    again and again (dozens of collections during one load).
     """
     was = gc.isenabled()
     gc.disable()

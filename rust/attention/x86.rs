@@ -5,24 +5,17 @@
 //! | `attend`        | avx2, fma, f16c (16 ymm)        | qk 4x2 / 3x2 / 2x4 / 1x8, pv 4x2 / 3x2 / 2x4 / 1x8           |
 //! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 regs, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16 (ymm; with head_dim % 16 == 0: the same blocks of **zmm** chains); pv with head_dim % 16 == 0: 4x4 / 3x4 / 2x8 / 1x8 16-col **zmm** vectors (else ymm 4x4 / 3x4 / 2x8 / 1x16); decode and prefill alike |
 //!
-//! Zen 4 executes a 512-bit op as two 256-bit halves, so the AVX-512 build wins mainly through
-//! its 32 registers (twice the independent FMA chains per K/V load). The one zmm kernel is the
-//! decode `acc += p v` (`pv_block_z`: half the loads, broadcasts and loop trips per column);
-//! it measured 2-12% faster than the ymm one (one run, old and new builds side by side). A zmm
-//! logits kernel measured no faster there and was dropped; on Zen 5 (512-bit datapath) its
-//! successor `qk_block_z` (each zmm chain folded to 8 lanes, then the ymm kernel's 8-way sums)
-//! took config A float16 from 3.5 to 2.3-2.9 ms with K/V in cache (3 interleaved rounds), the
-//! SmolLM2 shape (head_dim 64) within the noise, so decode logits run in zmm when head_dim % 16 == 0;
-//! their 16 chains are now summed by one transpose-and-add tree (`sums16`), not folded to ymm.
+//! On cores that execute a 512-bit op as two 256-bit halves the AVX-512 build wins mainly through
+//! its 32 registers (twice the independent FMA chains per K/V load); on cores with a full 512-bit
+//! datapath the zmm kernels gain as well. Decode `acc += p v` runs in zmm when head_dim % 16 == 0
+//! (`pv_block_z`: half the loads, broadcasts and loop trips per column), and so do the decode
+//! logits (`qk_block_z`), their 16 chains summed by one transpose-and-add tree (`sums16`).
 //! Prefill (the widened f32 tiles) in the AVX-512 build, head_dim % 16 == 0 and no soft cap, takes
 //! the unit's queries as vector lanes (`lanes_tile`): a key's logits for 16 queries are one zmm
 //! summed over head_dim (4 partial sums) from the queries transposed once per unit and the key's
 //! broadcast elements, so no horizontal sums (the per-query kernels spent as many shuffles and adds
-//! on them as FMAs at head_dim 64), and the mask and online softmax run 16 queries a vector. SmolLM2's
-//! 512-token prefill attention (9 query / 3 KV heads, head_dim 64, one layer), 2 rounds alternating
-//! builds, best of 30: 2.83 / 3.23 ms (per-query zmm kernels) -> 2.19 / 2.44 ms; `pagedkv bench
-//! kernel --only Prefill` (head_dim 128) 251 / 235 -> 207 / 207 ms. Otherwise the per-query kernels
-//! (`tile_heads`), zmm when head_dim % 16 == 0.
+//! on them as FMAs at head_dim 64), and the mask and online softmax run 16 queries a vector.
+//! Otherwise the per-query kernels (`tile_heads`), zmm when head_dim % 16 == 0.
 //! The body and micro-kernels are `#[inline(always)]` so that each entry compiles them for its
 //! own features.
 //!
@@ -55,11 +48,9 @@ use crate::simd::x86::exp256;
 /// Keys per tile; a tile spans consecutive blocks of the table (one segment per block piece).
 const TILE: usize = 64;
 /// Decode prefetches the piece this many pieces ahead in the same pass (pieces in memory order:
-/// the KV heads of a block, then the next block's). Config A on the AVX2 Zen 3 VM, one process
-/// alternating variants call by call, medians: 1 piece ahead into L1 took 0.70x (f32) / 0.85x
-/// (f16) the time of the previous scheme (the same head's piece 2 blocks = 16 pieces ahead, into
-/// L2); 2-4 pieces ahead measured the same as 1 within the noise, 8 (one block) no better than
-/// the old scheme; both schemes together 0.9-0.95x. With no prefetch: 1.3-1.45x.
+/// the KV heads of a block, then the next block's) into L1. The next piece is what the random table
+/// hides from the hardware prefetchers; it beat the same head's piece two blocks ahead into L2,
+/// 2-4 pieces ahead gained nothing more, and a whole block ahead lost the gain.
 const PF_NEXT: usize = 1;
 
 /// Element type codes for the const-generic kernels.
@@ -168,7 +159,7 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
         }
         if t_end < u.key_hi {
             // Touch the first line of the next tile's first block early (page walk + hardware
-            // prefetcher start); prefetching whole tiles measured slower (miss queue fills up).
+            // prefetcher start); prefetching whole tiles is slower (the miss queue fills up).
             let nb = ctx.shape.offset(ctx.block(u.seq, t_end), u.h0, t_end % bs);
             prefetch(ctx.k, nb, 8);
             prefetch(ctx.v, nb, 8);
@@ -376,18 +367,16 @@ fn pieces(ctx: &Ctx, seq: usize, t: usize, t_end: usize, out: &mut [(usize, usiz
 }
 
 /// A later piece to prefetch into L1 while the current one is computed, a slice of it per slice
-/// of work done (a burst of a whole piece's prefetches per piece, one tile ahead, was 1.8x slower
-/// on config A f16 one thread; every other line only, 1.2x slower: no adjacent-line prefetch to
-/// lean on). The ymm kernels issue their slices between the FMA loops (inside, the AVX2 build
-/// spilled the `acc += p v` accumulators to the stack); the zmm `acc += p v` issues them inside its
-/// key loop (32 registers; `pv_cols_z`), the zmm logits per 4 keys (inside their column loop, the
-/// float16 run measured 0.99x with K/V from DRAM and 1.08-1.22x in cache).
+/// of work done (a burst of a whole piece per piece stalls on the loads; every other line only is
+/// slower too: there is no adjacent-line prefetch to lean on). The ymm kernels issue their slices
+/// between the FMA loops (inside, the AVX2 build spilled the `acc += p v` accumulators to the
+/// stack); the zmm `acc += p v` issues them inside its key loop (32 registers; `pv_cols_z`), the
+/// zmm logits per 4 keys (inside their column loop they gained nothing from DRAM and cost time
+/// with K/V in cache).
 ///
 /// Beside it a far piece, half a tile ahead (the other pass's piece of the same block and head),
-/// goes to L2 (`_MM_HINT_T1`) in the same slices: with the next piece alone the prefetch ran
-/// 2-8 KiB ahead of a random table. In one process on the Zen 5 VM, calls alternating with and
-/// without it, 7-11 rounds, medians: SmolLM2's shape (head_dim 64, 2 KiB pieces) float16 0.79 of
-/// the time, config A float32 0.87, float16 0.88-1.02 (three runs).
+/// goes to L2 (`_MM_HINT_T1`) in the same slices: with the next piece alone the prefetch ran only
+/// 2-8 KiB ahead of a random table, too short for small heads (head_dim 64) to hide DRAM latency.
 #[derive(Clone, Copy)]
 struct Pf {
     p: *const u8,
@@ -893,11 +882,8 @@ unsafe fn load16<const DT: u8>(p: *const u8, i: usize) -> __m512 {
 /// `qk_block` with zmm: MB query vectors x TB keys, 16 columns of head_dim a step (d % 16 == 0),
 /// MB * TB <= 16 zmm accumulators summed by one transpose-and-add tree (`sums16`). Half the FMAs,
 /// loads and widenings of the ymm kernel per key. The tree replaced folding each chain to 8 lanes
-/// and two 8-way `hadd` sums (74 shuffle/add uops for 16 chains against 45): decode attention with
-/// K/V in cache, config A, one process alternating the two call by call, 21 rounds, medians:
-/// float16 0.96x (2 threads) / 0.97x (1 thread) the time, float32 0.98x. In isolation (a 4 x 4
-/// block over 64 L1-resident keys) the old sums held the loop to ~0.5 of the FMA peak, the tree
-/// to ~0.75 (float16) / ~0.85 (float32), no sums at all 0.8 / 0.92.
+/// and two 8-way `hadd` sums (74 shuffle/add uops for 16 chains against 45): with the old sums the
+/// horizontal work, not the FMAs, bounded the loop.
 ///
 /// # Safety
 /// `kp` points to n * d elements of type DT; the CPU supports AVX-512 F.
@@ -1006,10 +992,8 @@ unsafe fn pv_block_z<const MB: usize, const NV: usize, const DT: u8>(
 }
 
 /// Columns `c..c + 16 * W` of `pv_block_z`, issuing parts `lo..hi` of `pf` spread over its keys (one
-/// every `n / (hi - lo)` keys, the rest after the last). They had gone out as one burst before the
-/// call (32 near and 32 far lines a call for config A): in one process alternating the two call by
-/// call (15-21 rounds, medians of the per-round ratios), config A on a random table 0.91x (float16)
-/// / 0.92x (float32) the time, the SmolLM2 shape (30 layers) 0.90x / 0.92x, K/V in cache 0.99x.
+/// every `n / (hi - lo)` keys, the rest after the last): one burst before the call put more misses
+/// in flight than the core's fill buffers hold and stalled the accumulator loads after it.
 ///
 /// # Safety
 /// c + 16 * W <= d; `vp` holds n * d DT elements; `ap` holds MB * d f32; p.len() >= (MB - 1) * TILE + n;
@@ -1277,7 +1261,7 @@ unsafe fn lane_logits<const KB: usize>(
     let kp = k.as_ptr();
     // PARTS partial sums a key over head_dim (element c into part c % PARTS), added pairwise at
     // the end: chains of d / PARTS products, as short as the lane-parallel kernels' (one chain of d
-    // measured the SmolLM2 logits 0.019 from the float64 oracle, past LOGIT_TOL).
+    // put the SmolLM2 logits past LOGIT_TOL from the float64 oracle).
     const PARTS: usize = 4;
     let mut acc = [[_mm512_setzero_ps(); PARTS]; KB];
     for c0 in (0..d).step_by(PARTS) {

@@ -1,7 +1,7 @@
 //! The step team: every kernel thread held for one small decoder call, sharing its products.
 //!
 //! A decode step of a small model at one sequence is ~150 products of 10-100 us each. Handing
-//! each one to rayon wakes a parked worker every time (tens of microseconds on a VM, more than
+//! each one to rayon wakes a parked worker every time (tens of microseconds, more than
 //! the product's share it then runs). Instead the call runs on one thread (the leader) while the
 //! others (helpers) stay in a claim loop for the call: the leader publishes each product, and
 //! leader and helpers claim its column jobs from one atomic counter until none are left, so a
@@ -153,12 +153,10 @@ impl Team {
 }
 
 /// How long the pool's threads stay awake after a team call, waiting for the next one (a decode
-/// step's Python part between two calls takes ~0.2-0.5 ms). A parked rayon worker took 38 us on
-/// average to start the next call's leader and 160-210 us to bring its helper in (one sequence
-/// on the AVX-512 VNNI VM, timers over 2000 steps), the leader meanwhile running the step's first
-/// products alone. `LLM.generate` in one process, lingering on / off, alternating rounds, median
-/// of per-round ratios of the time a token: 1 sequence 0.917 (8 of 8 rounds faster), 8 sequences
-/// 0.989, 32 sequences 0.974.
+/// step's Python part between two calls takes a fraction of a millisecond). A parked rayon worker
+/// takes tens of microseconds to start the next call's leader and longer to bring its helper in,
+/// while the leader runs the step's first products alone; lingering removes that wait, which
+/// shortens one-sequence decode steps most.
 const LINGER: Duration = Duration::from_micros(1500);
 
 /// Team calls begun; a lingering worker leaves as soon as it changes.

@@ -46,7 +46,8 @@ pub fn new_kv_cache<'py>(
         )));
     }
     // `empty` + an explicit zero fill rather than `zeros`: calloc'd pages would fault in on
-    // their first write_kv, mid-serving (on this project's VMs first touch runs ~110 MB/s).
+    // their first write_kv, mid-serving (a first touch is far slower than a write to a touched
+    // page).
     let empty = np.getattr("empty")?;
     let k = empty.call1((shape, &dt))?;
     let v = empty.call1((shape, &dt))?;
@@ -198,7 +199,7 @@ pub fn write_blocks(
 
 /// Causal varlen paged attention; returns `out` float32 `[num_tokens, num_q_heads, head_dim]`.
 /// `block_tables`: int32 `[B, max_blocks]` (padded), or the CSR tuple `(indptr, indices)` /
-/// `(indptr, indices, last_page_len)` (docs/kernel.md).
+/// `(indptr, indices, last_page_len)` (docs/internals/kernels.md).
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale = None,
                     sliding_window = None, soft_cap = None, out = None))]

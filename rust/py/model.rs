@@ -212,8 +212,8 @@ impl LlamaDecoder {
     /// `query_start_loc` (int32 `[B+1]`), as `prepare_batch` builds them; `kv_caches` one
     /// `(k_cache, v_cache)` per layer, all of one shape and dtype. The GIL is released.
     /// `spin`: the kernel threads spin for the call instead of parking between products (off by
-    /// default: on a loaded 2-core VM it measured 2x slower, the spinners taking the cores the
-    /// kernels need).
+    /// default: on a busy machine the spinners take the cores the kernels need, and the call gets
+    /// slower).
     #[pyo3(signature = (x, batch, kv_caches, *, spin = false))]
     fn forward_hidden<'py>(
         &self,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 from pagedkv_rs.engine.request import RequestOutput, StreamLeaseExpiredError
 
 if TYPE_CHECKING:
-    import asyncio  # imported where a stream is read asynchronously: ~45 ms of start-up otherwise
+    import asyncio  # imported where a stream is read asynchronously: importing it costs start-up time
 
 __all__ = ["RequestStream", "check_lease", "publish", "expire_leases", "take_final", "wake_all"]
 

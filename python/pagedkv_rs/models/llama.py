@@ -128,8 +128,8 @@ MODEL_IMPLS = ("auto", "fused", "numpy")
 
 
 # The QLinear builds that beat numpy's float32 sgemm end to end on SmolLM2: AVX-512 VNNI, and the
-# AVX2 vpmaddubsw tile (Zen 3, PAGEDKV_ISA=avx2: ~2.5x output tok/s at 1 sequence, ~1.9x at 8, ~1.2x
-# at 32, where the 512-token prefill chunks run slower than sgemm). The scalar tile is far slower.
+# AVX2 vpmaddubsw tile (well ahead at 1 and 8 sequences, ahead at 32, behind sgemm only in long prefill
+# chunks). The scalar tile is far slower.
 FAST_LINEAR_ISAS = ("avx512vnni", "avx2")
 
 
@@ -352,9 +352,8 @@ class LlamaWeights:
         return w
 
     def _lm_head(self) -> Any:
-        """The output projection in the chosen format (float32: an sgemm; measured on this AVX2-only VM with the
-        bundled model, the int8 QLinear head cost 288 ms a step at 32 sequences vs 49 ms for float32, 54 vs 90
-        decode tok/s; equal at 1 sequence)."""
+        """The output projection in the chosen format: an sgemm for float32 weights (an int8 head beside
+        float32 layers was slower at 32 sequences and no faster at one)."""
         name = "token_embd.weight" if self.config.tie_embeddings else "output.weight"
         t = self._gguf.tensors[name]
         small = t.data.nbytes <= HEAD_CHUNK_BYTES

@@ -7,7 +7,7 @@ after an optional shared prefix, outputs of exactly their length (``ignore_eos``
 arrive at t=0. ``--profile`` splits the wall time into weight matmuls, attention, KV writes,
 other model math, sampling and scheduling.
 
-``--table`` runs the issue-13 table instead of one run: rows of 1, 8 and 32 concurrent requests
+``--table`` runs the comparison table instead of one run: rows of 1, 8 and 32 concurrent requests
 (``--table-seqs``) and a 512-token prefill row (``--prefill-len``), one column per model
 implementation (``--table-impls``, default ``numpy,fused``: the numpy path with ``--weights``
 beside the fused Rust decoder on int8 weights), rows and columns interleaved over ``--rounds``
@@ -16,7 +16,7 @@ rounds and the medians printed, prefix caching off.
 Weight matmuls run in ``pagedkv_rs.QLinear`` (``--weights int8``, the default where its AVX-512 VNNI
 or AVX2 tile runs) on the kernel thread pool, or in numpy's OpenBLAS (``--weights float32``). OpenBLAS's
 threads spin-wait between calls; on a machine whose cores are busy with other work they stall
-(measured here: 13-17 output tok/s with 2 threads vs 73 with ``OPENBLAS_NUM_THREADS=1``).
+(several times slower with 2 threads than with ``OPENBLAS_NUM_THREADS=1``).
 """
 
 from __future__ import annotations

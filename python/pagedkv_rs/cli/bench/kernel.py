@@ -181,7 +181,7 @@ def run_config(
 ) -> dict:
     """One config's row. ``rounds`` times: ``probe()`` (the DRAM read bandwidth, GB/s) next to the
     kernel's best of ``repeat``; the row gives the medians, and ``bw_frac`` is the median of the
-    per-round ratios (the shared VM's bandwidth moves 2x between single probes)."""
+    per-round ratios (a shared machine's bandwidth can move 2x between single probes)."""
     import pagedkv_rs as pk
 
     layers = build(c)
