@@ -3,9 +3,9 @@
 //! | variant | file          | used when (`runtime::isa()`)                                       |
 //! |---------|---------------|--------------------------------------------------------------------|
 //! | scalar  | reference.rs  | ISA `scalar` (`set_isa("scalar")`, `PAGEDKV_ISA=scalar`), no AVX2, or head_dim % 8 != 0 |
-//! | avx2    | x86.rs `attend` | ISA `avx2`: AVX2 + FMA + F16C detected and no AVX-512, or forced; head_dim % 8 == 0 |
+//! | avx2    | x86/ `attend` | ISA `avx2`: AVX2 + FMA + F16C detected and no AVX-512, or forced; head_dim % 8 == 0 |
 //! | neon    | aarch64.rs `attend` | aarch64 (NEON is baseline); tested under qemu (`.ci/aarch64`), not yet benchmarked |
-//! | avx512  | x86.rs `attend_avx512` | ISA `avx512`: also AVX-512 F + VL + BW detected (or forced); the same code with 32 registers and wider register blocks, decode `acc += p v` in zmm when head_dim % 16 == 0 |
+//! | avx512  | x86/ `attend_avx512` | ISA `avx512`: also AVX-512 F + VL + BW detected (or forced); the same code with 32 registers and wider register blocks, zmm kernels when head_dim % 16 == 0 |
 //!
 //! The ISA setting and the thread pool live in `runtime`; `runtime::available_isas()` is what
 //! this CPU runs, and the tests run every one of them against the reference. `plan.rs` splits a

@@ -1,0 +1,208 @@
+//! AVX2 + FMA (+ F16C) attention work unit for x86-64, in two builds of one body.
+//!
+//! | entry           | features                        | register blocks (qk: heads x keys, pv: heads x 8-col vectors) |
+//! |-----------------|---------------------------------|---------------------------------------------------------------|
+//! | `attend`        | avx2, fma, f16c (16 ymm)        | qk 4x2 / 3x2 / 2x4 / 1x8, pv 4x2 / 3x2 / 2x4 / 1x8           |
+//! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 regs, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16 (ymm; with head_dim % 16 == 0: the same blocks of **zmm** chains); pv with head_dim % 16 == 0: 4x4 / 3x4 / 2x8 / 1x8 16-col **zmm** vectors (else ymm 4x4 / 3x4 / 2x8 / 1x16); decode and prefill alike |
+//!
+//! On cores that execute a 512-bit op as two 256-bit halves the AVX-512 build wins mainly through
+//! its 32 registers (twice the independent FMA chains per K/V load); on cores with a full 512-bit
+//! datapath the zmm kernels gain as well. Decode `acc += p v` runs in zmm when head_dim % 16 == 0
+//! (`pv_block_z`: half the loads, broadcasts and loop trips per column), and so do the decode
+//! logits (`qk_block_z`), their 16 chains summed by one transpose-and-add tree (`sums16`).
+//! Prefill (the widened f32 tiles) in the AVX-512 build, head_dim % 16 == 0 and no soft cap, takes
+//! the unit's queries as vector lanes (`lanes_tile`): a key's logits for 16 queries are one zmm
+//! summed over head_dim (4 partial sums) from the queries transposed once per unit and the key's
+//! broadcast elements, so no horizontal sums (the per-query kernels spent as many shuffles and adds
+//! on them as FMAs at head_dim 64), and the mask and online softmax run 16 queries a vector.
+//! Otherwise the per-query kernels (`tile_heads`), zmm when head_dim % 16 == 0.
+//! The body and micro-kernels are `#[inline(always)]` so that each entry compiles them for its
+//! own features.
+//!
+//! | path                    | when                                  | K/V element load                      |
+//! |-------------------------|---------------------------------------|---------------------------------------|
+//! | `attend_decode` f32/f16/bf16 | one query row, group <= 4 (decode) | widened in the FMA loops (vcvtph2ps, zext<<16), once per 4 query heads |
+//! | `attend` (widened)      | otherwise (prefill, chunked prefill)  | tile widened once to f32 scratch      |
+//!
+//! | file       | holds                                                                              |
+//! |------------|------------------------------------------------------------------------------------|
+//! | mod.rs     | this page, the two entries and their body: the decode / prefill choice, the prefill tile loop (each tile widened once) |
+//! | decode.rs  | `attend_decode`: the K and V passes over a tile's blocks, the prefetch plan `Pf`   |
+//! | prefill.rs | a widened tile against the unit's queries: `tile_heads` (per query), `lanes_tile` (queries as zmm lanes) |
+//! | micro.rs   | the register-block micro-kernels: logits (`qk_block`, `qk_block_z`), `acc += p v` (`pv_block`, `pv_block_z`), their horizontal sums |
+//! | common.rs  | element loads and widening, cache-line prefetch, the online-softmax helpers        |
+//!
+//! Requires head_dim % 8 == 0 (the dispatch in `attention/mod.rs` falls back to scalar otherwise).
+//! Keys are taken in tiles of up to 64 tokens spanning consecutive table blocks. Decode: per tile,
+//! one pass over K and one over V block by block (decode.rs). Prefill: per tile and KV head, the
+//! tile is widened once and serves every row and query head of the unit (prefill.rs).
+//! Micro-kernels: logits for MB query heads x TB keys with MB*TB independent FMA chains and
+//! horizontal sums; `acc += p v` with MB x NV accumulators in registers (micro.rs).
+//! Tolerance: max abs error 2e-5 from the scalar path for every ISA, dtype and path
+//! (`attention/tests.rs`: random shapes, head_dim 8 to 256, windows, soft caps); against the float64
+//! reference see `attention/mod.rs` (exp is `simd::x86::exp256`, a Cephes degree-5 polynomial, rel.
+//! error ~2e-7).
+
+mod common;
+mod decode;
+mod micro;
+mod prefill;
+
+use super::{Ctx, DType, State, Unit};
+use common::{prefetch, widen};
+use decode::attend_decode;
+use prefill::{lanes_tile, tile_heads};
+
+/// Keys per tile; a tile spans consecutive blocks of the table (one segment per block piece).
+const TILE: usize = 64;
+
+/// Element type codes for the const-generic kernels.
+const F32: u8 = 0;
+const F16: u8 = 1;
+const BF16: u8 = 2;
+
+/// `n` consecutive key rows of one KV head inside one block: K and V element pointers.
+#[derive(Clone, Copy)]
+struct Seg {
+    k: *const u8,
+    v: *const u8,
+    n: usize,
+}
+
+/// Fill `st` with the partial attention of unit `u` (AVX2: 16 ymm registers).
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `ctx` passed `validate`; head_dim % 8 == 0.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn attend(ctx: &Ctx, u: &Unit, st: &mut State) {
+    // SAFETY: same contract; the body is inlined here and compiled for these features.
+    unsafe { attend_body::<false>(ctx, u, st) }
+}
+
+/// `attend` compiled with AVX-512 F/VL/BW: the same 256-bit code, 32 registers (ymm0-31) and
+/// register blocks twice as wide.
+///
+/// # Safety
+/// As `attend`, and the CPU supports AVX-512 F, VL and BW.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+pub(crate) unsafe fn attend_avx512(ctx: &Ctx, u: &Unit, st: &mut State) {
+    // SAFETY: same contract; the body is inlined here and compiled for these features.
+    unsafe { attend_body::<true>(ctx, u, st) }
+}
+
+/// The body of `attend` / `attend_avx512`; `WIDE` picks the 32-register blocks. Inlined into
+/// each entry point so that it and every micro-kernel are compiled for that entry's features.
+///
+/// # Safety
+/// As `attend`; WIDE only when the CPU supports AVX-512 F, VL and BW.
+#[inline(always)]
+unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
+    let (g, d, bs) = (ctx.group, ctx.shape.head_dim, ctx.shape.block_size);
+    let (nq, pr) = (u.queries(g), u.per_row(g));
+    let scale = ctx.params.scale;
+    // Query vectors of the unit, pre-scaled, contiguous [nq, d] (row-major over rows, heads).
+    let mut qbuf = vec![0.0f32; nq * d];
+    for (i, row) in (u.row0..u.row1).enumerate() {
+        for (dst, src) in qbuf[i * pr * d..(i + 1) * pr * d].iter_mut().zip(ctx.q_row(row, u)) {
+            *dst = src * scale;
+        }
+    }
+    // One query row and small groups (decode): widen K/V inside the FMA loops, each element
+    // once per block of 4 query heads. Otherwise (prefill): widen each tile once into f32 scratch.
+    if u.row1 - u.row0 == 1 && g <= 4 {
+        // SAFETY: same contract as this function.
+        unsafe {
+            match ctx.k.dtype() {
+                DType::F32 => attend_decode::<F32, WIDE>(ctx, u, st, &qbuf),
+                DType::F16 => attend_decode::<F16, WIDE>(ctx, u, st, &qbuf),
+                DType::Bf16 => attend_decode::<BF16, WIDE>(ctx, u, st, &qbuf),
+            }
+        }
+        return;
+    }
+    let (mut kbuf, mut vbuf) = (vec![0.0f32; TILE * d], vec![0.0f32; TILE * d]);
+    let mut s = [0.0f32; 4 * TILE];
+    // The AVX-512 build takes the unit's queries as vector lanes (`lanes_tile`) when head_dim is
+    // a multiple of 16 and no soft cap applies: per KV head, its queries transposed once.
+    let lanes = WIDE && d % 16 == 0 && ctx.params.soft_cap.is_none();
+    let rows = u.row1 - u.row0;
+    let lw = (rows * g).div_ceil(16) * 16;
+    let qt: Vec<Vec<f32>> = if lanes {
+        (u.h0..u.h1)
+            .map(|h| {
+                let mut t = vec![0f32; d * lw];
+                for i in 0..rows {
+                    for j in 0..g {
+                        let m = i * pr + (h - u.h0) * g + j;
+                        for c in 0..d {
+                            t[c * lw + i * g + j] = qbuf[m * d + c];
+                        }
+                    }
+                }
+                t
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut sl = if lanes { vec![0f32; TILE * 16] } else { Vec::new() };
+    // Block pieces (block, offset, n) of the current tile.
+    let mut pieces = [(0usize, 0usize, 0usize); TILE];
+    let mut t = u.key_lo;
+    while t < u.key_hi {
+        let t_end = (t + TILE).min(u.key_hi);
+        let mut np = 0;
+        let mut p = t;
+        while p < t_end {
+            let (blk, off) = (ctx.block(u.seq, p), p % bs);
+            let n = (bs - off).min(t_end - p);
+            pieces[np] = (blk, off, n);
+            np += 1;
+            p += n;
+        }
+        if t_end < u.key_hi {
+            // Touch the first line of the next tile's first block early (page walk + hardware
+            // prefetcher start); prefetching whole tiles is slower (the miss queue fills up).
+            let nb = ctx.shape.offset(ctx.block(u.seq, t_end), u.h0, t_end % bs);
+            prefetch(ctx.k, nb, 8);
+            prefetch(ctx.v, nb, 8);
+        }
+        let n = t_end - t;
+        for h in u.h0..u.h1 {
+            let mut at = 0;
+            for &(blk, off, m) in &pieces[..np] {
+                let base = ctx.shape.offset(blk, h, off);
+                widen(ctx.k, base, m * d, &mut kbuf[at * d..(at + m) * d]);
+                widen(ctx.v, base, m * d, &mut vbuf[at * d..(at + m) * d]);
+                at += m;
+            }
+            let sg = [Seg {
+                k: kbuf.as_ptr() as *const u8,
+                v: vbuf.as_ptr() as *const u8,
+                n,
+            }];
+            if lanes {
+                // SAFETY: WIDE: AVX-512 F enabled and detected (`attend_avx512`); kbuf/vbuf hold n*d
+                // f32 written just above; qt[h - h0] is this head's [d, lw] transposed queries.
+                unsafe {
+                    lanes_tile(
+                        ctx,
+                        u,
+                        st,
+                        &qt[h - u.h0],
+                        lw,
+                        &kbuf[..n * d],
+                        &vbuf[..n * d],
+                        t,
+                        h,
+                        &mut sl,
+                    )
+                };
+                continue;
+            }
+            // SAFETY: kbuf/vbuf hold n*d f32 written just above and are not touched below.
+            unsafe { tile_heads::<F32, WIDE>(ctx, u, st, &qbuf, &sg, t, n, h, &mut s) };
+        }
+        t = t_end;
+    }
+}
