@@ -40,6 +40,7 @@ def assert_clean(e: LLMEngine) -> None:
 BAD_SUBMISSIONS = [
     ({"cache_salt": 5}, TypeError, "cache_salt"),
     ({"cache_salt": ["a"]}, TypeError, "cache_salt"),
+    ({"cache_salt": "\ud800"}, InvalidRequestError, "cache_salt is not valid UTF-8"),  # a lone surrogate
     ({"prompt": [5, 128]}, InvalidRequestError, r"token id 128 at position 1 .*vocabulary \[0, 128\)"),
     ({"prompt": [5, -1]}, InvalidRequestError, "vocabulary"),
     ({"prompt": [5, 1.5]}, TypeError, "token ids must be ints"),

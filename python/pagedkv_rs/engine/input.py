@@ -142,6 +142,13 @@ def check_request(
             raise TypeError(f"cache_salt must be a str, bytes or None, got {type(cache_salt).__name__}")
         if len(cache_salt) > MAX_CACHE_SALT_LEN:
             raise InvalidRequestError(f"cache_salt is longer than {MAX_CACHE_SALT_LEN} characters", param="cache_salt")
+        if isinstance(cache_salt, str):
+            try:
+                cache_salt.encode("utf-8")  # hashed as UTF-8 by every block of the request
+            except UnicodeEncodeError as e:
+                raise InvalidRequestError(
+                    f"cache_salt is not valid UTF-8 text: {e.reason}", param="cache_salt"
+                ) from None
     if arrival_time is not None:
         if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)):
             raise TypeError(f"arrival_time must be a float (time.monotonic()), got {type(arrival_time).__name__}")

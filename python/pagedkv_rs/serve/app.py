@@ -123,7 +123,7 @@ def build_app(
     app.add_middleware(_Guard, state=state)
     app.add_middleware(RequestIdMiddleware, access_log=access_log)  # outermost: 401s get an id too
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """200 ``{"status": "ok"}``; 503 ``{"status": "draining"}`` while shutting down, or
         ``{"status": "engine_stopped"}`` when the engine loop is not running."""
@@ -136,7 +136,7 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": pagedkv_rs.__version__}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -277,11 +277,20 @@ async def _generate(
         want = req.max_completion_tokens or req.max_tokens
     else:
         want = req.max_tokens
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise APIError(
+            "stream_options.continuous_usage_stats is not supported",
+            param="stream_options",
+            code="unsupported_parameter",
+        )
     max_tokens = want if want is not None else limit - longest
     if longest + max(max_tokens, 1) > limit:
+        asks = f"asks for {max_tokens} more" if want is not None else "leaves no room for output"
         raise APIError(
             f"this model's maximum context length is {limit} tokens; the request has {longest} prompt tokens "
-            f"and asks for {max_tokens} more",
+            f"and {asks}",
             param="max_tokens" if longest < limit else "prompt",
             code="context_length_exceeded",
         )
