@@ -28,10 +28,11 @@ from pagedkv_rs.serve import Server, build_app
 
 
 @contextlib.contextmanager
-def running(app: Any, grace: float = 5.0, sndbuf: int = 0) -> Iterator[tuple[str, Server]]:
+def running(app: Any, grace: float = 5.0, sndbuf: int = 0, **server: Any) -> Iterator[tuple[str, Server]]:
     """Serve ``app`` on a free 127.0.0.1 port in a background thread; yields (base URL, server).
 
-    ``sndbuf``: a fixed kernel send buffer for the accepted connections (they inherit it).
+    ``sndbuf``: a fixed kernel send buffer for the accepted connections (they inherit it);
+    ``server``: ``Server`` options (the connection limits).
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -39,7 +40,7 @@ def running(app: Any, grace: float = 5.0, sndbuf: int = 0) -> Iterator[tuple[str
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    srv = Server(app, log_level="warning", grace=grace)
+    srv = Server(app, log_level="warning", grace=grace, **server)
     th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     deadline = time.monotonic() + 30
@@ -103,15 +104,17 @@ def make_tiny_engine(llm: LLM, tiny_model: TinyModel) -> Any:
 
 @pytest.fixture
 def serve_tiny(llm: LLM, make_tiny_engine: Any) -> Any:
-    """``with serve_tiny(**build_app_kwargs) as (url, engine, server)``: a fresh tiny engine behind a server."""
+    """``with serve_tiny(server={...}, **build_app_kwargs) as (url, engine, server)``: a fresh tiny engine behind a
+    server (``server``: ``Server`` options)."""
 
     @contextlib.contextmanager
     def start(
-        engine: Any = None, grace: float = 5.0, sndbuf: int = 0, **kwargs: Any
+        engine: Any = None, grace: float = 5.0, sndbuf: int = 0, server: Any = None, **kwargs: Any
     ) -> Iterator[tuple[str, LLMEngine, Server]]:
         eng = engine or make_tiny_engine()
         kwargs.setdefault("served_model_name", "tiny")
-        with running(build_app(eng, tokenizer=llm.tokenizer, **kwargs), grace, sndbuf) as (url, srv):
+        app = build_app(eng, tokenizer=llm.tokenizer, **kwargs)
+        with running(app, grace, sndbuf, **(server or {})) as (url, srv):
             yield url, eng, srv
 
     return start

@@ -95,6 +95,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="on SIGTERM/SIGINT, let running requests finish for S s, then abort them (a second SIGINT: at once)",
     )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open connections past which new ones get 503 (16 more are kept for /health and /metrics; "
+        "default: 1024, lowered to fit the open-file limit)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="close a connection whose request head has not arrived within S s (408)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="close a connection whose request body stalls for S s (408)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in one engine step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step at most")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV blocks of common prefixes")
@@ -179,6 +201,15 @@ def banner(llm: Any, app: Any, args: argparse.Namespace) -> str:
     )
 
 
+def _check_connection_options(args: argparse.Namespace) -> None:
+    for name in ("header_timeout", "body_timeout", "shutdown_grace"):
+        v = getattr(args, name)
+        if not (v >= 0 if name == "shutdown_grace" else v > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'shutdown_grace' else '> 0'}")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -201,6 +232,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.api_key = read_secret(args.api_key, args.api_key_file, API_KEY_ENV, "--api-key")
         resolve_tier_secret(args)
         warning = check_shared_tiers(args)
+        _check_connection_options(args)
     except (ValueError, OSError) as e:
         print(f"pagedkv serve: {e}", file=sys.stderr)
         return 2
@@ -241,6 +273,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         log_level=args.log_level,
         log_config=config,
         banner=banner(llm, app, args),
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
     )
     if srv.forced:
         print("pagedkv serve: stopped by a second interrupt; running requests were cut off", file=sys.stderr)

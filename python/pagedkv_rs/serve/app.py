@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import pagedkv_rs
 from pagedkv_rs.engine.request import InvalidRequestError
@@ -370,6 +371,11 @@ def _install_errors(app: FastAPI) -> None:
         out.headers.update(getattr(e, "headers", None) or {})
         return out
 
+    async def client_left(request: Request, e: ClientDisconnect) -> Response:
+        # a client's choice, not a server fault: one line, no traceback; nobody reads the answer
+        log.info("client left before sending the whole request body (%s %s)", request.method, request.url.path)
+        return Response(status_code=499)
+
     async def internal(request: Request, e: Exception) -> JSONResponse:
         log.exception("internal error on %s", request.url.path)
         rid = {"X-Request-Id": current_request_id()}  # answered outside RequestIdMiddleware: add its header here
@@ -381,6 +387,7 @@ def _install_errors(app: FastAPI) -> None:
     for cls in (InvalidRequestError, ValueError, TypeError):
         app.add_exception_handler(cls, bad_value)
     app.add_exception_handler(StarletteHTTPException, http)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnect, client_left)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, internal)
 
 
