@@ -24,6 +24,8 @@ from typing import Any, Optional
 import httpx
 import pytest
 
+from pagedkv_rs.serve.server import RESERVED_CONNECTIONS
+
 MiB = 1 << 20
 
 
@@ -196,6 +198,52 @@ def test_slowloris_heads_and_silent_connections_are_closed_within_the_header_tim
     assert open_left == 0, f"{open_left} slow connections still open after 30 s"
     assert all(a.startswith(b"HTTP/1.1 408 ") and b'"header_timeout"' in a for a in answers.values()), answers
     assert not probe.failures
+
+
+def test_past_the_cap_only_health_and_metrics_get_in(serve_tiny):
+    with serve_tiny(server={"max_connections": 2, "header_timeout": 60}) as (url, _, srv):
+        seats = [_connect(url) for _ in range(2)]  # silent: they hold the two seats
+        _wait(lambda: len(srv.server_state.connections) == 2, 10, "the seats were not taken")
+        with httpx.Client(base_url=url, timeout=20) as c:  # over the cap: one reserved connection per request
+            assert c.get("/health").status_code == 200
+            assert c.head("/metrics").status_code == 200
+            busy = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "too_many_connections", busy.text
+        assert busy.headers["retry-after"] == "1" and busy.headers["connection"] == "close"
+        reserve = [_connect(url) for _ in range(RESERVED_CONNECTIONS)]  # silent: they fill the reserve
+        _wait(lambda: len(srv.server_state.connections) == 2 + RESERVED_CONNECTIONS, 10, "the reserve is not full")
+        late = _connect(url)
+        answer = _read_all(late)  # refused at once, without reading a byte of it
+        assert answer.startswith(b"HTTP/1.1 503 ") and b'"too_many_connections"' in answer, answer
+        for s in seats + reserve + [late]:
+            s.close()
+        _wait(lambda: not srv.server_state.connections, 10, "the closed connections are still held")
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
+
+
+def test_the_connection_cap_fits_the_open_file_limit(monkeypatch):
+    from pagedkv_rs.serve import server
+
+    monkeypatch.setattr(server.resource, "getrlimit", lambda _: (300, 300))
+    room = 300 - server.FD_HEADROOM - RESERVED_CONNECTIONS
+    assert server.connection_limit(None) == room
+    assert server.connection_limit(200) == 200
+    assert server.connection_limit(10_000) == room
+    with pytest.raises(ValueError, match="max_connections must be >= 1"):
+        server.connection_limit(0)
+    monkeypatch.setattr(server.resource, "getrlimit", lambda _: (64, 64))
+    with pytest.raises(ValueError, match="open-file limit"):
+        server.connection_limit(None)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--header-timeout", "0"), ("--body-timeout", "-1"), ("--max-connections", "0")]
+)
+def test_bad_connection_options_fail_before_the_model_loads(option, value, capsys):
+    from pagedkv_rs.cli.serve import main
+
+    assert main(["--model", "/nonexistent.gguf", option, value]) == 2
+    assert option in capsys.readouterr().err
 
 
 def test_a_stalled_body_is_answered_408_and_closed(serve_tiny):
