@@ -44,9 +44,9 @@ def _connect(url: str, rcvbuf: int = 0) -> socket.socket:
 
 
 def _read_all(s: socket.socket) -> bytes:
-    """What the server sent until it closed (b"" pieces after a reset are fine)."""
+    """What the server sent until it closed or reset the connection (TimeoutError if it did neither)."""
     out = b""
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(ConnectionResetError):
         while chunk := s.recv(65536):
             out += chunk
     return out
@@ -257,6 +257,30 @@ def test_a_stalled_body_is_answered_408_and_closed(serve_tiny):
         assert body["error"]["code"] == "body_timeout" and body["error"]["type"] == "invalid_request_error"
         _wait(lambda: not srv.server_state.connections, 10, "the server still holds the stalled connection")
         assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_body_answered_early_is_not_read_on_and_a_kept_alive_head_is_timed(serve_tiny):
+    with serve_tiny(server={"header_timeout": 1.0, "body_timeout": 60}) as (url, _, srv):
+        s = _connect(url)  # a declared 10 MB body is answered 413 before it is read: then the connection closes
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n{")
+        answer = _read_all(s)
+        s.close()
+        assert answer.startswith(b"HTTP/1.1 413 "), answer
+
+        s = _connect(url)  # one whole request, then a next head that never ends
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        s.setblocking(False)
+        got, deadline = None, time.monotonic() + 30
+        while got is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                s.send(b"X-Slow: 1\r\n")  # each byte would reset uvicorn's keep-alive timer
+            time.sleep(0.25)
+            got = _closed_by_server(s)
+        s.close()
+        assert got is not None and got.startswith(b"HTTP/1.1 408 "), got
+        _wait(lambda: not srv.server_state.connections, 10, "the connections are still held")
 
 
 class _Records(logging.Handler):

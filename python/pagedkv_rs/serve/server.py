@@ -44,7 +44,7 @@ DEFAULT_MAX_CONNECTIONS = 1024
 RESERVED_CONNECTIONS = 16  # past max_connections: for /health and /metrics only
 OVER_CAP_HEADER_TIMEOUT = 2.0  # seconds a connection in the reserve gets to send its request head
 FD_HEADROOM = 64  # file descriptors kept for the process itself (model, tiers, logs) beside the connections
-_HEAD, _BODY, _APP, _IDLE = range(4)  # where a connection is: reading a head, reading a body, answering, idle
+_HEAD, _BODY, _APP = range(3)  # where a connection is: waiting for or reading a head, reading a body, answering
 
 
 def _error_json(message: str, type: str, code: str) -> bytes:
@@ -74,7 +74,7 @@ class Protocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.timer: Optional[asyncio.TimerHandle] = None
-        self.phase, self.head_bytes, self.deadline, self.last_read = _HEAD, 0, 0.0, 0.0
+        self.phase, self.head_bytes, self.head_timeout, self.deadline, self.last_read = _HEAD, 0, 0.0, 0.0, 0.0
         n = len(self.connections)
         self.over_cap = n > self.max_connections
         if n > self.max_connections + self.reserved:
@@ -113,8 +113,13 @@ class Protocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.phase == _APP:
-            self.phase = _IDLE  # uvicorn's keep-alive timer closes it if no request follows
+        if self.transport.is_closing():
+            return
+        if self.phase == _BODY:  # answered before its body ended (a 413): the rest is not worth reading
+            self._disarm()
+            self.transport.close()
+        elif self.phase == _APP:
+            self._start_head()  # the next head is due (uvicorn's keep-alive timer closes an idle one sooner)
 
     def handle_websocket_upgrade(self) -> None:
         self.phase = _APP  # the connection now belongs to the websocket protocol: no timer of ours
@@ -149,9 +154,9 @@ class Protocol(HttpToolsProtocol):
     # ------------------------------------------------------------------------------- timers
     def _start_head(self) -> None:
         self.phase, self.head_bytes = _HEAD, 0
-        timeout = min(self.header_timeout, OVER_CAP_HEADER_TIMEOUT) if self.over_cap else self.header_timeout
-        self.deadline = self.loop.time() + timeout
-        self._arm(timeout)
+        self.head_timeout = min(self.header_timeout, OVER_CAP_HEADER_TIMEOUT) if self.over_cap else self.header_timeout
+        self.deadline = self.loop.time() + self.head_timeout
+        self._arm(self.head_timeout)
 
     def _arm(self, delay: float) -> None:
         self._disarm()
@@ -167,14 +172,14 @@ class Protocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         now = self.loop.time()
+        if self.flow.read_paused:  # the server, not the client, is holding the request back
+            self.deadline, self.last_read = now + self.head_timeout, now
         if self.phase == _HEAD:
             if now < self.deadline:
                 self._arm(self.deadline - now)
             else:
                 self._refuse(408, "header_timeout")
         elif self.phase == _BODY:
-            if self.flow.read_paused:  # the server, not the client, is holding the body back
-                self.last_read = now
             idle = now - self.last_read
             if idle < self.body_timeout:
                 self._arm(self.body_timeout - idle)
@@ -204,9 +209,7 @@ class Protocol(HttpToolsProtocol):
         self.transport.close()
 
     def _timeout(self, code: str) -> float:
-        if code == "body_timeout":
-            return self.body_timeout
-        return min(self.header_timeout, OVER_CAP_HEADER_TIMEOUT) if self.over_cap else self.header_timeout
+        return self.body_timeout if code == "body_timeout" else self.head_timeout
 
 
 async def _too_many_connections(scope: Any, receive: Any, send: Any) -> None:
