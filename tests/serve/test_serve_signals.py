@@ -45,6 +45,9 @@ def _stream(url: str, max_tokens: int, out: dict[str, Any], started: threading.E
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
+                if "error" in chunk:  # aborted past the grace period: an error event, then [DONE]
+                    out["error"] = chunk["error"]["type"]
+                    continue
                 if chunk.get("usage"):
                     out["tokens"] = chunk["usage"]["completion_tokens"]
                 for choice in chunk["choices"]:
@@ -64,14 +67,15 @@ def test_sigterm_drains_a_real_server_process(grace):
         short: dict[str, Any] = {}
         long: dict[str, Any] = {}
         ev_short, ev_long = threading.Event(), threading.Event()
-        # a 2000-token stream cannot finish within 1 s; 8 and 16 tokens finish within 60 s even on a loaded VM
+        # a 1000-token stream cannot finish within 1 s; 8 and 16 tokens finish within 60 s even on a loaded machine
         threads = [
             threading.Thread(target=_stream, args=(url, 8, short, ev_short)),
-            threading.Thread(target=_stream, args=(url, 2000 if grace < 5 else 16, long, ev_long)),
+            threading.Thread(target=_stream, args=(url, 1000 if grace < 5 else 16, long, ev_long)),
         ]
         for t in threads:
             t.start()
         assert ev_short.wait(60) and ev_long.wait(60), (short, long)
+        assert short["status"] == long["status"] == 200, (short, long)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -87,6 +91,7 @@ def test_sigterm_drains_a_real_server_process(grace):
             assert (short["tokens"], long["tokens"]) == (8, 16)
         else:  # the long stream was cut short, not finished
             assert long["finish"] != "length" and long["tokens"] is None, long
+            assert long["error"] == "service_unavailable_error", long
     finally:
         if proc.poll() is None:
             proc.kill()
