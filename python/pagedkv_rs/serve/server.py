@@ -203,8 +203,7 @@ class Protocol(HttpToolsProtocol):
             503: (f"the server has too many open connections ({self.max_connections})", "Service Unavailable"),
         }[status]
         kind = "service_unavailable_error" if status == 503 else "invalid_request_error"
-        if status != 503:
-            log.info("%s: %s (%s); connection closed", _peer(self.client), message, code)
+        log.debug("%s: %s (%s); connection closed", _peer(self.client), message, code)  # a flood: no info spam
         self.transport.write(_raw_error(status, reason, _error_json(message, kind, code)))
         self.transport.close()
 
