@@ -241,7 +241,8 @@ class ModelRunner:
             # else aborted, or the deadline passed while it queued: nothing to fetch
             if req.status is RequestStatus.WAITING_FOR_KV and time.monotonic() < p.deadline:
                 toks = req.all_token_ids
-                hashes = chain_hashes(toks[: last * bs], bs, req.cache_salt, req.block_hashes)
+                # a copy: past the deadline the engine thread extends the request's own list concurrently
+                hashes = chain_hashes(toks[: last * bs], bs, req.cache_salt, list(req.block_hashes))
                 parent = hashes[first - 1] if first else bytes(16)
                 salt = salt_digest(req.cache_salt)
                 with self._load_lock:
