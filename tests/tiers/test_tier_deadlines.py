@@ -5,6 +5,7 @@ the deadline it checks, and a regression shows as that timeout."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -13,9 +14,12 @@ import sys
 import threading
 import time
 
+import httpx
 import numpy as np
 
 from pagedkv_rs.engine.request import SamplingParams
+from pagedkv_rs.models.tokenizer import GGUFTokenizer
+from pagedkv_rs.serve import build_app
 from pagedkv_rs.tiers import Tier, chain_hashes, encode_record, salt_digest
 from pagedkv_rs.tiers.disk import SUFFIX, DiskTier
 from tier_util import PREFIX, make_engine
@@ -24,6 +28,15 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 A = PREFIX + [90, 91, 92]
 B = list(range(20, 100)) + [5, 6, 7]
 C = list(range(40, 120)) + [8, 9]
+
+
+def _serve_running():
+    """``running(app)`` of the serve tests (a real uvicorn on a free loopback port), defined once there."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "serve", "conftest.py")
+    spec = importlib.util.spec_from_file_location("serve_conftest", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.running
 
 
 def _wait_for(cond, timeout: float = 30.0) -> bool:
@@ -48,18 +61,23 @@ def test_a_sigstopped_redis_holds_no_request_past_the_deadline_and_recovers_afte
     e = make_engine([spec], kv_tier_deadline=0.3)
     (tier,) = e.kv_tiers.tiers
     pid = redis_server.proc.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        streams = [e.submit(p, GREEDY) for p in (A, C)]
-        outs = [s.result(timeout=20) for s in streams]  # before: the first lookup alone waited 60 s
-        assert [o.token_ids for o in outs] == [want[0], want[2]]
-        assert [o.num_cached_tokens for o in outs] == [0, 0]  # computed, not loaded
-        st = _stats(e, tier.name)
-        assert st["hit_blocks"] == 0 and st["timeouts"] + st["errors"] >= 2
-        # the I/O thread comes back on its own, the server still stopped: the socket timeout is the deadline's
-        assert _wait_for(lambda: e.runner._busy_since is None and _stats(e, tier.name)["errors"] >= 1, 20)
-    finally:
-        os.kill(pid, signal.SIGCONT)
+    app = build_app(e, tokenizer=GGUFTokenizer.from_gguf(), served_model_name="tiny", shutdown_engine=False)
+    with _serve_running()(app) as (url, _), httpx.Client(base_url=url, timeout=10) as http:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            streams = [e.submit(p, GREEDY) for p in (A, C)]
+            # while the lookups hang on the stopped server: the server answers its probes
+            assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+            outs = [s.result(timeout=20) for s in streams]  # before: the first lookup alone waited 60 s
+            assert http.get("/health").status_code == 200
+            assert [o.token_ids for o in outs] == [want[0], want[2]]
+            assert [o.num_cached_tokens for o in outs] == [0, 0]  # computed, not loaded
+            st = _stats(e, tier.name)
+            assert st["hit_blocks"] == 0 and st["timeouts"] + st["errors"] >= 2
+            # the I/O thread comes back on its own, the server still stopped: the socket timeout is the deadline's
+            assert _wait_for(lambda: e.runner._busy_since is None and _stats(e, tier.name)["errors"] >= 1, 20)
+        finally:
+            os.kill(pid, signal.SIGCONT)
     try:
         assert _wait_for(lambda: time.monotonic() > tier._down_until, 20)  # the rest after the failure
         out = e.submit(B, GREEDY).result(timeout=20)
@@ -197,6 +215,8 @@ import json, logging, os, resource, signal, sys
 sys.path.insert(0, {tests!r})
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past RLIMIT_FSIZE, write() fails with EFBIG (a full disk's path)
 from pagedkv_rs.engine.request import SamplingParams
+from pagedkv_rs.models.tokenizer import GGUFTokenizer
+from pagedkv_rs.serve import build_app
 from pagedkv_rs.tiers import TierError, record_sizes
 from pagedkv_rs.tiers.disk import DiskTier
 from tier_util import make_engine
