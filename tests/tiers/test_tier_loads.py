@@ -48,7 +48,7 @@ def test_a_held_lookup_delays_only_its_own_request(backend, tmp_path):
     want, want_other = (o.token_ids for o in alone.generate([prompt, other], GREEDY))
     _warm_disk(backend.name, tmp_path / "kv", prompt)
     held = _HeldLookup(parse_tier(f"disk:{tmp_path}/kv"))
-    e = make_engine([held], backend=backend.name)
+    e = make_engine([held], backend=backend.name, kv_tier_deadline=60)
     try:
         first = e.submit(prompt, GREEDY)
         assert held.entered.wait(60)
@@ -72,7 +72,7 @@ def test_an_abort_during_the_load_answers_at_once_and_frees_the_blocks_after_it(
     want = make_engine(backend=backend.name).generate([prompt], GREEDY)[0].token_ids
     _warm_disk(backend.name, tmp_path / "kv", prompt)
     held = _HeldLookup(parse_tier(f"disk:{tmp_path}/kv"))
-    e = make_engine([held], backend=backend.name)
+    e = make_engine([held], backend=backend.name, kv_tier_deadline=60)
     try:
         first = e.submit(prompt, GREEDY)
         assert held.entered.wait(60)
@@ -95,7 +95,7 @@ def test_shutdown_waits_for_the_loads_in_flight(tmp_path):
     prompt = PREFIX + [90, 91, 92]
     _warm_disk("auto", tmp_path / "kv", prompt)
     held = _HeldLookup(parse_tier(f"disk:{tmp_path}/kv"))
-    e = make_engine([held])
+    e = make_engine([held], kv_tier_deadline=60)
     e.submit(prompt, GREEDY)
     assert held.entered.wait(60)
     threading.Timer(0.2, held.release.set).start()

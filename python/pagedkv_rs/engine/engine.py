@@ -1,13 +1,11 @@
 """The engine loop: add / abort / step / generate / start / shutdown / stats; each hop has one owner.
 
-A request moves forward only: ``input.check_request`` (the one door) -> ``Scheduler`` (decisions) ->
-``ModelRunner`` (KV caches, swap space, KV tiers, forward, sampling) -> ``OutputProcessor`` (logprobs,
-stop strings, outputs) -> ``RequestStream`` (a lease: see ``stream``).
-
-Locking: ``_lock`` guards scheduler state, held briefly; ``_step_lock`` serialises steps. The forward
-runs outside ``_lock`` and tier loads on the runner's I/O thread, so any thread may add or abort
-requests mid-step. A failure of the forward fails that step's requests; a failure in a request's
-own post-processing fails only it. ``metrics``: bounded counters and histograms (``pagedkv_rs.metrics``).
+A request moves forward only: ``input.check_request`` (the one door) -> ``Scheduler`` (decisions) -> ``ModelRunner``
+(KV caches, swap space, KV tiers, forward, sampling) -> ``OutputProcessor`` (logprobs, stop strings, outputs) ->
+``RequestStream`` (a lease: see ``stream``). Locking: ``_lock`` guards scheduler state, held briefly (``snapshot``
+never waits for it); ``_step_lock`` serialises steps. The forward runs outside ``_lock``, tier I/O on the runner's
+and the tiers' threads, so any thread may add or abort requests mid-step. A failure of the forward fails that step's
+requests; a failure in a request's own post-processing fails only it. ``metrics``: bounded counters and histograms.
 """
 
 from __future__ import annotations
@@ -119,6 +117,7 @@ class LLMEngine:
         self._limits = dataclasses.replace(
             self.scheduler.limits, tokenizer=tokenizer, prompt_logprobs=self.runner.no_prompt_logprobs
         )
+        self._last_snapshot = (self.scheduler.stats(), self.kv_manager.stats())
 
     @property
     def tokenizer(self) -> Any:
@@ -399,9 +398,13 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- stats
     def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Scheduler stats and KV-manager stats, read together under the engine lock (cheap: for scrapes)."""
-        with self._lock:
-            return self.scheduler.stats(), self.kv_manager.stats()
+        """Scheduler and KV-manager stats read together: fresh when the engine lock is free, else the last read."""
+        if self._lock.acquire(blocking=False):  # a scrape never waits on a step
+            try:
+                self._last_snapshot = (self.scheduler.stats(), self.kv_manager.stats())
+            finally:
+                self._lock.release()
+        return self._last_snapshot
 
     def stats(self) -> dict[str, Any]:
         """Scheduler and KV stats, running counters, and latencies (seconds; bounded, see ``metrics``).

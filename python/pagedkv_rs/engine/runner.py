@@ -5,17 +5,22 @@ engine lock, then ``execute`` off it (the model forward on the step's ``BatchInp
 the logprob rows). Tier loads run on the runner's I/O thread (``start_loads``; ``finished_loads``
 hands back what arrived), beside the steps: the blocks a load fills belong to a request waiting for
 them (``RequestStatus.WAITING_FOR_KV``), which no batch contains and the scheduler frees only once
-the load has ended, so a slow tier delays only the requests that wait for it. The runner decides
-nothing: which blocks to swap, copy, load or store comes from the scheduler (vLLM v1's worker).
+the load has ended, so a slow tier delays only the requests that wait for it. A load has a deadline (the
+tiers' ``deadline`` from ``start_loads``): past it, ``finished_loads`` hands the load back with nothing, the
+request computes its blocks, and whatever the I/O thread brings later is dropped, never written (a per-load lock
+orders the copy-in against that decision). While the I/O thread is stuck in one tier call past a deadline, new
+loads are handed back at once. The runner decides nothing: which blocks to swap, copy, load or store comes from
+the scheduler (vLLM v1's worker).
 """
 
 from __future__ import annotations
 
 import inspect
+import queue
 import threading
+import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 import numpy as np
@@ -30,6 +35,7 @@ from pagedkv_rs.tiers import BlockLayout, KVTiers, Tier, chain_hashes, model_fin
 __all__ = ["Model", "ModelRunner", "StepInputs", "StepResult", "LogprobRow", "check_model"]
 
 LogprobRow = tuple[list[int], list[float], list[int]]  # token ids, logprobs, ranks
+SHUTDOWN_FLUSH_SECONDS = 30.0  # at shutdown, blocks still queued for a tier after this are not stored
 
 
 @runtime_checkable
@@ -77,6 +83,17 @@ class StepResult:
     prompt_logprobs: list[tuple[Request, int, list[LogprobRow]]]  # (request, first position, rows)
 
 
+@dataclass(eq=False)
+class _Load:
+    """A tier load in flight. ``lock`` orders the I/O thread's copy-in against the engine giving up on it."""
+
+    load: KVLoad
+    deadline: float  # time.monotonic()
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ended: bool = False  # the I/O thread is done with it (under ``lock``)
+    abandoned: bool = False  # handed back empty at its deadline: the I/O thread must not write (under ``lock``)
+
+
 class ModelRunner:
     """One model, its KV caches (one (K, V) pair per layer), swapped-out KV, and the tiers below the pool."""
 
@@ -100,9 +117,10 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
         self.host: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}  # request id -> its swapped-out KV
-        self._io: Optional[ThreadPoolExecutor] = None  # tier loads; started on first use
+        self._io: Optional[queue.SimpleQueue[Optional[_Load]]] = None  # the I/O thread's queue; started on first use
+        self._pending: list[_Load] = []  # queued or running on the I/O thread, not yet handed back
         self._loaded: list[tuple[KVLoad, int]] = []  # (load, tokens that arrived), not yet handed back
-        self._in_flight = 0
+        self._busy_since: Optional[float] = None  # when the I/O thread's current lookup began
         self._load_lock = threading.Lock()
         self._load_done = threading.Event()
         self.kv_tiers: Optional[KVTiers] = None
@@ -151,58 +169,106 @@ class ModelRunner:
 
     # ------------------------------------------------------------------- tiers
     def start_loads(self, loads: Sequence[KVLoad]) -> None:
-        """Queue the lookups and loads of these requests on the I/O thread."""
-        if self._io is None:
-            self._io = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-tier-load")
+        """Queue the lookups and loads of these requests on the I/O thread, each with the tiers' deadline."""
+        tiers = self.kv_tiers
+        if tiers is None:
+            raise RuntimeError("tier loads need KV tiers")
+        if self._io is None:  # a daemon thread: a tier call that never returns must not hold the process's exit
+            self._io = queue.SimpleQueue()
+            threading.Thread(target=self._io_loop, args=(self._io,), name="pagedkv-tier-load", daemon=True).start()
+        now = time.monotonic()
+        queued: list[_Load] = []
         with self._load_lock:
-            self._in_flight += len(loads)
-        for ld in loads:
-            self._io.submit(self._load, ld)
+            if self._busy_since is not None and now - self._busy_since > tiers.deadline:
+                tiers.note_abandoned(len(loads))  # stuck in a tier call: these compute at once
+                self._loaded += [(ld, 0) for ld in loads]
+                self._load_done.set()
+                return
+            queued = [_Load(ld, now + tiers.deadline) for ld in loads]
+            self._pending += queued
+        for p in queued:
+            self._io.put(p)
+
+    def _io_loop(self, q: queue.SimpleQueue[Optional[_Load]]) -> None:
+        while (p := q.get()) is not None:
+            self._load(p)
 
     def finished_loads(self) -> list[tuple[KVLoad, int]]:
-        """The loads that ended since the last call, with the tokens each brought."""
+        """The loads that ended since the last call, with the tokens each brought; loads past their deadline
+        come back with none (what they fetch later is dropped)."""
+        now = time.monotonic()
         with self._load_lock:
+            late = 0
+            for p in [p for p in self._pending if now >= p.deadline]:
+                with p.lock:  # held by the I/O thread only while it copies verified blocks in
+                    if p.ended:
+                        continue  # ended in time: its thread hands it back
+                    p.abandoned = True
+                self._pending.remove(p)
+                self._loaded.append((p.load, 0))
+                late += 1
+            if late and self.kv_tiers is not None:
+                self.kv_tiers.note_abandoned(late)
             done, self._loaded = self._loaded, []
             self._load_done.clear()
             return done
 
     def loads_in_flight(self) -> int:
+        """Loads not yet handed back by ``finished_loads``."""
         with self._load_lock:
-            return self._in_flight
+            return len(self._pending) + len(self._loaded)
 
     def wait_loads(self, timeout: float) -> None:
-        """Until a load ends (or ``timeout`` seconds)."""
+        """Until a load ends (or ``timeout`` seconds, capped at the earliest load's deadline)."""
+        with self._load_lock:
+            if self._pending:
+                timeout = min(timeout, max(0.0, min(p.deadline for p in self._pending) - time.monotonic()))
         self._load_done.wait(timeout)
 
-    def _load(self, ld: KVLoad) -> None:
+    def _load(self, p: _Load) -> None:
         """On the I/O thread: look up the request's blocks in the tiers and copy the hits into them.
 
-        A tier never fails a request: on any error the request computes those blocks instead.
+        A tier never fails a request: on any error, or past the deadline, the request computes those blocks.
         """
         tiers = self.kv_tiers
+        assert tiers is not None
         bs = self.block_size
+        ld = p.load
         req, first = ld.request, ld.first_block
         last = first + len(ld.block_ids)
         n = 0
         try:
-            if tiers is not None and req.status is RequestStatus.WAITING_FOR_KV:  # else aborted: nothing to fetch
+            # else aborted, or the deadline passed while it queued: nothing to fetch
+            if req.status is RequestStatus.WAITING_FOR_KV and time.monotonic() < p.deadline:
                 toks = req.all_token_ids
-                hashes = chain_hashes(toks[: last * bs], bs, req.cache_salt, req.block_hashes)
+                # a copy: past the deadline the engine thread extends the request's own list concurrently
+                hashes = chain_hashes(toks[: last * bs], bs, req.cache_salt, list(req.block_hashes))
                 parent = hashes[first - 1] if first else bytes(16)
                 salt = salt_digest(req.cache_salt)
-                got = tiers.lookup(hashes[first:last], parent, toks[first * bs : last * bs], salt)
-                if got:
-                    tiers.load_into(self.kv_caches, ld.block_ids[: len(got)], got)
-                n = len(got) * bs
+                with self._load_lock:
+                    self._busy_since = time.monotonic()
+                got = tiers.lookup(hashes[first:last], parent, toks[first * bs : last * bs], salt, p.deadline)
+                with p.lock:
+                    if p.abandoned:
+                        tiers.note_late()
+                    elif got:
+                        tiers.load_into(self.kv_caches, ld.block_ids[: len(got)], got)
+                        n = len(got) * bs
+                    p.ended = True
         except Exception:
-            for m in tiers.metrics:  # type: ignore[union-attr]
+            for m in tiers.metrics:
                 m.add(errors=1)
             n = 0
         finally:
+            with p.lock:
+                p.ended = True
+                abandoned = p.abandoned
             with self._load_lock:
-                self._loaded.append((ld, n))
-                self._in_flight -= 1
-                self._load_done.set()
+                self._busy_since = None
+                if not abandoned:
+                    self._pending.remove(p)
+                    self._loaded.append((ld, n))
+                    self._load_done.set()
 
     def store(self, so: SchedulerOutput) -> None:
         """Write-through: queue the blocks this step completed for the KV tiers (copied out now)."""
@@ -308,12 +374,19 @@ class ModelRunner:
         return out
 
     def shutdown(self) -> None:
-        """Let the loads in flight end (``finished_loads`` still hands them back), flush the tiers' writers."""
+        """Let the loads in flight end until their deadline (``finished_loads`` hands every one back, empty if
+        it did not end), stop the I/O thread, flush the tiers' writers (at most ``SHUTDOWN_FLUSH_SECONDS``)."""
         if self._io is not None:
-            self._io.shutdown(wait=True)
+            self._io.put(None)
             self._io = None
+            while True:
+                with self._load_lock:
+                    ends = [p.deadline for p in self._pending if not p.ended]
+                if not ends or time.monotonic() >= max(ends):
+                    break
+                time.sleep(0.005)
         if self.kv_tiers is not None:
-            self.kv_tiers.flush()
+            self.kv_tiers.flush(SHUTDOWN_FLUSH_SECONDS)
 
 
 def check_model(model: Any) -> int:

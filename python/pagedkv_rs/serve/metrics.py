@@ -43,7 +43,7 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         eng = self._engine
-        s, kv = eng.snapshot()  # one consistent snapshot under the engine lock, held for microseconds
+        s, kv = eng.snapshot()  # one consistent snapshot; never waits for the engine lock
         lab, val = list(self._labels), list(self._labels.values())
 
         def gauge(name: str, doc: str, value: float) -> Metric:
@@ -93,8 +93,10 @@ class _TierCollector(Collector):
         ("verify_failures", "Tier records that failed verification (used as misses)"),
         ("errors", "Tier operations that failed (connection, timeout, I/O)"),
         ("timeouts", "Lookups cut short by their deadline"),
+        ("late_results", "Lookups that ended after their request stopped waiting (results dropped)"),
         ("stored_blocks", "Blocks handed to the tier's writer and written"),
-        ("store_drops", "Blocks not stored: writer queue full or the write failed"),
+        ("store_drops", "Blocks not stored because the writer's queue was full"),
+        ("store_failures", "Blocks not stored because the write failed (full disk, server gone)"),
         ("bytes_read", "Record bytes read from the tier"),
         ("bytes_written", "Record bytes written to the tier"),
     )

@@ -57,7 +57,15 @@ LOOKUP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 
 
 class TierError(Exception):
-    """A tier could not be reached or failed an operation (counted; the caller treats it as a miss)."""
+    """A tier could not be reached or failed an operation (counted; the caller treats it as a miss).
+
+    From ``put_many``: ``stored`` records of the batch (in order) and ``written`` bytes made it before the failure.
+    """
+
+    def __init__(self, message: str, *, stored: int = 0, written: int = 0) -> None:
+        super().__init__(message)
+        self.stored = stored
+        self.written = written
 
 
 class RecordError(ValueError):
@@ -96,11 +104,16 @@ class Tier:
         raise NotImplementedError
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
-        """Store records (skipping keys already present where that is cheap); returns bytes written."""
+        """Store records (skipping keys already present where that is cheap); returns bytes written.
+
+        On a failure raises ``TierError`` saying how many of ``items`` were stored before it."""
         raise NotImplementedError
 
     def expect_record_sizes(self, sizes: Sequence[int]) -> None:
         """The byte sizes this engine's records can have; a tier may refuse to read anything else."""
+
+    def use_deadline(self, seconds: float) -> None:
+        """The lookup deadline: a tier bounds each blocking call by it where it can (Redis: socket timeouts)."""
 
     def close(self) -> None:
         """Release connections / handles."""
@@ -261,8 +274,10 @@ class TierMetrics:
         "verify_failures",
         "errors",
         "timeouts",
+        "late_results",
         "stored_blocks",
         "store_drops",
+        "store_failures",
         "bytes_read",
         "bytes_written",
     )

@@ -262,13 +262,19 @@ class DiskTier(Tier):
         self._subdirs.add(path)
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+        """Write the records in order; a failure (a full disk: ENOSPC, EDQUOT, EFBIG) raises ``TierError`` with
+        the records stored and bytes written before it."""
         written = 0
-        for key, data in items:
+        for i, (key, data) in enumerate(items):
             with self._lock:
                 if key in self._files:
                     continue
             if not _KEY.fullmatch(key):
-                raise TierError(f"{self.name}: {key!r} is not a key of this tier (lower-case hex and '-')")
+                raise TierError(
+                    f"{self.name}: {key!r} is not a key of this tier (lower-case hex and '-')",
+                    stored=i,
+                    written=written,
+                )
             final = self._file(key)
             tmp = os.path.join(self._tmp, f"{key}.{os.getpid()}.{next(self._seq)}.{secrets.token_hex(4)}.tmp")
             created = False
@@ -294,7 +300,7 @@ class DiskTier(Tier):
                         os.unlink(tmp)
                     except OSError:
                         pass
-                raise TierError(f"{self.name}: writing {final}: {e}") from e
+                raise TierError(f"{self.name}: writing {final}: {e}", stored=i, written=written) from e
             written += len(data)
             with self._lock:
                 if key not in self._files:

@@ -4,11 +4,19 @@ Lookup: the blocks after the pool's own prefix hit are asked of each tier in ord
 each tier from where the previous one's run of hits ended, within one deadline; a record that does
 not verify ends the run (a miss, counted). Hits from a slower tier are also queued for the faster
 ones. Store: each tier has a writer thread with a bounded queue (blocks); a full queue drops the
-block and counts it, so a slow tier never slows a step. Records are encoded on the writer threads.
+block and counts it (``store_drops``), so a slow tier never slows a step. Records are encoded on the
+writer threads. A write that fails (a full disk, a server gone) counts the blocks it did write as
+stored and the rest as ``store_failures``; the first failure of a run is logged (once, until a write
+succeeds again) and the engine goes on serving.
+
+Deadlines: every tier is told the lookup deadline (``Tier.use_deadline``) and bounds each blocking call
+by it (Redis: socket timeouts). The runner gives each load its deadline and stops waiting at it
+(``note_abandoned``: counted as ``timeouts``); a lookup that ends later is dropped (``note_late``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -31,6 +39,8 @@ from pagedkv_rs.tiers.base import (
 )
 
 __all__ = ["KVTiers", "BlockEntry"]
+
+log = logging.getLogger("pagedkv_rs.tiers")
 
 WRITE_BATCH = 16  # records per put_many
 
@@ -55,6 +65,7 @@ class _Writer:
         self._cond = threading.Condition()
         self._busy = False
         self._closed = False
+        self._failing = False  # the last write failed (logged once per run of failures)
         self._thread = threading.Thread(target=self._run, name=f"pagedkv-tier-{tier.kind}", daemon=True)
         self._thread.start()
 
@@ -100,10 +111,25 @@ class _Writer:
                 ]
                 written = self.tier.put_many(items)
                 self.metrics.add(stored_blocks=len(batch), bytes_written=written)
-            except TierError:
-                self.metrics.add(errors=1, store_drops=len(batch))
-            except Exception:  # a bug must not kill the writer: count it and go on
-                self.metrics.add(errors=1, store_drops=len(batch))
+                if self._failing:
+                    self._failing = False
+                    log.warning("KV tier %s: stores succeed again", self.tier.name)
+            except Exception as e:  # TierError, or a bug: never kill the writer; count what was written
+                stored = min(len(batch), getattr(e, "stored", 0))
+                self.metrics.add(
+                    errors=1,
+                    stored_blocks=stored,
+                    bytes_written=getattr(e, "written", 0),
+                    store_failures=len(batch) - stored,
+                )
+                if not self._failing:
+                    self._failing = True
+                    log.warning(
+                        "KV tier %s: a store failed (%s); blocks are not stored until writes succeed again, "
+                        "requests are served as before",
+                        self.tier.name,
+                        e,
+                    )
             finally:
                 with self._cond:
                     self._busy = False
@@ -136,24 +162,36 @@ class KVTiers:
         self._ns = fingerprint.hex()
         for t in self.tiers:
             t.expect_record_sizes(record_sizes(layout))
+            t.use_deadline(self.deadline)
         self.metrics = [TierMetrics() for _ in self.tiers]
         self._writers = [_Writer(self, t, m, queue_blocks) for t, m in zip(self.tiers, self.metrics)]
         self._stage: Optional[np.ndarray] = None  # reused staging buffer for loads
+        self._asking = 0  # index of the tier the current lookup asks (for the deadline counters)
 
     def key(self, block_hash: bytes) -> str:
         """The store key of a block: model fingerprint, then chained hash (hex)."""
         return f"{self._ns}-{block_hash.hex()}"
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, hashes: Sequence[bytes], parent: bytes, tokens: Sequence[int], salt: bytes) -> list[memoryview]:
-        """Payloads of the longest run of verified blocks for ``hashes`` (``tokens``: theirs, concatenated)."""
+    def lookup(
+        self,
+        hashes: Sequence[bytes],
+        parent: bytes,
+        tokens: Sequence[int],
+        salt: bytes,
+        deadline: Optional[float] = None,
+    ) -> list[memoryview]:
+        """Payloads of the longest run of verified blocks for ``hashes`` (``tokens``: theirs, concatenated),
+        asked until ``deadline`` (``time.monotonic()``; default: ``self.deadline`` seconds from now)."""
         bs, plen = self.layout.block_size, self.layout.nbytes
-        deadline = time.monotonic() + self.deadline
+        if deadline is None:
+            deadline = time.monotonic() + self.deadline
         got: list[memoryview] = []
         for ti, (tier, m) in enumerate(zip(self.tiers, self.metrics)):
             i = len(got)
             if i >= len(hashes) or time.monotonic() > deadline:
                 break
+            self._asking = ti
             keys = [self.key(h) for h in hashes[i:]]
             t0 = time.monotonic()
             try:
@@ -204,6 +242,14 @@ class KVTiers:
                     w.offer(entries)
             got += hits
         return got
+
+    def note_abandoned(self, loads: int) -> None:
+        """``loads`` lookups were given up at their deadline (counted as timeouts of the tier being asked)."""
+        self.metrics[self._asking].add(timeouts=loads)
+
+    def note_late(self) -> None:
+        """A lookup ended after its request stopped waiting: its hits are dropped, never loaded."""
+        self.metrics[self._asking].add(late_results=1)
 
     def _entry(
         self, hashes: Sequence[bytes], parent: bytes, tokens: Sequence[int], salt: bytes, b: int, payload: Any

@@ -8,6 +8,10 @@ redis-py reconnects on the next command. Values are written with ``SET ... EX tt
 given; keys another replica already wrote are skipped (one ``EXISTS`` per batch). A lookup reads at most
 a record's size of each value (``STRLEN`` + ``GETRANGE`` in one round trip): a value of any other size is
 handed on empty, so it fails verification, and ``discard`` deletes it so the next store replaces it.
+
+Deadlines: the socket (and connect) timeout is the smaller of ``timeout`` and the lookup deadline
+(``use_deadline``), and redis-py's own retries are off, so a slow, SIGSTOPped or unreachable server holds
+one call for at most that long; the failure then rests the tier for ``retry`` seconds.
 """
 
 from __future__ import annotations
@@ -53,13 +57,35 @@ class RedisTier(Tier):
         self.secret = secret
         self._down_until = 0.0
         self._sizes: Optional[frozenset[int]] = None
-        kw: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
-        if cluster:
+        self._url, self._cluster, self.timeout = url, cluster, float(timeout)
+        self._r: Any = self._client(self.timeout)
+
+    def _client(self, timeout: float) -> Any:
+        """A client whose every socket call (connect, send, receive) waits at most ``timeout`` seconds, once."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        kw: dict[str, Any] = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        if self._cluster:
             from redis.cluster import RedisCluster
 
-            self._r: Any = RedisCluster.from_url(url, **kw)
-        else:
-            self._r = redis.Redis.from_url(url, health_check_interval=30, **kw)
+            return RedisCluster.from_url(self._url, **kw)
+        return redis.Redis.from_url(self._url, health_check_interval=30, **kw)
+
+    def use_deadline(self, seconds: float) -> None:
+        """Socket timeouts of at most ``seconds`` (a new client: no connection is open yet)."""
+        t = min(self.timeout, float(seconds))
+        if t != self.timeout:
+            old, self._r, self.timeout = self._r, self._client(t), t
+            try:
+                old.close()
+            except self._errors:
+                pass
 
     def _guard(self) -> None:
         if time.monotonic() < self._down_until:
