@@ -43,6 +43,7 @@ class InputLimits:
     tokenizer: Any = None  # encodes a text prompt; None: token ids only
     prompt_logprobs: Optional[str] = None  # None: supported; else why not (the model's forward)
     pool: str = ""  # how the context limit came about, for the message
+    max_num_seqs: int = 1 << 62  # seats: an n > 1 request's whole fan-out must fit them
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,12 @@ def check_request(
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if params.n > limits.max_num_seqs:
+        raise InvalidRequestError(
+            f"n={params.n} completions can never run: the engine runs at most max_num_seqs="
+            f"{limits.max_num_seqs} sequences at once",
+            param="n",
+        )
     if request_id is not None:
         check_request_id(request_id)
     if cache_salt is not None:
