@@ -21,6 +21,9 @@ from pagedkv_rs.engine.request import MAX_TOKEN_ID, InvalidRequestError, Samplin
 
 __all__ = [
     "CheckedRequest",
+    "ContextLengthError",
+    "check_text_length",
+    "encode_text",
     "InputLimits",
     "check_request",
     "check_request_id",
@@ -96,13 +99,36 @@ def check_request_id(request_id: Any) -> str:
     return request_id
 
 
-def _encode_text(tokenizer: Any, text: str) -> Any:
-    """A text prompt's ids with the vocabulary's BOS/EOS rules (vLLM's ``add_special_tokens=True``): Gemma and
-    Llama add BOS, SmolLM2 adds nothing. A tokenizer without that keyword encodes the text as it is."""
+class ContextLengthError(InvalidRequestError):
+    """A prompt longer than the context limit (the server's ``context_length_exceeded``)."""
+
+
+def check_text_length(tokenizer: Any, text: str, max_model_len: int, who: str = "", pool: str = "") -> None:
+    """Refuse a text that cannot fit ``max_model_len`` tokens, without tokenizing it: the tokenizer's
+    ``min_num_tokens(text)`` (its bytes over the most bytes one token stands for) is a lower bound.
+    A tokenizer without it is not checked here (its ids are, after encoding)."""
+    bound = getattr(tokenizer, "min_num_tokens", None)
+    if bound is None or len(text) <= max_model_len:  # a token stands for one character at least
+        return
+    n = bound(text)
+    if n > max_model_len:
+        raise ContextLengthError(
+            f"{who}prompt of {len(text)} characters is at least {n} tokens, which exceeds "
+            f"max_model_len={max_model_len}{pool}",
+            param="prompt",
+        )
+
+
+def encode_text(tokenizer: Any, text: str, max_model_len: int, who: str = "", pool: str = "") -> list[int]:
+    """A text prompt's ids with the vocabulary's BOS/EOS rules (vLLM's ``add_special_tokens=True``), refused by
+    ``check_text_length`` first. Gemma and Llama add BOS, SmolLM2 adds nothing. A tokenizer without that
+    keyword encodes the text as it is."""
+    check_text_length(tokenizer, text, max_model_len, who, pool)
     try:
-        return tokenizer.encode(text, add_special_tokens=True)
+        enc = tokenizer.encode(text, add_special_tokens=True)
     except TypeError:
-        return tokenizer.encode(text)
+        enc = tokenizer.encode(text)
+    return list(getattr(enc, "ids", enc))
 
 
 def check_request(
@@ -168,8 +194,8 @@ def check_request(
             raise InvalidRequestError(
                 "a text prompt needs an engine with a tokenizer; pass token ids instead", param="prompt"
             )
-        enc = _encode_text(limits.tokenizer, prompt)
-        text, prompt = prompt, list(getattr(enc, "ids", enc))
+        who = "" if request_id is None else f"request {request_id!r}: "
+        text, prompt = prompt, encode_text(limits.tokenizer, prompt, limits.max_model_len, who, limits.pool)
     elif isinstance(prompt, bytes) or not isinstance(prompt, (Sequence, np.ndarray)):
         raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
     if params.prompt_logprobs is not None and limits.prompt_logprobs is not None:
@@ -190,7 +216,7 @@ def check_request(
     if not toks:
         raise InvalidRequestError(f"{who}the prompt is empty", param="prompt")
     if len(toks) > limits.max_model_len:
-        raise InvalidRequestError(
+        raise ContextLengthError(
             f"{who}prompt of {len(toks)} tokens exceeds max_model_len={limits.max_model_len}{limits.pool}",
             param="prompt",
         )
