@@ -217,3 +217,92 @@ def test_a_long_encode_lets_other_threads_run(smol):
     assert seen > 20, f"this thread woke {seen} times while the encode ran: it holds the GIL"
     assert rec.calls == ["encode_batch"]
     assert smol.encode("short text") == list(smol._tok.encode("short text").ids)
+
+
+# ------------------------------------------------------------------------------------------ logprobs
+def test_logprob_rows_read_as_vllm_dicts_built_on_access():
+    from pagedkv_rs.engine.request import Logprob, LogprobRows
+
+    rows = LogprobRows(lead=1)
+    for i in range(20):  # past the first growth
+        rows.append([i, i + 1, 7], [-0.5, -1.25, -2.0 - i], [1, 2, 3 + i])
+    early = rows.view(lambda ids: f"<{ids[0]}>")
+    rows.append([1, 2, 3], [-0.1, -0.2, -0.3], [1, 2, 3])
+    assert len(rows) == 22 and len(early) == 21  # a view is a snapshot
+    assert early[0] is None and early[-1] == early[20]
+    assert early[3] == {2: Logprob(-0.5, 1, "<2>"), 3: Logprob(-1.25, 2, "<3>"), 7: Logprob(-4.0, 5, "<7>")}
+    assert early[1:3] == [early[1], early[2]] and len(early[5:]) == 16 and early[5:][0] == early[5]
+    assert early[::10] == [None, early[10], early[20]]
+    with pytest.raises(IndexError):
+        early[21]
+    with pytest.raises(ValueError, match="row of 2 entries"):
+        rows.append([1, 2], [0.0, 0.0], [1, 1])
+    plain = LogprobRows()
+    plain.append([5, 6], [-1.0, -0.25], [1, 4])  # the chosen token last, also when it is among the top k
+    assert plain.view()[0] == {5: Logprob(-1.0, 1), 6: Logprob(-0.25, 4)} and plain.view().chosen_logprobs() == [-0.25]
+
+
+def test_a_request_asking_for_too_many_logprob_entries_is_refused(engines):
+    from pagedkv_rs.engine.input import MAX_LOGPROB_ENTRIES
+
+    model = TinyModel(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, vocab_size=96, max_model_len=16384)
+    e = LLMEngine(model, num_blocks=1024, block_size=16, max_num_seqs=64)
+    engines.append(e)
+    big = SamplingParams(n=64, max_tokens=16000, logprobs=20)
+    assert MAX_LOGPROB_ENTRIES < 64 * 16000 * 21
+    with pytest.raises(InvalidRequestError, match=r"n=64 x 16000 output tokens x 21 = 21504000 entries") as ei:
+        e.add_request("big", [2, 3], big)
+    assert ei.value.param == "logprobs" and not e.has_unfinished_requests()
+    both = SamplingParams(n=64, max_tokens=14000, logprobs=20, prompt_logprobs=20)
+    with pytest.raises(InvalidRequestError, match=r"x 21 \+ 100 prompt tokens x 21 = 18818100 entries"):
+        e.add_request("p", [5] * 100, both)
+    e.add_request("ok", [2, 3], SamplingParams(n=64, max_tokens=2000, logprobs=20))  # 2.7 M entries
+    e.abort_request("ok")
+
+
+_RSS_PROBE = """
+import gc, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+from pagedkv_rs.engine import LLMEngine, SamplingParams
+from pagedkv_rs.llm import _TextDecoder
+from pagedkv_rs.models import TinyModel
+from pagedkv_rs.models.tokenizer import GGUFTokenizer
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+tok = GGUFTokenizer.from_gguf(None)
+model = TinyModel(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, vocab_size=4096,
+                  max_model_len=1024)
+e = LLMEngine(model, num_blocks=2048, block_size=16, tokenizer=_TextDecoder(tok), max_num_seqs=16)
+p = SamplingParams(max_tokens=NTOK, logprobs=20, ignore_eos=True, temperature=1.0, seed=1)
+prompts = [[100 + i, 200, 300] for i in range(16)]
+e.generate(prompts, SamplingParams(max_tokens=64, logprobs=20, ignore_eos=True))  # warm every path
+gc.collect()
+before = rss()
+outs = e.generate(prompts, p)
+gc.collect()
+grown = rss() - before
+n = sum(len(c.token_ids) for o in outs for c in o.outputs)
+print(n, grown, flush=True)
+d = outs[3].outputs[0].logprobs[7]
+assert len(outs[3].outputs[0].logprobs) == NTOK and 20 <= len(d) <= 21
+assert all(x.decoded_token is not None for x in d.values())
+"""
+
+
+def test_logprobs_cost_a_compact_array_per_generated_token():
+    """logprobs=20 cost ~10.5 KiB of RSS per generated token as dicts of objects; as arrays ~0.5 KiB (a child
+    process under RLIMIT_AS measures it)."""
+    import subprocess
+    import sys
+
+    ntok = 400
+    r = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE.replace("NTOK", str(ntok))], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    n, grown = map(int, r.stdout.split())
+    assert n == 16 * ntok
+    assert grown / n < 2048, f"{grown / n:.0f} bytes of RSS per generated token at logprobs=20"

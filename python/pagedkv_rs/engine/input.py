@@ -30,10 +30,14 @@ __all__ = [
     "prompt_list",
     "split_prompt",
     "MAX_REQUEST_ID_LEN",
+    "MAX_LOGPROB_ENTRIES",
 ]
 
 MAX_REQUEST_ID_LEN = 1024
 MAX_CACHE_SALT_LEN = 1024
+# logprob entries (token id, logprob, rank: 16 bytes as arrays) one request may make: n x its most output
+# tokens x (logprobs + 1), plus its prompt tokens x (prompt_logprobs + 1); 2^24 entries = 256 MiB
+MAX_LOGPROB_ENTRIES = 1 << 24
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
@@ -220,4 +224,23 @@ def check_request(
             f"{who}prompt of {len(toks)} tokens exceeds max_model_len={limits.max_model_len}{limits.pool}",
             param="prompt",
         )
+    _check_logprob_entries(params, len(toks), limits.max_model_len, who)
     return CheckedRequest(request_id, toks, params, text, cache_salt, arrival_time)
+
+
+def _check_logprob_entries(params: SamplingParams, prompt_len: int, max_model_len: int, who: str) -> None:
+    """Refuse a request whose logprobs could grow past ``MAX_LOGPROB_ENTRIES``."""
+    out = min(params.max_tokens, max(max_model_len - prompt_len, 0))
+    gen = 0 if params.logprobs is None else params.n * out * (params.logprobs + 1)
+    pro = 0 if params.prompt_logprobs is None else prompt_len * (params.prompt_logprobs + 1)
+    if gen + pro > MAX_LOGPROB_ENTRIES:
+        parts = []
+        if gen:
+            parts.append(f"n={params.n} x {out} output tokens x {params.logprobs + 1}")  # type: ignore[operator]
+        if pro:
+            parts.append(f"{prompt_len} prompt tokens x {params.prompt_logprobs + 1}")  # type: ignore[operator]
+        raise InvalidRequestError(
+            f"{who}the logprobs asked for ({' + '.join(parts)} = {gen + pro} entries) exceed the "
+            f"{MAX_LOGPROB_ENTRIES} one request may hold; ask for fewer max_tokens, n or logprobs",
+            param="logprobs" if gen else "prompt_logprobs",
+        )
