@@ -46,6 +46,9 @@ class _TextDecoder:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
+    def min_num_tokens(self, text: str) -> int:
+        return self._tok.min_num_tokens(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         # generated ids continue their prompt: a SentencePiece piece keeps its leading space (" Paris")
         return self._tok.decode(ids, skip_special_tokens=True, continuation=True)

@@ -21,16 +21,23 @@ from pagedkv_rs.engine.request import MAX_TOKEN_ID, InvalidRequestError, Samplin
 
 __all__ = [
     "CheckedRequest",
+    "ContextLengthError",
+    "check_text_length",
+    "encode_text",
     "InputLimits",
     "check_request",
     "check_request_id",
     "prompt_list",
     "split_prompt",
     "MAX_REQUEST_ID_LEN",
+    "MAX_LOGPROB_ENTRIES",
 ]
 
 MAX_REQUEST_ID_LEN = 1024
 MAX_CACHE_SALT_LEN = 1024
+# logprob entries (token id, logprob, rank: 16 bytes as arrays) one request may make: n x its most output
+# tokens x (logprobs + 1), plus its prompt tokens x (prompt_logprobs + 1); 2^24 entries = 256 MiB
+MAX_LOGPROB_ENTRIES = 1 << 24
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
@@ -43,6 +50,7 @@ class InputLimits:
     tokenizer: Any = None  # encodes a text prompt; None: token ids only
     prompt_logprobs: Optional[str] = None  # None: supported; else why not (the model's forward)
     pool: str = ""  # how the context limit came about, for the message
+    max_num_seqs: int = 1 << 62  # seats: an n > 1 request's whole fan-out must fit them
 
 
 @dataclass(frozen=True)
@@ -95,13 +103,36 @@ def check_request_id(request_id: Any) -> str:
     return request_id
 
 
-def _encode_text(tokenizer: Any, text: str) -> Any:
-    """A text prompt's ids with the vocabulary's BOS/EOS rules (vLLM's ``add_special_tokens=True``): Gemma and
-    Llama add BOS, SmolLM2 adds nothing. A tokenizer without that keyword encodes the text as it is."""
+class ContextLengthError(InvalidRequestError):
+    """A prompt longer than the context limit (the server's ``context_length_exceeded``)."""
+
+
+def check_text_length(tokenizer: Any, text: str, max_model_len: int, who: str = "", pool: str = "") -> None:
+    """Refuse a text that cannot fit ``max_model_len`` tokens, without tokenizing it: the tokenizer's
+    ``min_num_tokens(text)`` (its bytes over the most bytes one token stands for) is a lower bound.
+    A tokenizer without it is not checked here (its ids are, after encoding)."""
+    bound = getattr(tokenizer, "min_num_tokens", None)
+    if bound is None or len(text) <= max_model_len:  # a token stands for one character at least
+        return
+    n = bound(text)
+    if n > max_model_len:
+        raise ContextLengthError(
+            f"{who}prompt of {len(text)} characters is at least {n} tokens, which exceeds "
+            f"max_model_len={max_model_len}{pool}",
+            param="prompt",
+        )
+
+
+def encode_text(tokenizer: Any, text: str, max_model_len: int, who: str = "", pool: str = "") -> list[int]:
+    """A text prompt's ids with the vocabulary's BOS/EOS rules (vLLM's ``add_special_tokens=True``), refused by
+    ``check_text_length`` first. Gemma and Llama add BOS, SmolLM2 adds nothing. A tokenizer without that
+    keyword encodes the text as it is."""
+    check_text_length(tokenizer, text, max_model_len, who, pool)
     try:
-        return tokenizer.encode(text, add_special_tokens=True)
+        enc = tokenizer.encode(text, add_special_tokens=True)
     except TypeError:
-        return tokenizer.encode(text)
+        enc = tokenizer.encode(text)
+    return list(getattr(enc, "ids", enc))
 
 
 def check_request(
@@ -135,6 +166,12 @@ def check_request(
     params = SamplingParams() if params is None else params
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if params.n > limits.max_num_seqs:
+        raise InvalidRequestError(
+            f"n={params.n} completions can never run: the engine runs at most max_num_seqs="
+            f"{limits.max_num_seqs} sequences at once",
+            param="n",
+        )
     if request_id is not None:
         check_request_id(request_id)
     if cache_salt is not None:
@@ -161,8 +198,8 @@ def check_request(
             raise InvalidRequestError(
                 "a text prompt needs an engine with a tokenizer; pass token ids instead", param="prompt"
             )
-        enc = _encode_text(limits.tokenizer, prompt)
-        text, prompt = prompt, list(getattr(enc, "ids", enc))
+        who = "" if request_id is None else f"request {request_id!r}: "
+        text, prompt = prompt, encode_text(limits.tokenizer, prompt, limits.max_model_len, who, limits.pool)
     elif isinstance(prompt, bytes) or not isinstance(prompt, (Sequence, np.ndarray)):
         raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
     if params.prompt_logprobs is not None and limits.prompt_logprobs is not None:
@@ -183,8 +220,27 @@ def check_request(
     if not toks:
         raise InvalidRequestError(f"{who}the prompt is empty", param="prompt")
     if len(toks) > limits.max_model_len:
-        raise InvalidRequestError(
+        raise ContextLengthError(
             f"{who}prompt of {len(toks)} tokens exceeds max_model_len={limits.max_model_len}{limits.pool}",
             param="prompt",
         )
+    _check_logprob_entries(params, len(toks), limits.max_model_len, who)
     return CheckedRequest(request_id, toks, params, text, cache_salt, arrival_time)
+
+
+def _check_logprob_entries(params: SamplingParams, prompt_len: int, max_model_len: int, who: str) -> None:
+    """Refuse a request whose logprobs could grow past ``MAX_LOGPROB_ENTRIES``."""
+    out = min(params.max_tokens, max(max_model_len - prompt_len, 0))
+    gen = 0 if params.logprobs is None else params.n * out * (params.logprobs + 1)
+    pro = 0 if params.prompt_logprobs is None else prompt_len * (params.prompt_logprobs + 1)
+    if gen + pro > MAX_LOGPROB_ENTRIES:
+        parts = []
+        if gen:
+            parts.append(f"n={params.n} x {out} output tokens x {params.logprobs + 1}")  # type: ignore[operator]
+        if pro:
+            parts.append(f"{prompt_len} prompt tokens x {params.prompt_logprobs + 1}")  # type: ignore[operator]
+        raise InvalidRequestError(
+            f"{who}the logprobs asked for ({' + '.join(parts)} = {gen + pro} entries) exceed the "
+            f"{MAX_LOGPROB_ENTRIES} one request may hold; ask for fewer max_tokens, n or logprobs",
+            param="logprobs" if gen else "prompt_logprobs",
+        )

@@ -1,4 +1,4 @@
-"""Outputs: detokenizing, stop strings, logprob dicts and the ``RequestOutput``s users see.
+"""Outputs: detokenizing, stop strings, logprob rows and the ``RequestOutput``s users see.
 
 ``OutputProcessor`` turns a step's sampled tokens and logprob rows (``runner.StepResult``) into
 request state and outputs. A failure in one request's own post-processing (a tokenizer that fails
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pagedkv_rs.engine.request import Logprob, Request, RequestOutput, RequestStatus
-from pagedkv_rs.engine.runner import LogprobRow, StepResult
+from pagedkv_rs.engine.request import Request, RequestOutput, RequestStatus
+from pagedkv_rs.engine.runner import StepResult
 
 __all__ = ["OutputProcessor"]
 
@@ -53,27 +53,25 @@ class OutputProcessor:
     def _attach_logprobs(
         self, samplers: Sequence[Request], result: StepResult, failed: dict[str, BaseException]
     ) -> None:
-        """Append this step's logprob dicts to the requests that got them (decoding each token once)."""
+        """Append this step's logprob rows to the requests that got them: arrays, decoded only when read."""
         for j, row in (result.logprobs or {}).items():
             r = samplers[j]
             if r.logprobs is None or len(r.logprobs) != len(r.output_token_ids) - 1:
                 continue  # aborted (or the fork did not happen) since the step was scheduled
             try:
-                r.logprobs.append(self._logprob_dict(row))
+                r.logprobs.append(*row)
             except Exception as e:
                 failed.setdefault(r.head.request_id, e)
         for r, lo, rows in result.prompt_logprobs:
             # a request that finished in this very step keeps them (max_tokens=1); an aborted one is gone
-            if r.status is RequestStatus.FINISHED_ABORTED or len(r.prompt_logprobs) != lo + 1:  # type: ignore[arg-type]
+            plp = r.prompt_logprobs
+            if r.status is RequestStatus.FINISHED_ABORTED or plp is None or len(plp) != lo + 1:
                 continue
             try:
-                r.prompt_logprobs += [self._logprob_dict(row) for row in rows]  # type: ignore[operator]
+                for row in rows:
+                    plp.append(*row)
             except Exception as e:
                 failed.setdefault(r.head.request_id, e)
-
-    def _logprob_dict(self, row: LogprobRow) -> dict[int, Logprob]:
-        dec = None if self.tokenizer is None else self.tokenizer.decode
-        return {t: Logprob(lp, rank, None if dec is None else dec([t])) for t, lp, rank in zip(*row)}
 
     def _stop_string(self, r: Request) -> bool:
         """Whether ``r``'s output text contains a stop string (after min_tokens); if so cut the text there."""

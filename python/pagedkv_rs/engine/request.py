@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -24,6 +24,8 @@ __all__ = [
     "UnknownRequestError",
     "StreamLeaseExpiredError",
     "Logprob",
+    "LogprobRows",
+    "LogprobsView",
     "MAX_LOGPROBS",
 ]
 
@@ -101,6 +103,100 @@ class Logprob:
     logprob: float
     rank: Optional[int] = None
     decoded_token: Optional[str] = None
+
+
+class LogprobRows:
+    """One request's logprob rows as growing arrays, until the API edge builds ``{token_id: Logprob}`` dicts.
+
+    A row is the top k tokens and then the chosen one (``sampling.top_logprobs``): ids and ranks int32,
+    logprobs float64 (the log-softmax as computed), ``width`` = k + 1 columns fixed by the first row.
+    ``lead`` rows come first as None (prompt logprobs: the first prompt token has none). About 16 bytes
+    per entry, where a dict of ``Logprob`` objects took ~500.
+    """
+
+    __slots__ = ("ids", "lps", "ranks", "n", "lead")
+
+    def __init__(self, lead: int = 0) -> None:
+        self.ids = np.empty((0, 0), np.int32)
+        self.lps = np.empty((0, 0), np.float64)
+        self.ranks = np.empty((0, 0), np.int32)
+        self.n = 0
+        self.lead = lead
+
+    def __len__(self) -> int:
+        return self.lead + self.n
+
+    def append(self, ids: Sequence[int], lps: Sequence[float], ranks: Sequence[int]) -> None:
+        """Add one row (its width must be the first row's)."""
+        if self.n == len(self.ids):  # full: double (a row width fixed by the first row)
+            w = len(ids) if self.n == 0 else self.ids.shape[1]
+            cap = max(8, 2 * self.n)
+            self.ids, self.lps, self.ranks = (
+                np.concatenate([a, np.empty((cap - self.n, w), a.dtype)]) if self.n else np.empty((cap, w), a.dtype)
+                for a in (self.ids, self.lps, self.ranks)
+            )
+        if len(ids) != self.ids.shape[1]:
+            raise ValueError(f"a logprob row of {len(ids)} entries where the request's rows have {self.ids.shape[1]}")
+        self.ids[self.n], self.lps[self.n], self.ranks[self.n] = ids, lps, ranks
+        self.n += 1
+
+    def view(self, decode: Optional[Callable[[list[int]], str]] = None) -> LogprobsView:
+        """The rows so far as vLLM's list of dicts, built on access (later appends do not change it)."""
+        return LogprobsView(self, self.n, decode)
+
+
+class LogprobsView(Sequence):  # type: ignore[type-arg]
+    """A read-only ``list[dict[int, Logprob]]`` (None for lead rows) over ``LogprobRows``: each dict is built
+    when it is read, ``decoded_token`` by ``decode``; nothing is kept, so a request's logprobs stay arrays."""
+
+    __slots__ = ("_ids", "_lps", "_ranks", "_lead", "_lo", "_hi", "_decode")
+
+    def __init__(self, rows: LogprobRows, n: int, decode: Optional[Callable[[list[int]], str]], lo: int = 0) -> None:
+        self._ids, self._lps, self._ranks, self._lead = rows.ids, rows.lps, rows.ranks, rows.lead
+        self._lo, self._hi, self._decode = lo, rows.lead + n, decode
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    def _sub(self, lo: int, hi: int) -> LogprobsView:
+        v = object.__new__(LogprobsView)
+        v._ids, v._lps, v._ranks, v._lead, v._decode = self._ids, self._lps, self._ranks, self._lead, self._decode
+        v._lo, v._hi = lo, hi
+        return v
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            return self._sub(self._lo + start, self._lo + max(start, stop))
+        n = len(self)
+        j = i.__index__()
+        if not -n <= j < n:
+            raise IndexError("logprobs index out of range")
+        j = self._lo + (j % n) - self._lead
+        if j < 0:
+            return None
+        dec = self._decode
+        return {
+            t: Logprob(lp, rk, None if dec is None else dec([t]))
+            for t, lp, rk in zip(self._ids[j].tolist(), self._lps[j].tolist(), self._ranks[j].tolist())
+        }
+
+    def chosen_logprobs(self) -> list[float]:
+        """Each row's last column: the logprob of the token the row was made for."""
+        lo, hi = max(self._lo - self._lead, 0), self._hi - self._lead
+        return self._lps[lo:hi, -1].tolist() if hi > lo else []
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))
 
 
 @dataclass(frozen=True)
@@ -326,9 +422,10 @@ class Request:
         self.kv_salt = cache_salt  # the salt the KV manager sees (unique for prompt_logprobs: no prefix hits)
         self.stop_reason: Union[str, int, None] = None  # the stop string or stop token id that finished it
         self.stop_text: Optional[str] = None  # output text once a stop string finished it
-        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
-        self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = (
-            [None] if params.prompt_logprobs is not None else None
+        self.logprobs: Optional[LogprobRows] = LogprobRows() if params.logprobs is not None else None
+        # prompt logprobs: None for the first prompt token, then one row per position
+        self.prompt_logprobs: Optional[LogprobRows] = (
+            LogprobRows(lead=1) if params.prompt_logprobs is not None else None
         )
         self.abort_cause: Optional[str] = None
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (KV tiers; filled lazily)
@@ -397,7 +494,7 @@ class CompletionOutput:
         finish_reason: Optional[str] = None,
         detokenize: Optional[Callable[[list[int]], str]] = None,
         stop_reason: Union[str, int, None] = None,
-        logprobs: Optional[list[dict[int, Logprob]]] = None,
+        logprobs: Optional[Sequence[dict[int, Logprob]]] = None,
         new_token_ids: Optional[list[int]] = None,
         hold_back: int = 0,
     ) -> None:
@@ -422,6 +519,8 @@ class CompletionOutput:
     def cumulative_logprob(self) -> Optional[float]:
         if self.logprobs is None:
             return None
+        if isinstance(self.logprobs, LogprobsView):  # each row's last entry is its own token's
+            return float(sum(self.logprobs.chosen_logprobs()))
         return float(sum(d[t].logprob for d, t in zip(self.logprobs, self.token_ids)))
 
     def __eq__(self, other: object) -> bool:
@@ -458,7 +557,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
-    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    prompt_logprobs: Optional[Sequence[Optional[dict[int, Logprob]]]] = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -481,7 +580,7 @@ class RequestOutput:
         for m in head.group:
             new = m.output_token_ids[m.num_sent :]
             m.num_sent = len(m.output_token_ids)
-            lps = None if m.logprobs is None else list(m.logprobs)
+            lps = None if m.logprobs is None else m.logprobs.view(detokenize)
             outs.append(
                 CompletionOutput(
                     m.index,
@@ -504,5 +603,5 @@ class RequestOutput:
             new_token_ids=outs[0].new_token_ids,
             num_cached_tokens=head.num_cached_tokens or 0,
             metrics=head.metrics,
-            prompt_logprobs=None if head.prompt_logprobs is None else list(head.prompt_logprobs),
+            prompt_logprobs=None if head.prompt_logprobs is None else head.prompt_logprobs.view(detokenize),
         )

@@ -12,6 +12,12 @@ Progress: a request that could not fit the whole pool alone is rejected at submi
 never preempted for a later one, so it always advances; the waiting queue is FCFS (or priority
 order) and its head waits only while something runs.
 
+Seats (``max_num_seqs``): every sequence holds one, an ``n > 1`` request's completions included.
+A group is admitted only when its whole fan-out fits (vLLM v0's ``get_max_num_running_seqs``): the
+head takes one seat and reserves one per completion still to fork, and a fork moves a reservation
+into the running set, so ``len(running) + len(loading) + reserved <= max_num_seqs`` always holds.
+A request with ``n > max_num_seqs`` can never be admitted: the door refuses it.
+
 KV tiers (``kv_tiers=True``): a request admitted with blocks after the pool's prefix hit that a
 tier may hold waits in its own state, ``WAITING_FOR_KV`` (vLLM's ``WAITING_FOR_REMOTE_KVS``),
 holding its blocks; ``schedule()`` lists it as a ``KVLoad`` for the runner, and ``finish_loads()``
@@ -220,6 +226,7 @@ class Scheduler:
         self.loading: list[Request] = []  # WAITING_FOR_KV: blocks held, the runner fills them from the tiers
         self._loads_of_aborted: set[int] = set()  # seq ids whose blocks wait for their load to end to be freed
         self.swap_blocks_used = 0
+        self.reserved_seats = 0  # completions of admitted heads not forked yet (pending_forks)
         self._seq_ids = itertools.count()
         self._order = itertools.count()
         self.num_preemptions = 0
@@ -231,7 +238,7 @@ class Scheduler:
     def limits(self) -> InputLimits:
         """What ``check_request`` holds a request to here: the vocabulary and the context limit."""
         pool = f" (model context, config and KV pool of {self.kv.num_blocks} blocks x {self.block_size})"
-        return InputLimits(self.vocab_size, self.max_model_len, pool=pool)
+        return InputLimits(self.vocab_size, self.max_model_len, pool=pool, max_num_seqs=self.config.max_num_seqs)
 
     def add_request(
         self,
@@ -315,6 +322,8 @@ class Scheduler:
         if head is None:
             raise UnknownRequestError(f"no unfinished request with id {request_id!r}")
         pending = head.pending_forks
+        if head.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_KV):
+            self.reserved_seats -= len(pending)
         head.pending_forks = []
         for m in pending:  # never queued: nothing to free
             m.status = RequestStatus.FINISHED_ABORTED
@@ -547,6 +556,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        self.reserved_seats -= len(req.pending_forks)  # taken again when it is admitted again
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req)
@@ -567,14 +577,20 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.push_front(req)
 
+    def _seats_taken(self) -> int:
+        """Sequences holding a seat: running, loading from the tiers, and completions reserved to fork."""
+        return len(self.running) + len(self.loading) + self.reserved_seats
+
     def _admission_room(self) -> int:
         room = self.kv.num_free_blocks + self.kv.num_cached_blocks
         return room - self.watermark_blocks if self.running or self.loading else room
 
     def _schedule_swapped(self, budget: int, out: SchedulerOutput) -> int:
         """Swap requests back in, oldest first; stops at the first that does not fit."""
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0:
             req = self.swapped[0]
+            if self._seats_taken() + 1 + len(req.pending_forks) > self.config.max_num_seqs:
+                break
             kv_toks = req.all_token_ids[: req.num_kv_tokens]
             if self.kv.blocks_needed(kv_toks, req.kv_salt) > self._admission_room():
                 break
@@ -590,6 +606,7 @@ class Scheduler:
             req.swapped_computed = 0
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.reserved_seats += len(req.pending_forks)
             budget = self._schedule_one(req, budget, out)
         return budget
 
@@ -611,14 +628,17 @@ class Scheduler:
         """Admit waiting requests in queue order while blocks, budget and seats last."""
         chunked = self.config.enable_chunked_prefill
         bs = self.block_size
-        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             req = self.waiting.peek()
+            if self._seats_taken() + 1 + len(req.pending_forks) > self.config.max_num_seqs:
+                break  # the whole fan-out waits for its seats (FCFS: nothing passes it)
             toks = req.all_token_ids
             if self.kv.blocks_needed(toks, req.kv_salt) > self._admission_room():
                 break
             if not chunked and out.requests and len(toks) > budget:
                 break  # a whole prompt must fit the rest of this step; alone it may exceed the budget
             self.waiting.pop()
+            self.reserved_seats += len(req.pending_forks)
             cached = self.kv.allocate(req.seq_id, toks, req.kv_salt)
             first, last = cached // bs, (len(toks) - 1) // bs  # a hit leaves at least one token to compute (I6)
             if self.kv_tiers and last > first and req.params.prompt_logprobs is None:
@@ -670,6 +690,7 @@ class Scheduler:
     def _fork(self, head: Request, child: Request) -> None:
         """Start a completion of ``head``'s group on the head's computed prompt blocks (shared, copy-on-write)."""
         head.pending_forks.remove(child)
+        self.reserved_seats -= 1  # the reservation becomes the child's running seat
         self.kv.fork(head.seq_id, child.seq_id)
         child.num_kv_tokens = head.num_kv_tokens
         child.num_computed_tokens = head.num_computed_tokens

@@ -35,6 +35,7 @@ from pagedkv_rs.models.vocab import GPT2, Attr, Vocab, read_vocab, special_token
 __all__ = ["GGUFTokenizer", "IncrementalDecoder"]
 
 SPACE = "\u2581"  # SentencePiece's visible space
+_LONG_TEXT = 4096  # characters from which encode goes through encode_batch, which releases the GIL
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -250,6 +251,10 @@ def _lost_bytes(vocab: Vocab, ids: Mapping[str, int]) -> list[int]:
     return [b for b in range(128) if vocab.byte_level and alphabet[b] not in ids]
 
 
+def _lost_chars(vocab: Vocab) -> str:
+    return "".join(map(chr, _lost_bytes(vocab, set(vocab.tokens))))  # type: ignore[arg-type]
+
+
 def _lost_pattern(vocab: Vocab) -> Optional[re.Pattern[str]]:
     lost = _lost_bytes(vocab, set(vocab.tokens))  # type: ignore[arg-type]
     return re.compile("[" + "".join(f"\\x{b:02x}" for b in lost) + "]") if lost else None
@@ -311,6 +316,12 @@ class GGUFTokenizer:
         self._lost = _lost_pattern(v)
         self._lock = threading.Lock()
         self._pieces, self._pieces_plain = _pieces(v)
+        # the most text bytes one token can stand for (a piece, or an unknown character): 0 for WordPiece,
+        # whose [UNK] takes a whole word; characters that make no token (lost) or that a special token's
+        # lstrip / rstrip swallows (ASCII whitespace) are not counted
+        self._max_piece_bytes = 0 if v.model == "bert" else max(4, max(map(len, self._pieces), default=0))
+        free = set(_lost_chars(v)) | (set(" \t\n\v\f\r") if any(self._strip.values()) else set())
+        self._free_chars = "".join(sorted(free))
         ctl, user = special_token_ids(v)
         self.special_ids: frozenset[int] = frozenset(ctl + user)
         self.eog_token_ids: frozenset[int] = v.eog_ids
@@ -373,6 +384,14 @@ class GGUFTokenizer:
                 ids.append(v.sep_id)
         return ids
 
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound of ``len(encode(text))`` that costs no encoding: the text's bytes over the most bytes one
+        token stands for (0 when the vocabulary has no such bound). Bounds a prompt before it is tokenized."""
+        if not self._max_piece_bytes:
+            return 0
+        n = len(text.encode("utf-8", "surrogatepass")) - sum(map(text.count, self._free_chars))
+        return max(0, -(-n // self._max_piece_bytes))
+
     def encode(self, text: str, *, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of ``text`` (llama.cpp's ``llama_tokenize(text, add_special, parse_special)``).
 
@@ -382,11 +401,19 @@ class GGUFTokenizer:
         text = self._prepare(text, parse_special)
         if self._lost is not None and self._lost.search(text):
             return self._specials(self._encode_around_lost(text, parse_special), add_special_tokens)
-        ids = list(self._encoder(parse_special).encode(text).ids)
+        ids = list(self._ids_of(text, parse_special))
         return self._specials(ids, add_special_tokens)
 
+    def _ids_of(self, text: str, parse_special: bool) -> Any:
+        """``tokenizers``' ids of a prepared text. ``Tokenizer.encode`` holds the GIL for the whole text (seconds
+        for megabytes: every other thread, the server's event loop too, stops); ``encode_batch`` releases it."""
+        enc = self._encoder(parse_special)
+        if len(text) < _LONG_TEXT:
+            return enc.encode(text).ids
+        return enc.encode_batch([text], add_special_tokens=False)[0].ids
+
     def _encode_around_lost(self, text: str, parse_special: bool) -> list[int]:
-        ids = self._encoder(parse_special).encode(text).ids
+        ids = self._ids_of(text, parse_special)
         return [i for i in ids if i != self.vocab_size]  # the lost characters' stand-in
 
     def encode_batch(

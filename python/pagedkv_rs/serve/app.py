@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import pagedkv_rs
+from pagedkv_rs.engine.input import ContextLengthError, check_text_length
 from pagedkv_rs.engine.request import InvalidRequestError
 from pagedkv_rs.serve.jobs import Job, State, disconnected, watchdog
 from pagedkv_rs.serve.logs import RequestIdMiddleware, current_request_id
@@ -166,9 +167,12 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError("pass exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = _chat_ids(state, req.messages, req.add_generation_prompt)
+            args: tuple[Any, ...] = (state, req.messages, req.add_generation_prompt)
+            long = sum(len(m.text()) for m in req.messages) > LONG_INPUT
+            ids = await asyncio.to_thread(_chat_ids, *args) if long else _chat_ids(*args)
         else:
-            ids = _encode(state, req.prompt or "", req.add_special_tokens)
+            args = (state, req.prompt or "", req.add_special_tokens)
+            ids = await asyncio.to_thread(_encode, *args) if len(args[1]) > LONG_INPUT else _encode(*args)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -246,8 +250,23 @@ def _check_ids(state: State, ids: Sequence[int], param: str) -> list[int]:
     return list(ids)
 
 
+def _fits(state: State, text: str, param: str) -> None:
+    """Refuse a text too long for the context before it is tokenized (``engine.input.check_text_length``)."""
+    try:
+        check_text_length(state.tokenizer, text, state.max_model_len)
+    except ContextLengthError:
+        n = state.tokenizer.min_num_tokens(text)
+        raise APIError(
+            f"this model's maximum context length is {state.max_model_len} tokens; the {param} of {len(text)} "
+            f"characters is at least {n} tokens",
+            param=param,
+            code="context_length_exceeded",
+        ) from None
+
+
 def _encode(state: State, text: str, add_special_tokens: bool = False) -> list[int]:
     tok = state.tokenizer
+    _fits(state, text, "prompt")
     enc = tok.encode(text, add_special_tokens=True) if add_special_tokens else tok.encode(text)
     return list(getattr(enc, "ids", enc))
 
@@ -257,6 +276,7 @@ def _chat_ids(state: State, messages: Sequence[Any], add_generation_prompt: bool
     if not hasattr(tok, "apply_chat_template"):
         raise APIError("this server's tokenizer has no chat template; use /v1/completions", param="messages")
     msgs = [{"role": m.role, "content": m.text()} for m in messages]
+    _fits(state, "".join(m["content"] for m in msgs), "messages")  # the rendered text holds them all
     try:
         return list(tok.apply_chat_template(msgs, add_generation_prompt))
     except Exception as e:
