@@ -13,7 +13,8 @@ import pytest
 
 from llamacpp_data import vocab_files
 from pagedkv_rs import InvalidRequestError, LLMEngine, SamplingParams, StructuredOutputsParams
-from pagedkv_rs.engine.structured import GrammarCompiler, allowed, build_lltokenizer, fill_masks
+from pagedkv_rs.engine.sampling import apply_mask
+from pagedkv_rs.engine.structured import GrammarCompiler, build_lltokenizer, fill_masks
 from pagedkv_rs.llm import LLM
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
 
@@ -178,11 +179,11 @@ def test_eos_allowed_only_where_the_grammar_accepts(llm):
     comp = GrammarCompiler(tok, tok.vocab_size, [tok.eos_token_id])
     m = comp.compile(S(regex=r"[0-9]{2,3}")).new_matcher()
     v = tok.vocab_size
-    ok = allowed(fill_masks([m], v), v)[0]
+    ok = _allowed(fill_masks([m], v), v)[0]
     assert not ok[tok.eos_token_id] and ok[tok.encode("7")[0]] and not ok[tok.encode("a")[0]]
     for t in tok.encode("12"):
         assert m.consume_token(t)
-    ok = allowed(fill_masks([m], v), v)[0]
+    ok = _allowed(fill_masks([m], v), v)[0]
     assert ok[tok.eos_token_id] and ok[tok.encode("3")[0]]  # accepting, may go on
 
 
@@ -375,4 +376,26 @@ def test_unconstrained_steps_do_no_mask_work(llm):
     n = eng.metrics.mask_time.count
     llm.generate(["a", "b"], SamplingParams(max_tokens=4, temperature=0))
     assert eng.metrics.mask_time.count == n
-    assert np.all(allowed(np.array([[-1]], np.int32), 32))
+
+
+def _allowed(bitmask, v):
+    x = np.zeros((len(bitmask), v), np.float32)
+    apply_mask(x, np.arange(len(bitmask)), bitmask)
+    return np.isfinite(x)
+
+
+def test_apply_mask_sets_minus_inf_where_a_bit_is_0_in_the_rows_given():
+    v = 70  # three words, the last one partly past the vocabulary
+    bits = np.zeros((2, 3), np.int32)
+    bits[0, 0] = 1 << 5  # token 5
+    bits[0, 2] = 1 << 1  # token 65
+    bits[1, 1] = -1  # tokens 32..63
+    x = np.arange(4 * v, dtype=np.float32).reshape(4, v)
+    want = x.copy()
+    apply_mask(x, np.array([1, 3]), bits)
+    assert np.array_equal(x[[0, 2]], want[[0, 2]])  # rows without a mask are untouched
+    assert np.flatnonzero(np.isfinite(x[1])).tolist() == [5, 65] and x[1, 5] == want[1, 5]
+    assert np.flatnonzero(np.isfinite(x[3])).tolist() == list(range(32, 64))
+    y = np.zeros((1, v), np.float32)
+    apply_mask(y, np.array([0]), np.full((1, 3), -1, np.int32))
+    assert np.isfinite(y).all()

@@ -208,3 +208,37 @@ def test_metrics_expose_mask_and_compile_times(llm_server):
         assert f'pagedkv:structured_compile_seconds_count{{cache="{cache}",model_name="smollm2"}}' in text or (
             f'pagedkv:structured_compile_seconds_count{{model_name="smollm2",cache="{cache}"}}' in text
         )
+
+
+def test_bench_serve_structured_runs_both_workloads_and_reports_validity(llm_server, tmp_path, capsys):
+    from pagedkv_rs.cli.bench import serve as bench_serve
+
+    out = tmp_path / "r.json"
+    argv = ["--base-url", llm_server, "--structured", "--num-prompts", "4", "--max-concurrency", "2"]
+    argv += ["--input-len", "12", "--output-len", "160", "--no-progress", "--json", str(out)]
+    assert bench_serve.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "Output tok/s ratio (structured/plain):" in table and "Mask time per step P99 (ms):" in table
+    res = json.loads(out.read_text())
+    assert res["valid_answers"] == res["finished_by_stop"] == 8 and res["num_failed"] == 0
+    assert res["unconstrained"]["num_requests"] == 8 and res["unconstrained"]["total_output_tokens"] > 8
+    assert res["throughput_ratio"] > 0 and len(res["round_ratios"]) == 2
+    t = res["server_timings"]
+    assert 0 < t["p50_mask_ms"] <= t["p99_mask_ms"] and t["p50_compile_cold_ms"] > 0
+
+
+def test_bench_histogram_quantile_interpolates_between_scrapes():
+    from pagedkv_rs.cli.bench.serve import _histograms, quantile
+
+    text = "\n".join(
+        f'pagedkv:structured_compile_seconds_bucket{{model_name="m",cache="{c}",le="{le}"}} {n}'
+        for c, le, n in [("cold", "0.001", 1), ("cold", "0.01", 3), ("cold", "+Inf", 4), ("warm", "+Inf", 0)]
+    )
+    h = _histograms(text, "pagedkv:structured_compile_seconds")
+    assert h["cold"] == [(0.001, 1.0), (0.01, 3.0), (float("inf"), 4.0)]
+    assert quantile([], h["cold"], 0.5) == pytest.approx(0.001 + 0.009 * 0.5)
+    assert quantile([(0.001, 1.0), (0.01, 1.0), (float("inf"), 1.0)], h["cold"], 0.5) == pytest.approx(
+        0.001 + 0.009 * 0.75
+    )
+    assert quantile([], h["cold"], 1.0) == 0.01  # the +Inf bucket: its lower edge
+    assert quantile([], h["warm"], 0.5) != quantile([], h["warm"], 0.5)  # no observation: nan

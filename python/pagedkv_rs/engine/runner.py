@@ -24,9 +24,9 @@ import numpy as np
 from pagedkv_rs import kernels
 from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.engine.request import Request, RequestStatus, SamplingParams
-from pagedkv_rs.engine.sampling import sample, top_logprobs
+from pagedkv_rs.engine.sampling import apply_mask, sample, top_logprobs
 from pagedkv_rs.engine.scheduler import KVLoad, SchedulerOutput
-from pagedkv_rs.engine.structured import allowed, fill_masks
+from pagedkv_rs.engine.structured import fill_masks
 from pagedkv_rs.tiers import BlockLayout, KVTiers, Tier, chain_hashes, model_fingerprint, parse_tier, salt_digest
 
 __all__ = ["Model", "ModelRunner", "StepInputs", "StepResult", "LogprobRow", "check_model"]
@@ -119,6 +119,7 @@ class ModelRunner:
         except (TypeError, ValueError):  # pragma: no cover - a builtin forward without a signature
             self.logits_indices = False
         # why prompt_logprobs cannot be served, or None
+        self._masks: Optional[ThreadPoolExecutor] = None  # grammar masks, beside the forward; started on first use
         self.no_prompt_logprobs = (
             None if self.logits_indices else f"model {type(model).__name__}.forward takes no logits_indices"
         )
@@ -282,6 +283,11 @@ class ModelRunner:
         rows = so.sample_rows
         b = so.batch.num_seqs
         vocab = self.model.vocab_size
+        masks = None
+        if si.matchers:  # every constrained row's bitmask, in llguidance's threads while the forward runs
+            if self._masks is None:
+                self._masks = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-grammar-mask")
+            masks = self._masks.submit(_timed_masks, si.matchers, vocab)
         if si.prompt_indices is None:
             logits = self.model.forward(so.batch, self.kv_caches)
         else:
@@ -296,22 +302,32 @@ class ModelRunner:
         extra = logits[b:]
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[rows]
-        mask, mask_seconds = None, None
-        if si.matchers:  # the bitmasks of every constrained row at once, in llguidance's threads
+        sel = [j for j, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[sel] if sel else None  # logprobs: the raw distribution, taken before any mask
+        mask_seconds = None
+        if masks is not None:
+            bitmask, mask_seconds = masks.result()
             t0 = time.perf_counter()
-            mask = (si.mask_rows, allowed(fill_masks(si.matchers, vocab), vocab))
-            mask_seconds = time.perf_counter() - t0
+            if not logits.flags.writeable:
+                logits = logits.copy()
+            apply_mask(logits, si.mask_rows, bitmask)  # type: ignore[arg-type]
+            mask_seconds += time.perf_counter() - t0
         if rows:
             o, pr, st = si.history if si.history is not None else (None, None, None)
             tokens = sample(
-                logits, params, si.generators, output_token_ids=o, prompt_token_ids=pr, stop_ids=st, mask=mask
+                logits,
+                params,
+                si.generators,
+                output_token_ids=o,
+                prompt_token_ids=pr,
+                stop_ids=st,
+                masked_rows=si.mask_rows,
             )
         else:
             tokens = np.empty(0, np.int64)
-        sel = [j for j, p in enumerate(params) if p.logprobs is not None]
         lp = None
         if sel:  # top-k logprobs (raw distribution) of the sampled tokens, keyed by sample row
-            lp = dict(zip(sel, top_logprobs(logits[sel], tokens[sel], [params[j].logprobs for j in sel])))  # type: ignore[misc]
+            lp = dict(zip(sel, top_logprobs(raw, tokens[sel], [params[j].logprobs for j in sel])))  # type: ignore[misc]
         return StepResult(tokens, lp, self._prompt_rows(si.prompt_spans, extra), mask_seconds)
 
     @staticmethod
@@ -334,11 +350,19 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Let the loads in flight end (``finished_loads`` still hands them back), flush the tiers' writers."""
+        if self._masks is not None:
+            self._masks.shutdown(wait=True)
+            self._masks = None
         if self._io is not None:
             self._io.shutdown(wait=True)
             self._io = None
         if self.kv_tiers is not None:
             self.kv_tiers.flush()
+
+
+def _timed_masks(matchers: list[Any], vocab: int) -> tuple[np.ndarray, float]:
+    t0 = time.perf_counter()
+    return fill_masks(matchers, vocab), time.perf_counter() - t0
 
 
 def check_model(model: Any) -> int:

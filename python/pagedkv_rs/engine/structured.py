@@ -338,11 +338,6 @@ def fill_masks(matchers: Sequence[Any], vocab_size: int) -> np.ndarray:
     return mask
 
 
-def allowed(mask: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Bool [R, V] of a bitmask [R, W] (bit j of word w = token 32 w + j)."""
-    return np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].astype(bool)
-
-
 def advance(requests: Sequence[Any]) -> tuple[list[Any], dict[str, BaseException]]:
     """Feed each request's newest output token to its matcher.
 
