@@ -199,5 +199,5 @@ def _compile(limits: InputLimits, constraint: Any) -> Any:
         raise InvalidRequestError("structured outputs need an engine with a tokenizer", param="structured_outputs")
     try:
         return limits.grammars.compile(constraint)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, ImportError) as e:  # ImportError: llguidance is not installed
         raise InvalidRequestError(str(e), param="structured_outputs") from None
