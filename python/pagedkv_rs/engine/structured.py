@@ -5,7 +5,7 @@
 ``guided_*``, ``json_schema`` and ``grammar`` fields; tool calls forced by a schema). Set exactly one of:
 
 - ``json``: a JSON schema (a dict or its JSON text), or ``True`` for any JSON object (``json_object=True``
-  is the same, vLLM's spelling). Output is compact JSON (no whitespace between tokens of the value).
+  is the same, vLLM's spelling). The JSON has one space after ``:`` and ``,`` and no other whitespace.
 - ``regex``: a regular expression (Rust ``regex`` syntax) the whole output matches.
 - ``choice``: a list of strings; the output is exactly one of them.
 - ``grammar``: a Lark grammar in llguidance's syntax, or a llama.cpp GBNF grammar (converted by llguidance).
@@ -19,6 +19,10 @@ logits to -inf, and ``advance`` feeds each sampled token to its matcher. A match
 nothing more finishes its sequence ("stop"); EOS is allowed only where the grammar accepts. Tokens already
 consumed are never fed again (preemption recomputes KV, not tokens). Logprobs stay those of the raw
 (unmasked) distribution.
+
+The API other parts build on (stable): ``StructuredOutputsParams(json=schema | True, regex=, choice=,
+grammar=)`` with ``.kind``, ``.schema`` and ``.key``; ``SamplingParams(structured_outputs=...)``; a
+constraint that cannot be compiled is ``InvalidRequestError(param="structured_outputs")`` at submission.
 """
 
 from __future__ import annotations
