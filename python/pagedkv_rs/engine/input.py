@@ -51,6 +51,7 @@ class InputLimits:
     prompt_logprobs: Optional[str] = None  # None: supported; else why not (the model's forward)
     pool: str = ""  # how the context limit came about, for the message
     max_num_seqs: int = 1 << 62  # seats: an n > 1 request's whole fan-out must fit them
+    grammars: Any = None  # structured outputs: a ``structured.GrammarCompiler`` (None: no tokenizer)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class CheckedRequest:
     prompt: Optional[str] = None  # the text, when the prompt was text
     cache_salt: Union[str, bytes, None] = None
     arrival_time: Optional[float] = None
+    grammar: Any = None  # structured outputs: the compiled constraint (``structured.CompiledGrammar``)
 
 
 def split_prompt(p: Any) -> tuple[Any, Any]:
@@ -225,7 +227,8 @@ def check_request(
             param="prompt",
         )
     _check_logprob_entries(params, len(toks), limits.max_model_len, who)
-    return CheckedRequest(request_id, toks, params, text, cache_salt, arrival_time)
+    grammar = None if params.structured_outputs is None else _compile(limits, params.structured_outputs)
+    return CheckedRequest(request_id, toks, params, text, cache_salt, arrival_time, grammar)
 
 
 def _check_logprob_entries(params: SamplingParams, prompt_len: int, max_model_len: int, who: str) -> None:
@@ -244,3 +247,13 @@ def _check_logprob_entries(params: SamplingParams, prompt_len: int, max_model_le
             f"{MAX_LOGPROB_ENTRIES} one request may hold; ask for fewer max_tokens, n or logprobs",
             param="logprobs" if gen else "prompt_logprobs",
         )
+
+
+def _compile(limits: InputLimits, constraint: Any) -> Any:
+    """The compiled structured-outputs constraint, or ``InvalidRequestError`` saying why it cannot be had."""
+    if limits.grammars is None:
+        raise InvalidRequestError("structured outputs need an engine with a tokenizer", param="structured_outputs")
+    try:
+        return limits.grammars.compile(constraint)
+    except (ValueError, TypeError, ImportError) as e:  # ImportError: llguidance is not installed
+        raise InvalidRequestError(str(e), param="structured_outputs") from None

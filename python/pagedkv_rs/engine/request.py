@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
+from pagedkv_rs.engine.structured import StructuredOutputsParams
 from pagedkv_rs.errors import PagedKVError
 
 __all__ = [
@@ -212,7 +213,9 @@ class SamplingParams:
     log-probabilities (raw model distribution) per output / prompt token, plus the chosen token's;
     ``repetition_penalty`` (> 0, 1 = off; over prompt and output), ``presence_penalty`` and
     ``frequency_penalty`` (in [-2, 2], 0 = off; over the output); ``min_tokens`` masks EOS and stop
-    tokens (and ignores stop strings) until that many tokens were generated.
+    tokens (and ignores stop strings) until that many tokens were generated. ``structured_outputs``
+    constrains the output to a JSON schema, regex, choice or grammar (``StructuredOutputsParams``;
+    logprobs stay those of the unconstrained distribution).
     """
 
     max_tokens: int = 16
@@ -233,6 +236,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -273,6 +277,11 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"SamplingParams.min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise TypeError(
+                f"SamplingParams.structured_outputs must be StructuredOutputsParams, got {type(so).__name__}"
             )
 
     @property
@@ -380,6 +389,7 @@ class Request:
         "prompt_logprobs",
         "abort_cause",
         "block_hashes",
+        "matcher",
     )
 
     def __init__(
@@ -429,6 +439,7 @@ class Request:
         )
         self.abort_cause: Optional[str] = None
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (KV tiers; filled lazily)
+        self.matcher: Any = None  # structured outputs: this sequence's llguidance matcher
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union, runtime_checkable
 
@@ -28,8 +29,9 @@ import numpy as np
 from pagedkv_rs import kernels
 from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.engine.request import Request, RequestStatus, SamplingParams
-from pagedkv_rs.engine.sampling import sample, top_logprobs
+from pagedkv_rs.engine.sampling import apply_mask, sample, top_logprobs
 from pagedkv_rs.engine.scheduler import KVLoad, SchedulerOutput
+from pagedkv_rs.engine.structured import fill_masks
 from pagedkv_rs.tiers import BlockLayout, KVTiers, Tier, chain_hashes, model_fingerprint, parse_tier, salt_digest
 
 __all__ = ["Model", "ModelRunner", "StepInputs", "StepResult", "LogprobRow", "check_model"]
@@ -72,6 +74,9 @@ class StepInputs:
     # prompt_logprobs: [(request, first position, count)] and their token indices in the step
     prompt_spans: list[tuple[Request, int, int]]
     prompt_indices: Optional[np.ndarray]
+    # structured outputs: the sample rows with a matcher, and their matchers
+    mask_rows: Optional[np.ndarray] = None
+    matchers: Optional[list[Any]] = None
 
 
 @dataclass
@@ -81,6 +86,7 @@ class StepResult:
     tokens: np.ndarray
     logprobs: Optional[dict[int, LogprobRow]]  # sample row -> its row
     prompt_logprobs: list[tuple[Request, int, list[LogprobRow]]]  # (request, first position, rows)
+    mask_seconds: Optional[float] = None  # time to compute this step's grammar masks (None: no constrained row)
 
 
 @dataclass(eq=False)
@@ -131,12 +137,17 @@ class ModelRunner:
         except (TypeError, ValueError):  # pragma: no cover - a builtin forward without a signature
             self.logits_indices = False
         # why prompt_logprobs cannot be served, or None
+        self._masks: Optional[ThreadPoolExecutor] = None  # grammar masks, beside the forward; started on first use
         self.no_prompt_logprobs = (
             None if self.logits_indices else f"model {type(model).__name__}.forward takes no logits_indices"
         )
 
-    def add_generators(self, req: Request) -> None:
-        """The random streams of a sampled request's completions (``params.seed``, else one drawn here)."""
+    def add_generators(self, req: Request, grammar: Any = None) -> None:
+        """The random streams of a sampled request's completions (``params.seed``, else one drawn here),
+        and one matcher per completion of a constrained one (``grammar``: its ``CompiledGrammar``)."""
+        if grammar is not None:
+            for m in req.group:
+                m.matcher = grammar.new_matcher()
         if req.params.greedy:
             return
         seed = req.params.seed if req.params.seed is not None else int(self._rng.integers(1 << 63))
@@ -320,8 +331,16 @@ class ModelRunner:
             if hi > lo:
                 spans.append((r, lo, hi - lo))
                 idx.append(np.arange(int(qsl[i]) + lo - first, int(qsl[i]) + hi - first, dtype=np.int64))
+        cons = [j for j, r in enumerate(to_sample) if r.matcher is not None]
         return StepInputs(
-            so, params, [r.generator for r in to_sample], history, spans, np.concatenate(idx) if idx else None
+            so,
+            params,
+            [r.generator for r in to_sample],
+            history,
+            spans,
+            np.concatenate(idx) if idx else None,
+            np.asarray(cons, np.int64) if cons else None,
+            [to_sample[j].matcher for j in cons] if cons else None,
         )
 
     def execute(self, si: StepInputs) -> StepResult:
@@ -330,6 +349,11 @@ class ModelRunner:
         rows = so.sample_rows
         b = so.batch.num_seqs
         vocab = self.model.vocab_size
+        masks = None
+        if si.matchers:  # every constrained row's bitmask, in llguidance's threads while the forward runs
+            if self._masks is None:
+                self._masks = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-grammar-mask")
+            masks = self._masks.submit(_timed_masks, si.matchers, vocab)
         if si.prompt_indices is None:
             logits = self.model.forward(so.batch, self.kv_caches)
         else:
@@ -344,16 +368,33 @@ class ModelRunner:
         extra = logits[b:]
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[rows]
+        sel = [j for j, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[sel] if sel else None  # logprobs: the raw distribution, taken before any mask
+        mask_seconds = None
+        if masks is not None:
+            bitmask, mask_seconds = masks.result()
+            t0 = time.perf_counter()
+            if not logits.flags.writeable:
+                logits = logits.copy()
+            apply_mask(logits, si.mask_rows, bitmask)  # type: ignore[arg-type]
+            mask_seconds += time.perf_counter() - t0
         if rows:
             o, pr, st = si.history if si.history is not None else (None, None, None)
-            tokens = sample(logits, params, si.generators, output_token_ids=o, prompt_token_ids=pr, stop_ids=st)
+            tokens = sample(
+                logits,
+                params,
+                si.generators,
+                output_token_ids=o,
+                prompt_token_ids=pr,
+                stop_ids=st,
+                masked_rows=si.mask_rows,
+            )
         else:
             tokens = np.empty(0, np.int64)
-        sel = [j for j, p in enumerate(params) if p.logprobs is not None]
         lp = None
         if sel:  # top-k logprobs (raw distribution) of the sampled tokens, keyed by sample row
-            lp = dict(zip(sel, top_logprobs(logits[sel], tokens[sel], [params[j].logprobs for j in sel])))  # type: ignore[misc]
-        return StepResult(tokens, lp, self._prompt_rows(si.prompt_spans, extra))
+            lp = dict(zip(sel, top_logprobs(raw, tokens[sel], [params[j].logprobs for j in sel])))  # type: ignore[misc]
+        return StepResult(tokens, lp, self._prompt_rows(si.prompt_spans, extra), mask_seconds)
 
     @staticmethod
     def _prompt_rows(
@@ -376,6 +417,9 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Let the loads in flight end until their deadline (``finished_loads`` hands every one back, empty if
         it did not end), stop the I/O thread, flush the tiers' writers (at most ``SHUTDOWN_FLUSH_SECONDS``)."""
+        if self._masks is not None:
+            self._masks.shutdown(wait=True)
+            self._masks = None
         if self._io is not None:
             self._io.put(None)
             self._io = None
@@ -387,6 +431,11 @@ class ModelRunner:
                 time.sleep(0.005)
         if self.kv_tiers is not None:
             self.kv_tiers.flush(SHUTDOWN_FLUSH_SECONDS)
+
+
+def _timed_masks(matchers: list[Any], vocab: int) -> tuple[np.ndarray, float]:
+    t0 = time.perf_counter()
+    return fill_masks(matchers, vocab), time.perf_counter() - t0
 
 
 def check_model(model: Any) -> int:

@@ -1,4 +1,5 @@
-"""Batched sampling in numpy: penalties, greedy, temperature, min-p, top-k, top-p, seeded generators; logprobs."""
+"""Batched sampling in numpy: grammar masks, penalties, greedy, temperature, min-p, top-k, top-p, seeded
+generators; logprobs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,22 @@ import numpy as np
 
 from pagedkv_rs.engine.request import SamplingParams
 
-__all__ = ["sample", "apply_penalties", "top_logprobs"]
+__all__ = ["sample", "apply_mask", "apply_penalties", "top_logprobs"]
+
+
+def apply_mask(logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarray) -> None:
+    """Set ``logits`` [B, V] to -inf, in place, where the bitmask int32 [R, ceil(V / 32)] of ``rows`` [R] has a 0 bit.
+
+    Bit j of word w stands for token 32 w + j (llguidance's layout). Rows not in ``rows`` are untouched.
+    """
+    b, v = logits.shape
+    off = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :v] == 0  # [R, V]
+    if len(rows) == b and (rows == np.arange(b)).all():
+        np.copyto(logits, -np.inf, where=off)
+    else:
+        sub = logits[rows]
+        np.copyto(sub, -np.inf, where=off)
+        logits[rows] = sub
 
 
 def apply_penalties(
@@ -67,8 +83,12 @@ def sample(
     output_token_ids: Optional[Sequence[Sequence[int]]] = None,
     prompt_token_ids: Optional[Sequence[Sequence[int]]] = None,
     stop_ids: Optional[Sequence[Collection[int]]] = None,
+    masked_rows: Optional[np.ndarray] = None,
 ) -> np.ndarray:
     """Pick one token per row of ``logits`` [B, V]; returns int64 [B].
+
+    ``masked_rows``: rows a grammar mask (``apply_mask``) has already limited; should ``min_tokens``
+    then mask every token the grammar allows (its end), the grammar wins for that row.
 
     Rows with penalties or ``min_tokens`` first go through ``apply_penalties`` (which needs each
     row's output and prompt token ids and stop ids). Greedy rows take the argmax (first index on
@@ -89,7 +109,12 @@ def sample(
     if any(p.has_penalties for p in params):
         if output_token_ids is None or prompt_token_ids is None or stop_ids is None:
             raise ValueError("sample: penalties and min_tokens need output_token_ids, prompt_token_ids and stop_ids")
+        masked = None if masked_rows is None else logits[masked_rows]
         logits = apply_penalties(logits, params, output_token_ids, prompt_token_ids, stop_ids)
+        if masked is not None:
+            dead = ~np.isfinite(logits[masked_rows]).any(axis=1)
+            if dead.any():
+                logits[masked_rows[dead]] = masked[dead]
     out = np.empty(b, np.int64)
     temps = np.fromiter((p.temperature for p in params), np.float64, count=b)
     greedy = temps == 0.0

@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 import pagedkv_rs
 from pagedkv_rs.engine.input import ContextLengthError, check_text_length
 from pagedkv_rs.engine.request import InvalidRequestError
+from pagedkv_rs.serve.constraints import constraint_of
 from pagedkv_rs.serve.jobs import Job, State, disconnected, watchdog
 from pagedkv_rs.serve.logs import RequestIdMiddleware, current_request_id
 from pagedkv_rs.serve.metrics import CONTENT_TYPE
@@ -315,9 +316,15 @@ async def _generate(
             param="max_tokens" if longest < limit else "prompt",
             code="context_length_exceeded",
         )
-    params = to_sampling_params(req, max_tokens=max_tokens, defaults=state.sampling_defaults)
-    try:  # the engine's door: every check, once, before anything is queued
-        checked = [state.engine.check_request(ids, params, cache_salt=req.cache_salt) for ids in prompts]
+    params = to_sampling_params(
+        req, max_tokens=max_tokens, defaults=state.sampling_defaults, structured_outputs=constraint_of(req)
+    )
+
+    def check() -> list[Any]:
+        return [state.engine.check_request(ids, params, cache_salt=req.cache_salt) for ids in prompts]
+
+    try:  # the engine's door: every check, once, before anything is queued (a grammar compiles off the loop)
+        checked = await asyncio.to_thread(check) if params.structured_outputs is not None else check()
     except (InvalidRequestError, ValueError, TypeError) as e:
         raise APIError(str(e), param=getattr(e, "param", None)) from None
     if req.stop_token_ids:

@@ -3,7 +3,8 @@
 Gauges and the engine's cumulative counters are read from the scheduler and the KV manager at scrape
 time; per-request histograms and counters are fed by the HTTP layer from each request's final
 output (``RequestMetrics``: arrival, first scheduled, token times, finish). Step times are the
-engine's own histogram (``LLMEngine.metrics.step_time``), read at scrape time.
+engine's own histogram (``LLMEngine.metrics.step_time``), read at scrape time, as are the structured-outputs
+mask and compile times (``pagedkv:structured_mask_seconds``, ``pagedkv:structured_compile_seconds{cache}``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,19 @@ class _EngineCollector(Collector):
         steps = eng.metrics.snapshot_histogram("step_time")
         h = HistogramMetricFamily("pagedkv:engine_step_seconds", "Duration of one engine step", labels=lab)
         h.add_metric(val, [(_le(le), n) for le, n in steps["buckets"]], steps["sum"])
+        yield h
+        mask = eng.metrics.snapshot_histogram("mask_time")
+        h = HistogramMetricFamily(
+            "pagedkv:structured_mask_seconds", "Grammar masks of one step's constrained rows", labels=lab
+        )
+        h.add_metric(val, [(_le(le), n) for le, n in mask["buckets"]], mask["sum"])
+        yield h
+        h = HistogramMetricFamily(
+            "pagedkv:structured_compile_seconds", "An output constraint's compile at admission", labels=[*lab, "cache"]
+        )
+        for cache in ("cold", "warm"):
+            snap = eng.metrics.snapshot_histogram(f"compile_{cache}")
+            h.add_metric([*val, cache], [(_le(le), n) for le, n in snap["buckets"]], snap["sum"])
         yield h
 
 

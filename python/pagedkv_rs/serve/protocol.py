@@ -3,7 +3,9 @@
 Unknown request fields are ignored (as OpenAI and vLLM do); a known field of the wrong type or out of
 range is a 400. ``to_sampling_params`` is the only place a request becomes engine parameters; the few
 OpenAI fields the engine has no equivalent for (``echo``, ``suffix``, ``best_of``, ``logit_bias``,
-``tools``, non-text ``response_format``) answer 400 "not supported" when set, never silently ignored.
+``tools``) answer 400 "not supported" when set, never silently ignored. The output-constraint fields
+(``response_format``, ``structured_outputs``, ``guided_*``, ``json_schema``, ``grammar``) map to the engine's
+constraint in ``serve.constraints``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv_rs.engine.request import SamplingParams
+from pagedkv_rs.engine.structured import StructuredOutputsParams
 
 __all__ = [
     "APIError",
@@ -97,6 +100,15 @@ class _Sampling(_Request):
     cache_salt: Optional[str] = Field(None, max_length=4096)
     priority: int = Field(0, ge=-MAX_INT - 1, le=MAX_INT)
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    # output constraints (serve.constraints): OpenAI's, vLLM's (new and legacy), llama.cpp's
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = None
+    grammar: Optional[str] = None
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -153,7 +165,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
-    response_format: Optional[Any] = None
     add_generation_prompt: bool = True
 
 
@@ -189,11 +200,16 @@ class ErrorResponse(BaseModel):
 
 
 def to_sampling_params(
-    req: _Sampling, *, max_tokens: int, defaults: Optional[Mapping[str, Any]] = None
+    req: _Sampling,
+    *,
+    max_tokens: int,
+    defaults: Optional[Mapping[str, Any]] = None,
+    structured_outputs: Optional[StructuredOutputsParams] = None,
 ) -> SamplingParams:
     """The request's sampling fields as ``SamplingParams``; 400 for a value the engine cannot honour.
 
-    ``defaults`` (the server's, by field name) fill the fields the request leaves unset or null.
+    ``defaults`` (the server's, by field name) fill the fields the request leaves unset or null;
+    ``structured_outputs``: the request's constraint (``serve.constraints.constraint_of``).
     """
     fallback = defaults or {}
 
@@ -212,7 +228,7 @@ def to_sampling_params(
         logprobs = req.logprobs
     else:
         assert isinstance(req, ChatCompletionRequest)
-        unsupported += [("tools", req.tools or None, None), ("response_format", _non_text(req.response_format), None)]
+        unsupported += [("tools", req.tools or None, None)]
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -228,6 +244,7 @@ def to_sampling_params(
         "stop_token_ids": tuple(req.stop_token_ids or ()),
         "ignore_eos": req.ignore_eos,
         "priority": req.priority,
+        "structured_outputs": structured_outputs,
     }
     optional: dict[str, tuple[Any, Any]] = {  # SamplingParams field: (value, the default that means "off")
         "n": (req.n, 1),
@@ -246,10 +263,3 @@ def to_sampling_params(
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:
         raise APIError(str(e)) from None
-
-
-def _non_text(fmt: Any) -> Any:
-    """``response_format`` unless it asks for plain text."""
-    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        return None
-    return fmt

@@ -8,7 +8,8 @@ background. Specs::
     redis://host:6379/0?prefix=pagedkv:&ttl=3600  redis-py URL (rediss:// for TLS, &cluster=1 for a cluster)
 
 Every spec takes ``secret=`` (entries are MACed with it; see ``base``), and ``timeout=`` (seconds, Redis:
-socket timeouts, never more than the lookup deadline). The unit, the record format and the verification rules are in ``pagedkv_rs.tiers.base``.
+socket timeouts, never more than the lookup deadline). The unit, the record format and the verification
+rules are in ``pagedkv_rs.tiers.base``.
 """
 
 from __future__ import annotations

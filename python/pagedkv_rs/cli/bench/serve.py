@@ -8,6 +8,15 @@ is the first chunk with text, ITL the gaps between chunks, TPOT (last - first) /
 Requests go through aiohttp (its C HTTP parser; what vLLM's benchmark_serving uses) and streamed bodies
 through ``SSEParser`` on the raw bytes: the client shares the machine with the server it measures, so
 its CPU per chunk is kept small (httpx's layers took ~200 us a chunk, about what the server spends).
+
+``--structured``: the workload constrained and unconstrained, side by side in one run (``--rounds`` pairs,
+in ABBA order against a drifting load). Constrained: each request carries a
+JSON schema from a mixed set (``response_format`` json_schema; the set is new to the server each run, so
+each schema's first compile is cold, its repeats warm) and may stop where its JSON ends; every answer is
+parsed and validated (``jsonschema``). Unconstrained: fresh prompts of the same lengths, each asked for
+exactly as many tokens as its constrained twin produced (``ignore_eos``), so both do the same work but for
+the grammar. Reports both, the throughput ratio, the validity count, and the server's per-step mask time
+and compile time p50 / p99 (cold, warm) from its ``/metrics`` histograms (interpolated in their buckets).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import sys
 import time
@@ -53,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (its whole life)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (default: no file)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="run constrained (a JSON schema per request) then unconstrained, side by side; needs jsonschema",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=2, help="--structured: constrained/unconstrained pass pairs, in ABBA order"
+    )
     return p
 
 
@@ -65,6 +83,8 @@ class Result:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None
 
 
 def make_prompts(args: argparse.Namespace) -> list[tuple[list[int], int]]:
@@ -123,7 +143,10 @@ async def _one(session: Any, url: str, body: dict[str, Any], stream: bool) -> Re
                 r.error = f"HTTP {resp.status}: {(await resp.content.read(4096))[:200]!r}"
                 return r
             if not stream:
-                r.output_tokens = (await resp.json(content_type=None))["usage"]["completion_tokens"]
+                whole = await resp.json(content_type=None)
+                r.output_tokens = whole["usage"]["completion_tokens"]
+                r.text = whole["choices"][0].get("text") or ""
+                r.finish_reason = whole["choices"][0].get("finish_reason")
                 r.ttft = r.latency = time.perf_counter() - t0
                 r.ok = True
                 return r
@@ -140,7 +163,10 @@ async def _one(session: Any, url: str, body: dict[str, Any], stream: bool) -> Re
                         r.error = str(chunk["error"])
                         return r
                     choices = chunk.get("choices")
+                    if choices and choices[0].get("finish_reason"):
+                        r.finish_reason = choices[0]["finish_reason"]
                     if choices and choices[0].get("text"):
+                        r.text += choices[0]["text"]
                         if last is None:
                             r.ttft = now - t0
                         else:
@@ -160,7 +186,7 @@ async def _one(session: Any, url: str, body: dict[str, Any], stream: bool) -> Re
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Send the prompts; returns the metrics dict ``format_report`` prints."""
+    """Send the prompts; returns the metrics dict ``format_report`` prints (``--structured``: two of them)."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -172,7 +198,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         url = f"{base}/v1/completions"
         stream = not args.no_stream
 
-        def body(prompt: list[int], n_out: int) -> dict[str, Any]:
+        def body(prompt: list[int], n_out: int, **extra: Any) -> dict[str, Any]:
             b = {
                 "model": model,
                 "prompt": prompt,
@@ -180,6 +206,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "temperature": 0.0,
                 "ignore_eos": True,
                 "stream": stream,
+                **extra,
             }
             if stream:
                 b["stream_options"] = {"include_usage": True}
@@ -187,35 +214,249 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         reqs = make_prompts(args)
         await _one(client, url, body(reqs[0][0][:16], 4), stream)  # warm-up: connection, server first touch
-        sem = asyncio.Semaphore(args.max_concurrency or len(reqs))
-        bar = None
-        if not args.no_progress:
-            from tqdm.auto import tqdm
+        if not args.structured:
+            results, duration = await _send(client, url, [body(p, n) for p, n in reqs], args, stream)
+            return summarize(results, duration)
+        return await _run_structured(client, base, url, reqs, body, args, stream)
 
-            bar = tqdm(total=len(reqs), desc="bench serve", unit="req", file=sys.stderr)
 
-        async def limited(prompt: list[int], n_out: int) -> Result:
-            async with sem:
-                try:
-                    res = await asyncio.wait_for(_one(client, url, body(prompt, n_out), stream), args.timeout)
-                except asyncio.TimeoutError:
-                    res = Result(prompt_len=len(prompt), error=f"no answer within --timeout {args.timeout} s")
-            if bar is not None:
-                bar.update(1)
-            return res
+async def _send(
+    client: Any, url: str, bodies: list[dict[str, Any]], args: argparse.Namespace, stream: bool, desc: str = ""
+) -> tuple[list[Result], float]:
+    """Send ``bodies`` (at most ``--max-concurrency`` in flight, arrivals per ``--request-rate``)."""
+    sem = asyncio.Semaphore(args.max_concurrency or len(bodies))
+    bar = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
 
-        rng = np.random.default_rng(args.seed + 1)
-        tasks = []
-        t0 = time.perf_counter()
-        for prompt, n_out in reqs:
-            tasks.append(asyncio.ensure_future(limited(prompt, n_out)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
+        bar = tqdm(total=len(bodies), desc=f"bench serve{desc}", unit="req", file=sys.stderr)
+
+    async def limited(b: dict[str, Any]) -> Result:
+        async with sem:
+            try:
+                res = await asyncio.wait_for(_one(client, url, b, stream), args.timeout)
+            except asyncio.TimeoutError:
+                res = Result(prompt_len=len(b["prompt"]), error=f"no answer within --timeout {args.timeout} s")
         if bar is not None:
-            bar.close()
-    return summarize(results, duration)
+            bar.update(1)
+        return res
+
+    rng = np.random.default_rng(args.seed + 1)
+    tasks = []
+    t0 = time.perf_counter()
+    for b in bodies:
+        tasks.append(asyncio.ensure_future(limited(b)))
+        if args.request_rate != float("inf"):
+            await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return list(results), duration
+
+
+def bench_schemas(tag: str) -> list[dict[str, Any]]:
+    """The mixed schema set (enums, nested arrays, $defs/$ref, anyOf, patterns, bounds); ``tag`` makes it new."""
+    person = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "role": {"enum": ["admin", "user", "guest"]},
+        },
+        "required": ["name", "age", "role"],
+        "additionalProperties": False,
+    }
+    schemas: list[dict[str, Any]] = [
+        {
+            "type": "object",
+            "properties": {"people": {"type": "array", "items": person, "minItems": 3, "maxItems": 5}},
+            "required": ["people"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "properties": {
+                "order": {"type": "integer", "minimum": 1, "maximum": 99999},
+                "status": {"enum": ["new", "paid", "shipped", "returned"]},
+                "lines": {
+                    "type": "array",
+                    "minItems": 2,
+                    "maxItems": 4,
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                            "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                        },
+                        "required": ["sku", "qty"],
+                        "additionalProperties": False,
+                    },
+                },
+            },
+            "required": ["order", "status", "lines"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "properties": {
+                "grid": {
+                    "type": "array",
+                    "minItems": 3,
+                    "maxItems": 4,
+                    "items": {
+                        "type": "array",
+                        "minItems": 3,
+                        "maxItems": 4,
+                        "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                    },
+                }
+            },
+            "required": ["grid"],
+            "additionalProperties": False,
+        },
+        {
+            "$defs": {"person": person},
+            "type": "object",
+            "properties": {
+                "owner": {"$ref": "#/$defs/person"},
+                "backup": {"anyOf": [{"$ref": "#/$defs/person"}, {"type": "null"}]},
+                "active": {"type": "boolean"},
+            },
+            "required": ["owner", "backup", "active"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "properties": {
+                "colors": {
+                    "type": "array",
+                    "minItems": 4,
+                    "maxItems": 8,
+                    "items": {"enum": ["red", "green", "blue", "cyan", "magenta", "yellow", "black", "white"]},
+                },
+                "code": {"type": "string", "pattern": "^#[0-9a-f]{6}$"},
+            },
+            "required": ["colors", "code"],
+            "additionalProperties": False,
+        },
+    ]
+    return [{**sc, "title": f"bench-{tag}-{i}"} for i, sc in enumerate(schemas)]
+
+
+def _histograms(text: str, name: str) -> dict[str, list[tuple[float, float]]]:
+    """Cumulative buckets of one Prometheus histogram family, keyed by its ``cache`` label ("" if none)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for m in re.finditer(rf"^{re.escape(name)}_bucket\{{([^}}]*)\}} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        le = float("inf") if labels["le"] == "+Inf" else float(labels["le"])
+        out.setdefault(labels.get("cache", ""), []).append((le, float(m.group(2))))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float:
+    """The q-quantile of the observations between two scrapes of a histogram, interpolated within its bucket."""
+    prev = dict(before)
+    cum = [(le, n - prev.get(le, 0.0)) for le, n in after]
+    total = cum[-1][1] if cum else 0.0
+    if total <= 0:
+        return float("nan")
+    want, lo, below = q * total, 0.0, 0.0
+    for le, n in cum:
+        if n >= want:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * ((want - below) / (n - below) if n > below else 1.0)
+        lo, below = le, n
+    return lo
+
+
+async def _scrape(client: Any, base: str) -> str:
+    try:
+        async with client.get(f"{base}/metrics") as resp:
+            return await resp.text() if resp.status == 200 else ""
+    except Exception:
+        return ""
+
+
+async def _run_structured(
+    client: Any,
+    base: str,
+    url: str,
+    reqs: list[tuple[list[int], int]],
+    body: Any,
+    args: argparse.Namespace,
+    stream: bool,
+) -> dict[str, Any]:
+    """Constrained and unconstrained passes in ABBA order (``--rounds``); both summaries, the ratio, validity,
+    the server's mask and compile times."""
+    try:
+        import jsonschema
+    except ImportError:
+        raise ImportError("--structured validates answers with jsonschema: pip install jsonschema") from None
+    lo, hi = (int(x) for x in args.token_range.split(":"))
+    rng = np.random.default_rng(args.seed + 2)
+    before = await _scrape(client, base)
+    runs: dict[str, list[tuple[list[Result], float]]] = {"c": [], "u": []}
+    valid = stops = 0
+    lengths: list[int] = []
+
+    def fresh(n: int) -> list[list[int]]:  # new prompts of the workload's lengths: no prefix-cache hit across passes
+        return [rng.integers(lo, hi, len(p)).tolist() for p, _ in reqs[:n]]
+
+    async def constrained(k: int) -> None:
+        nonlocal valid, stops, lengths
+        schemas = bench_schemas(f"{args.seed}-{k}-{time.time_ns()}")  # new to the server: first compiles cold
+        prompts = [p for p, _ in reqs] if k == 0 else fresh(len(reqs))
+        bodies = []
+        for i, (prompt, (_, n_out)) in enumerate(zip(prompts, reqs)):
+            sc = schemas[i % len(schemas)]
+            fmt = {"type": "json_schema", "json_schema": {"name": sc["title"], "schema": sc, "strict": True}}
+            bodies.append(body(prompt, n_out, ignore_eos=False, response_format=fmt))
+        res, dur = await _send(client, url, bodies, args, stream, f" (structured {k + 1})")
+        runs["c"].append((res, dur))
+        for i, r in enumerate(res):
+            stops += r.finish_reason == "stop"
+            try:
+                jsonschema.validate(json.loads(r.text), schemas[i % len(schemas)])
+                valid += r.ok
+            except (ValueError, jsonschema.ValidationError):
+                pass
+        lengths = [max(1, r.output_tokens or n) for r, (_, n) in zip(res, reqs)]
+
+    async def unconstrained(k: int) -> None:  # as many tokens as the latest constrained pass, exactly
+        bodies = [body(p, n) for p, n in zip(fresh(len(lengths)), lengths)]
+        runs["u"].append(await _send(client, url, bodies, args, stream, f" (unconstrained {k + 1})"))
+
+    for k in range(args.rounds):  # C U, then U C, ...: a drifting machine load weighs on both alike
+        if k % 2 == 0:
+            await constrained(k)
+            await unconstrained(k)
+        else:
+            await unconstrained(k)
+            await constrained(k)
+    after = await _scrape(client, base)
+    res = summarize([r for rs, _ in runs["c"] for r in rs], sum(d for _, d in runs["c"]))
+    res["unconstrained"] = summarize([r for rs, _ in runs["u"] for r in rs], sum(d for _, d in runs["u"]))
+    res["throughput_ratio"] = res["output_throughput"] / res["unconstrained"]["output_throughput"]
+    res["round_ratios"] = [
+        (sum(r.output_tokens for r in c) / cd) / (sum(r.output_tokens for r in u) / ud)
+        for (c, cd), (u, ud) in zip(runs["c"], runs["u"])
+    ]
+    res["valid_answers"] = valid
+    res["finished_by_stop"] = stops
+    timings: dict[str, float] = {}
+    for family, label, key in (
+        ("pagedkv:structured_mask_seconds", "", "mask"),
+        ("pagedkv:structured_compile_seconds", "cold", "compile_cold"),
+        ("pagedkv:structured_compile_seconds", "warm", "compile_warm"),
+    ):
+        a = _histograms(after, family).get(label, [])
+        b = _histograms(before, family).get(label, [])
+        for q in (0.5, 0.99):
+            timings[f"p{int(q * 100)}_{key}_ms"] = quantile(b, a, q) * 1e3
+    res["server_timings"] = timings
+    return res
 
 
 async def served_model(client: Any, base: str, model: Optional[str]) -> str:
@@ -305,6 +546,32 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append("=" * 50)
     for e in r["errors"]:
         lines.append(f"error: {e}")
+    if "unconstrained" in r:
+        u = r["unconstrained"]
+        lines[0] = f"{' Structured (JSON schema per request) ':=^50}"
+        lines += ["", format_report(u).replace(" Serving Benchmark Result ", " Unconstrained, same lengths ")]
+        extra: list[tuple[str, Any]] = [
+            ("=", " Structured vs unconstrained "),
+            ("Output tok/s ratio (structured/plain):", r["throughput_ratio"]),
+            ("Per-round ratios:", " ".join(f"{x:.3f}" for x in r["round_ratios"])),
+            ("Valid answers (parse + schema):", f"{r['valid_answers']}/{r['num_requests'] + r['num_failed']}"),
+            ("Finished at the JSON's end (stop):", r["finished_by_stop"]),
+        ]
+        t = r["server_timings"]
+        for key, title in (
+            ("mask", "Mask time per step"),
+            ("compile_cold", "Compile, cold"),
+            ("compile_warm", "Compile, warm"),
+        ):
+            extra += [(f"{title} P50 (ms):", t[f"p50_{key}_ms"]), (f"{title} P99 (ms):", t[f"p99_{key}_ms"])]
+        for k, v in extra:
+            if k == "=":
+                lines.append(f"{v:=^50}")
+            elif isinstance(v, float):
+                lines.append(f"{k:<40}{v:<10.3f}")
+            else:
+                lines.append(f"{k:<40}{v!s:<10}")
+        lines.append("=" * 50)
     return "\n".join(lines)
 
 
