@@ -35,11 +35,13 @@ from pagedkv_rs.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    check_fields,
     error_body,
     to_sampling_params,
 )
 from pagedkv_rs.serve.render import View
 from pagedkv_rs.serve.sse import SSEResponse
+from pagedkv_rs.serve.tools import ToolParser, ToolSet, caps_of, prepare_messages, toolset_from
 
 __all__ = ["build_app", "OPEN_PATHS"]
 
@@ -165,7 +167,8 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError("pass exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            ids = _chat_ids(state, req.messages, req.add_generation_prompt)
+            toolset = ToolSet(tuple(t.function.model_dump(exclude_none=True) for t in req.tools)) if req.tools else None
+            ids, _ = _chat_ids(state, req, toolset)
         else:
             ids = _encode(state, req.prompt or "", req.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
@@ -194,10 +197,11 @@ def build_app(
     async def chat(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest, state)
         _check_model(state, req.model)
+        toolset = toolset_from(req)
         long = sum(len(m.text()) for m in req.messages) > LONG_INPUT
-        args = (state, req.messages, req.add_generation_prompt)
-        ids = await asyncio.to_thread(_chat_ids, *args) if long else _chat_ids(*args)
-        return await _generate(state, request, req, [ids], chat=True)
+        args = (state, req, toolset)
+        ids, parser = await asyncio.to_thread(_chat_ids, *args) if long else _chat_ids(*args)
+        return await _generate(state, request, req, [ids], chat=True, tools=parser)
 
     return app
 
@@ -215,9 +219,11 @@ async def _parse(request: Request, model: type[BaseModel], state: State) -> Any:
             raise APIError(f"request body larger than {state.max_body} bytes", status=413)
         chunks.append(chunk)
     try:
-        return model.model_validate_json(b"".join(chunks))
+        req = model.model_validate_json(b"".join(chunks))
     except ValidationError as e:
         raise _validation_error(e.errors(include_url=False)) from None
+    check_fields(req)
+    return req
 
 
 def _validation_error(errors: Sequence[Any]) -> APIError:
@@ -251,15 +257,79 @@ def _encode(state: State, text: str, add_special_tokens: bool = False) -> list[i
     return list(getattr(enc, "ids", enc))
 
 
-def _chat_ids(state: State, messages: Sequence[Any], add_generation_prompt: bool) -> list[int]:
+# Variables the server itself passes to a chat template: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_VARS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token"}
+)
+
+
+def _chat_ids(state: State, req: Any, toolset: Optional[ToolSet]) -> tuple[list[int], Optional[ToolParser]]:
+    """The chat request's prompt ids through the GGUF's template (tools, calls and results as it shows them, see
+    ``tools.prepare_messages``), and the parser of its tool calls (None without tools)."""
     tok = state.tokenizer
     if not hasattr(tok, "apply_chat_template"):
         raise APIError("this server's tokenizer has no chat template; use /v1/completions", param="messages")
-    msgs = [{"role": m.role, "content": m.text()} for m in messages]
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(
+            "continue_final_message and add_generation_prompt cannot both be true (send add_generation_prompt: false)",
+            param="continue_final_message",
+        )
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
+    if clash:
+        raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    msgs = _message_dicts(req.messages)
+    template = getattr(tok, "chat_template", None)
+    uses_tools = toolset is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs)
+    tools = None
+    parser = None
+    if uses_tools and template is not None:
+        try:
+            caps = caps_of(template)
+        except Exception as e:
+            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
+        msgs, tools = prepare_messages(msgs, toolset, caps)
+        if toolset is not None:
+            parser = ToolParser(toolset, caps.family)
+    if tools is not None:
+        kwargs["tools"] = tools
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
     try:
-        return list(tok.apply_chat_template(msgs, add_generation_prompt))
+        return list(tok.apply_chat_template(msgs, req.add_generation_prompt, **kwargs)), parser
     except Exception as e:
         raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
+
+
+def _message_dicts(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Request messages as template dicts: text content, calls as ``{"id", "name", "arguments": dict}``; the
+    legacy ``function_call`` / ``role: "function"`` pair becomes a call and its result."""
+    out: list[dict[str, Any]] = []
+    legacy_id = None
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            d["name"] = m.name
+        calls = []
+        for j, c in enumerate(m.tool_calls or []):
+            param = f"messages[{i}].tool_calls[{j}].function"
+            calls.append({"id": c.id, "name": c.function.name, "arguments": c.function.argument_dict(param)})
+        if m.function_call is not None:
+            legacy_id = f"call_legacy{i}"
+            args = m.function_call.argument_dict(f"messages[{i}].function_call")
+            calls.append({"id": legacy_id, "name": m.function_call.name, "arguments": args})
+        if calls:
+            if m.role != "assistant":
+                raise APIError(f"messages[{i}]: only assistant messages carry tool calls", param="messages")
+            d["tool_calls"] = calls
+        if m.role == "function":
+            d["role"] = "tool"
+            if legacy_id is not None:
+                d["tool_call_id"] = legacy_id
+        elif m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
 
 
 async def _generate(
@@ -269,6 +339,7 @@ async def _generate(
     prompts: list[list[int]],
     *,
     chat: bool,
+    tools: Optional[ToolParser] = None,
 ) -> Response:
     """Validate lengths and load, submit one engine request per prompt, answer streamed or whole."""
     limit = state.max_model_len
@@ -295,6 +366,8 @@ async def _generate(
             code="context_length_exceeded",
         )
     params = to_sampling_params(req, max_tokens=max_tokens, defaults=state.sampling_defaults)
+    if tools is not None and tools.constrained:
+        params = _force_tool_call(params, tools.toolset, req)
     try:  # the engine's door: every check, once, before anything is queued
         checked = [state.engine.check_request(ids, params, cache_salt=req.cache_salt) for ids in prompts]
     except (InvalidRequestError, ValueError, TypeError) as e:
@@ -327,7 +400,7 @@ async def _generate(
             s.cancel()
         raise APIError(str(e), param=getattr(e, "param", None)) from None
     job = Job(state, streams, req.n, req.stream)
-    view = View(state, rid, chat, req)
+    view = View(state, rid, chat, req, tools=tools)
     if req.stream:
         return SSEResponse(job, view)
     try:
@@ -345,6 +418,16 @@ async def _generate(
         return JSONResponse(view.whole([f for f in job.final if f is not None]))
     finally:
         job.close()
+
+
+def _force_tool_call(params: Any, toolset: ToolSet, req: Any) -> Any:
+    """``params`` constrained to the JSON of the forced call (``tool_choice`` ``required`` or a named tool)."""
+    raise APIError(
+        f"tool_choice {toolset.choice!r} is not supported yet: it needs the constrained decoding engine "
+        "(use tool_choice 'auto')",
+        param="function_call" if toolset.legacy else "tool_choice",
+        code="unsupported_parameter",
+    )
 
 
 # ------------------------------------------------------------------------------------------- errors
