@@ -141,6 +141,7 @@ class TemplateCaps:
     object_arguments: bool = True  # tool_calls[].function.arguments as a dict (else the JSON string)
     tool_role: bool = False  # role "tool" messages
     nine_char_ids: bool = False  # call ids must be 9 alphanumerics (Mistral)
+    system_role: bool = True  # a system message (else the generic prompt opens the first user message)
     family: str = "generic"
 
 
@@ -186,7 +187,9 @@ def caps_of(source: str) -> TemplateCaps:
     if not out:  # the template refuses tool calls: probe the tool role alone
         plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
         tool_role = "pagedkv_probe_result" in render([*plain, _probe_conversation({})[2]], None)
+    system = [{"role": "system", "content": "pagedkv_probe_system"}, {"role": "user", "content": "q"}]
     return TemplateCaps(
+        system_role="pagedkv_probe_system" in render(system, None),
         tools=shows_tools,
         tool_calls=shows_calls,
         object_arguments=object_arguments,
@@ -279,10 +282,13 @@ def prepare_messages(
     if caps.tools:
         return out, toolset.template_tools()
     prompt = GENERIC_PROMPT + "\n".join(json.dumps(t, ensure_ascii=False) for t in toolset.template_tools())
-    if out and out[0]["role"] in ("system", "developer"):
-        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt}
-    else:
+    head = out[0] if out else None
+    if head is not None and head["role"] in ("system", "developer"):
+        out[0] = {**head, "content": f"{head['content']}\n\n{prompt}" if head["content"] else prompt}
+    elif caps.system_role or head is None or head["role"] != "user":
         out.insert(0, {"role": "system", "content": prompt})
+    else:  # a template without a system role (Gemma): the prompt opens the first user message
+        out[0] = {**head, "content": f"{prompt}\n\n{head['content']}"}
     return out, None
 
 
