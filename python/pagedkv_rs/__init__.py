@@ -31,6 +31,7 @@ from pagedkv_rs.engine import (
     Scheduler,
     SchedulerConfig,
     StreamLeaseExpiredError,
+    StructuredOutputsParams,
     UnknownRequestError,
 )
 from pagedkv_rs.errors import (
@@ -66,6 +67,7 @@ __all__ = [
     "Model",
     "RequestStream",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "RequestStatus",

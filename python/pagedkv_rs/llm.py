@@ -42,6 +42,7 @@ class _TextDecoder:
 
     def __init__(self, tok: GGUFTokenizer):
         self._tok = tok
+        self.gguf = tok  # the vocabulary itself (structured outputs build llguidance's tokenizer from it)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens)

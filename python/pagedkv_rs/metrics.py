@@ -19,7 +19,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any, Optional
 
-__all__ = ["Histogram", "EngineMetrics", "LATENCY_BUCKETS", "ITL_BUCKETS", "TOKEN_BUCKETS"]
+__all__ = ["Histogram", "EngineMetrics", "LATENCY_BUCKETS", "ITL_BUCKETS", "TOKEN_BUCKETS", "GRAMMAR_BUCKETS"]
 
 # vLLM's bucket edges (seconds / tokens), so dashboards built for vLLM read these unchanged
 LATENCY_BUCKETS = (
@@ -75,6 +75,31 @@ ITL_BUCKETS = (
     40.0,
     80.0,
 )
+# structured outputs: a step's masks take tens of microseconds to milliseconds, a grammar build up to seconds
+GRAMMAR_BUCKETS = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    7.5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    7.5e-4,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -123,7 +148,9 @@ class EngineMetrics:
     ``generation_tokens`` (of finished requests), ``num_preemptions``, ``prefix_cache_queries`` and
     ``prefix_cache_hits`` (tokens; read from the KV manager), ``num_steps``.
     Histograms (seconds or tokens): ``ttft``, ``itl``, ``e2e``, ``queue_time``, ``step_time``,
-    ``prompt_len``, ``generation_len``. ``recent_itl`` / ``recent_ttft`` keep the last ``window``
+    ``prompt_len``, ``generation_len``; structured outputs: ``mask_time`` (a step's grammar masks, steps
+    with a constrained row only), ``compile_cold`` / ``compile_warm`` (a constraint's compile at the
+    door: built, or found in the cache). ``recent_itl`` / ``recent_ttft`` keep the last ``window``
     values for medians.
     """
 
@@ -140,6 +167,9 @@ class EngineMetrics:
         self.step_time = Histogram(ITL_BUCKETS)
         self.prompt_len = Histogram(TOKEN_BUCKETS)
         self.generation_len = Histogram(TOKEN_BUCKETS)
+        self.mask_time = Histogram(GRAMMAR_BUCKETS)
+        self.compile_cold = Histogram(GRAMMAR_BUCKETS)
+        self.compile_warm = Histogram(GRAMMAR_BUCKETS)
         self.recent_ttft: deque[float] = deque(maxlen=window)
         self.recent_itl: deque[float] = deque(maxlen=window)
 
@@ -180,9 +210,16 @@ class EngineMetrics:
                     self.itl.observe(x)
                     self.recent_itl.append(x)
 
-    def record_step(self, seconds: float) -> None:
+    def record_step(self, seconds: float, mask_seconds: Optional[float] = None) -> None:
         with self.lock:
             self.step_time.observe(seconds)
+            if mask_seconds is not None:
+                self.mask_time.observe(mask_seconds)
+
+    def record_compile(self, seconds: float, cold: bool) -> None:
+        """One structured-outputs constraint compiled (``cold``) or found in the compile cache."""
+        with self.lock:
+            (self.compile_cold if cold else self.compile_warm).observe(seconds)
 
     def summary(self) -> dict[str, Any]:
         """The ``LLMEngine.stats()`` latency keys (means over every finished request, medians over the window)."""
@@ -210,6 +247,17 @@ class EngineMetrics:
         """Counters and histogram snapshots (``{"buckets": [(le, cumulative)], "sum", "count"}``)."""
         s = self.summary()
         with self.lock:
-            for name in ("ttft", "itl", "e2e", "queue_time", "step_time", "prompt_len", "generation_len"):
+            for name in (
+                "ttft",
+                "itl",
+                "e2e",
+                "queue_time",
+                "step_time",
+                "prompt_len",
+                "generation_len",
+                "mask_time",
+                "compile_cold",
+                "compile_warm",
+            ):
                 s[f"hist_{name}"] = getattr(self, name).snapshot()
         return s

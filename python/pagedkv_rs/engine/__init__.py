@@ -22,6 +22,7 @@ from pagedkv_rs.engine.request import (
     UnknownRequestError,
 )
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv_rs.engine.structured import StructuredOutputsParams
 
 __all__ = [
     "LLMEngine",
@@ -29,6 +30,7 @@ __all__ = [
     "Model",
     "RequestStream",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "RequestStatus",

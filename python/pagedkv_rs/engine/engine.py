@@ -35,6 +35,7 @@ from pagedkv_rs.engine.request import (
 from pagedkv_rs.engine.runner import Model, ModelRunner, check_model
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv_rs.engine.stream import RequestStream, check_lease, expire_leases, publish, take_final
+from pagedkv_rs.engine.structured import GrammarCompiler
 from pagedkv_rs.metrics import EngineMetrics
 
 if TYPE_CHECKING:
@@ -116,9 +117,8 @@ class LLMEngine:
         self.stream_buffer = stream_buffer
         self.stream_idle_timeout = float(stream_idle_timeout)
         self._clock = time.monotonic  # the lease clock (tests may replace it)
-        self._limits = dataclasses.replace(
-            self.scheduler.limits, tokenizer=tokenizer, prompt_logprobs=self.runner.no_prompt_logprobs
-        )
+        self._limits = dataclasses.replace(self.scheduler.limits, prompt_logprobs=self.runner.no_prompt_logprobs)
+        self.tokenizer = tokenizer
 
     @property
     def tokenizer(self) -> Any:
@@ -128,7 +128,8 @@ class LLMEngine:
     @tokenizer.setter
     def tokenizer(self, tokenizer: Any) -> None:
         self.output.tokenizer = tokenizer
-        self._limits = dataclasses.replace(self._limits, tokenizer=tokenizer)
+        grammars = GrammarCompiler.of(tokenizer, self.model, self.metrics.record_compile)
+        self._limits = dataclasses.replace(self._limits, tokenizer=tokenizer, grammars=grammars)
 
     # ------------------------------------------------------------------ requests
     def check_request(
@@ -165,7 +166,7 @@ class LLMEngine:
             checked = dataclasses.replace(checked, request_id=rid)
         req = self.scheduler.add_request(checked)
         req.final_only = final_only
-        self.runner.add_generators(req)
+        self.runner.add_generators(req, checked.grammar)
         self._wake.notify_all()
         if not stream:
             return req.request_id
@@ -257,7 +258,7 @@ class LLMEngine:
                 for rid, err in failed.items():
                     self._fail_request(rid, err)
                 self._expire_leases()
-            self.metrics.record_step(time.perf_counter() - t0)
+            self.metrics.record_step(time.perf_counter() - t0, result.mask_seconds)
             return outputs
 
     def _fail_request(self, request_id: str, error: BaseException) -> None:

@@ -43,6 +43,7 @@ class InputLimits:
     tokenizer: Any = None  # encodes a text prompt; None: token ids only
     prompt_logprobs: Optional[str] = None  # None: supported; else why not (the model's forward)
     pool: str = ""  # how the context limit came about, for the message
+    grammars: Any = None  # structured outputs: a ``structured.GrammarCompiler`` (None: no tokenizer)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class CheckedRequest:
     prompt: Optional[str] = None  # the text, when the prompt was text
     cache_salt: Union[str, bytes, None] = None
     arrival_time: Optional[float] = None
+    grammar: Any = None  # structured outputs: the compiled constraint (``structured.CompiledGrammar``)
 
 
 def split_prompt(p: Any) -> tuple[Any, Any]:
@@ -187,4 +189,15 @@ def check_request(
             f"{who}prompt of {len(toks)} tokens exceeds max_model_len={limits.max_model_len}{limits.pool}",
             param="prompt",
         )
-    return CheckedRequest(request_id, toks, params, text, cache_salt, arrival_time)
+    grammar = None if params.structured_outputs is None else _compile(limits, params.structured_outputs)
+    return CheckedRequest(request_id, toks, params, text, cache_salt, arrival_time, grammar)
+
+
+def _compile(limits: InputLimits, constraint: Any) -> Any:
+    """The compiled structured-outputs constraint, or ``InvalidRequestError`` saying why it cannot be had."""
+    if limits.grammars is None:
+        raise InvalidRequestError("structured outputs need an engine with a tokenizer", param="structured_outputs")
+    try:
+        return limits.grammars.compile(constraint)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequestError(str(e), param="structured_outputs") from None

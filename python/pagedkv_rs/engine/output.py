@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedkv_rs.engine.request import Logprob, Request, RequestOutput, RequestStatus
 from pagedkv_rs.engine.runner import LogprobRow, StepResult
+from pagedkv_rs.engine.structured import advance
 
 __all__ = ["OutputProcessor"]
 
@@ -29,14 +30,13 @@ class OutputProcessor:
     def process(
         self, samplers: Sequence[Request], changed: Sequence[Request], result: StepResult
     ) -> tuple[list[Request], list[Request], dict[str, BaseException]]:
-        """Attach this step's logprobs and match stop strings.
+        """Attach this step's logprobs, advance grammar matchers and match stop strings.
 
-        Returns (heads to report, requests a stop string finished, request id -> its own failure).
-        The caller finishes the stopped ones in the scheduler.
+        Returns (heads to report, requests a stop string or their grammar's end finished, request id ->
+        its own failure). The caller finishes the stopped ones in the scheduler.
         """
-        failed: dict[str, BaseException] = {}
+        stopped, failed = advance(changed)
         self._attach_logprobs(samplers, result, failed)
-        stopped = []
         for r in changed:
             if r.params.stop and r.head.request_id not in failed:
                 try:

@@ -7,10 +7,11 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
+from pagedkv_rs.engine.structured import StructuredOutputsParams
 from pagedkv_rs.errors import PagedKVError
 
 __all__ = [
@@ -116,7 +117,9 @@ class SamplingParams:
     log-probabilities (raw model distribution) per output / prompt token, plus the chosen token's;
     ``repetition_penalty`` (> 0, 1 = off; over prompt and output), ``presence_penalty`` and
     ``frequency_penalty`` (in [-2, 2], 0 = off; over the output); ``min_tokens`` masks EOS and stop
-    tokens (and ignores stop strings) until that many tokens were generated.
+    tokens (and ignores stop strings) until that many tokens were generated. ``structured_outputs``
+    constrains the output to a JSON schema, regex, choice or grammar (``StructuredOutputsParams``;
+    logprobs stay those of the unconstrained distribution).
     """
 
     max_tokens: int = 16
@@ -137,6 +140,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         s = object.__setattr__
@@ -177,6 +181,11 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"SamplingParams.min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise TypeError(
+                f"SamplingParams.structured_outputs must be StructuredOutputsParams, got {type(so).__name__}"
             )
 
     @property
@@ -284,6 +293,7 @@ class Request:
         "prompt_logprobs",
         "abort_cause",
         "block_hashes",
+        "matcher",
     )
 
     def __init__(
@@ -332,6 +342,7 @@ class Request:
         )
         self.abort_cause: Optional[str] = None
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (KV tiers; filled lazily)
+        self.matcher: Any = None  # structured outputs: this sequence's llguidance matcher
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.engine.request import Request, RequestStatus, SamplingParams
 from pagedkv_rs.engine.sampling import sample, top_logprobs
 from pagedkv_rs.engine.scheduler import KVLoad, SchedulerOutput
+from pagedkv_rs.engine.structured import allowed, fill_masks
 from pagedkv_rs.tiers import BlockLayout, KVTiers, Tier, chain_hashes, model_fingerprint, parse_tier, salt_digest
 
 __all__ = ["Model", "ModelRunner", "StepInputs", "StepResult", "LogprobRow", "check_model"]
@@ -66,6 +68,9 @@ class StepInputs:
     # prompt_logprobs: [(request, first position, count)] and their token indices in the step
     prompt_spans: list[tuple[Request, int, int]]
     prompt_indices: Optional[np.ndarray]
+    # structured outputs: the sample rows with a matcher, and their matchers
+    mask_rows: Optional[np.ndarray] = None
+    matchers: Optional[list[Any]] = None
 
 
 @dataclass
@@ -75,6 +80,7 @@ class StepResult:
     tokens: np.ndarray
     logprobs: Optional[dict[int, LogprobRow]]  # sample row -> its row
     prompt_logprobs: list[tuple[Request, int, list[LogprobRow]]]  # (request, first position, rows)
+    mask_seconds: Optional[float] = None  # time to compute this step's grammar masks (None: no constrained row)
 
 
 class ModelRunner:
@@ -117,8 +123,12 @@ class ModelRunner:
             None if self.logits_indices else f"model {type(model).__name__}.forward takes no logits_indices"
         )
 
-    def add_generators(self, req: Request) -> None:
-        """The random streams of a sampled request's completions (``params.seed``, else one drawn here)."""
+    def add_generators(self, req: Request, grammar: Any = None) -> None:
+        """The random streams of a sampled request's completions (``params.seed``, else one drawn here),
+        and one matcher per completion of a constrained one (``grammar``: its ``CompiledGrammar``)."""
+        if grammar is not None:
+            for m in req.group:
+                m.matcher = grammar.new_matcher()
         if req.params.greedy:
             return
         seed = req.params.seed if req.params.seed is not None else int(self._rng.integers(1 << 63))
@@ -254,8 +264,16 @@ class ModelRunner:
             if hi > lo:
                 spans.append((r, lo, hi - lo))
                 idx.append(np.arange(int(qsl[i]) + lo - first, int(qsl[i]) + hi - first, dtype=np.int64))
+        cons = [j for j, r in enumerate(to_sample) if r.matcher is not None]
         return StepInputs(
-            so, params, [r.generator for r in to_sample], history, spans, np.concatenate(idx) if idx else None
+            so,
+            params,
+            [r.generator for r in to_sample],
+            history,
+            spans,
+            np.concatenate(idx) if idx else None,
+            np.asarray(cons, np.int64) if cons else None,
+            [to_sample[j].matcher for j in cons] if cons else None,
         )
 
     def execute(self, si: StepInputs) -> StepResult:
@@ -278,16 +296,23 @@ class ModelRunner:
         extra = logits[b:]
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[rows]
+        mask, mask_seconds = None, None
+        if si.matchers:  # the bitmasks of every constrained row at once, in llguidance's threads
+            t0 = time.perf_counter()
+            mask = (si.mask_rows, allowed(fill_masks(si.matchers, vocab), vocab))
+            mask_seconds = time.perf_counter() - t0
         if rows:
             o, pr, st = si.history if si.history is not None else (None, None, None)
-            tokens = sample(logits, params, si.generators, output_token_ids=o, prompt_token_ids=pr, stop_ids=st)
+            tokens = sample(
+                logits, params, si.generators, output_token_ids=o, prompt_token_ids=pr, stop_ids=st, mask=mask
+            )
         else:
             tokens = np.empty(0, np.int64)
         sel = [j for j, p in enumerate(params) if p.logprobs is not None]
         lp = None
         if sel:  # top-k logprobs (raw distribution) of the sampled tokens, keyed by sample row
             lp = dict(zip(sel, top_logprobs(logits[sel], tokens[sel], [params[j].logprobs for j in sel])))  # type: ignore[misc]
-        return StepResult(tokens, lp, self._prompt_rows(si.prompt_spans, extra))
+        return StepResult(tokens, lp, self._prompt_rows(si.prompt_spans, extra), mask_seconds)
 
     @staticmethod
     def _prompt_rows(

@@ -1,4 +1,5 @@
-"""Batched sampling in numpy: penalties, greedy, temperature, min-p, top-k, top-p, seeded generators; logprobs."""
+"""Batched sampling in numpy: grammar masks, penalties, greedy, temperature, min-p, top-k, top-p, seeded
+generators; logprobs."""
 
 from __future__ import annotations
 
@@ -67,8 +68,14 @@ def sample(
     output_token_ids: Optional[Sequence[Sequence[int]]] = None,
     prompt_token_ids: Optional[Sequence[Sequence[int]]] = None,
     stop_ids: Optional[Sequence[Collection[int]]] = None,
+    mask: Optional[tuple[np.ndarray, np.ndarray]] = None,
 ) -> np.ndarray:
     """Pick one token per row of ``logits`` [B, V]; returns int64 [B].
+
+    ``mask`` = (rows int64 [R], allowed bool [R, V]): structured outputs; those rows' disallowed
+    tokens get -inf first (on a copy: ``logits`` stays raw for the logprobs), then everything below
+    applies unchanged. Should ``min_tokens`` mask every token the grammar allows (its end), the
+    grammar wins for that row.
 
     Rows with penalties or ``min_tokens`` first go through ``apply_penalties`` (which needs each
     row's output and prompt token ids and stop ids). Greedy rows take the argmax (first index on
@@ -84,12 +91,22 @@ def sample(
             f"sample: logits shape {logits.shape} does not match {len(params)} params / {len(generators)} generators"
         )
     b, v = logits.shape
+    masked = None
+    if mask is not None:
+        mrows, ok = mask
+        masked = np.where(ok, logits[mrows], -np.inf)  # [R, V]
+        logits = logits.copy()
+        logits[mrows] = masked
     if all(p.temperature == 0.0 and not p.has_penalties for p in params):  # greedy, nothing to adjust
         return logits.argmax(axis=1).astype(np.int64, copy=False)
     if any(p.has_penalties for p in params):
         if output_token_ids is None or prompt_token_ids is None or stop_ids is None:
             raise ValueError("sample: penalties and min_tokens need output_token_ids, prompt_token_ids and stop_ids")
         logits = apply_penalties(logits, params, output_token_ids, prompt_token_ids, stop_ids)
+        if masked is not None:
+            dead = ~np.isfinite(logits[mrows]).any(axis=1)
+            if dead.any():
+                logits[mrows[dead]] = masked[dead]
     out = np.empty(b, np.int64)
     temps = np.fromiter((p.temperature for p in params), np.float64, count=b)
     greedy = temps == 0.0
