@@ -413,13 +413,112 @@ def test_chat_request_errors(llm_server):
     assert post(messages=echoed).status_code == 200  # what OpenAI's response objects carry back
 
 
-def test_required_and_named_choice_are_refused_until_constrained(llm_server):
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    for choice in ("required", named):
-        body = {"messages": ASK, "tools": TOOLS, "tool_choice": choice, "max_tokens": 4}
-        assert "not supported yet" in _refused(
-            httpx.post(f"{llm_server}/v1/chat/completions", json=body), "tool_choice"
-        )
+# ------------------------------------------------------------------------ forced calls (constrained decoding)
+UNIT = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+}
+CLOCK = {
+    "name": "get_time",
+    "parameters": {
+        "type": "object",
+        "properties": {"tz": {"type": "string", "pattern": "^[A-Z]{3}$"}, "hour24": {"type": "boolean"}},
+        "required": ["tz", "hour24"],
+        "additionalProperties": False,
+    },
+}
+FORCED = [{"type": "function", "function": UNIT}, {"type": "function", "function": CLOCK}]
+
+
+def _validate(call: Any) -> None:
+    import jsonschema
+
+    schema = {"get_weather": UNIT, "get_time": CLOCK}[call.function.name]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_required_and_named_choices_force_valid_calls(llm_server, temperature):
+    """Even the 135M model answers ``required`` / a named tool with a call whose arguments match the schema."""
+    c = client(llm_server)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, parallel in (("required", None), ("required", False), (named, None)):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        r = c.chat.completions.create(
+            model="smollm2", messages=ASK, tools=FORCED, tool_choice=choice, max_tokens=200, temperature=temperature,
+            seed=7, **extra,
+        )  # fmt: skip
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        assert ch.message.content is None and ch.message.tool_calls
+        for call in ch.message.tool_calls:
+            _validate(call)
+        if parallel is False:
+            assert len(ch.message.tool_calls) == 1
+        if choice is named:
+            assert [t.function.name for t in ch.message.tool_calls] == ["get_time"]
+
+
+def test_forced_call_streams_and_legacy_named_function(llm_server):
+    c = client(llm_server)
+    with c.chat.completions.stream(
+        model="smollm2", messages=ASK, tools=FORCED, tool_choice="required", max_tokens=200, temperature=0
+    ) as s:
+        final = s.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    for call in final.choices[0].message.tool_calls:
+        _validate(call)
+    body = {"messages": ASK, "functions": [UNIT, CLOCK], "function_call": {"name": "get_weather"}, "max_tokens": 200}
+    r = httpx.post(f"{llm_server}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    assert r["finish_reason"] == "function_call" and r["message"]["function_call"]["name"] == "get_weather"
+    import jsonschema
+
+    jsonschema.validate(json.loads(r["message"]["function_call"]["arguments"]), UNIT["parameters"])
+
+
+def test_openai_strict_pydantic_tool(llm_server):
+    """``openai.pydantic_function_tool`` (a strict tool) forced by name, read back with the client's ``.parse``."""
+    from pydantic import BaseModel
+
+    class Lookup(BaseModel):
+        city: str
+        days: int
+
+    c = client(llm_server)
+    r = c.chat.completions.parse(
+        model="smollm2",
+        messages=ASK,
+        tools=[openai.pydantic_function_tool(Lookup)],
+        tool_choice={"type": "function", "function": {"name": "Lookup"}},
+        max_tokens=100,
+        temperature=0,
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "Lookup" and isinstance(call.function.parsed_arguments, Lookup)
+
+
+def test_langchain_forced_tools_and_structured_output_by_function_calling(llm_server):
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        """The weather report for a city."""
+
+        city: str = Field(max_length=40)
+        celsius: int
+
+    llm = ChatOpenAI(base_url=f"{llm_server}/v1", api_key="unused", model="smollm2", max_retries=0, temperature=0)
+    out = llm.with_structured_output(Weather, method="function_calling").invoke(ASK[0]["content"], max_tokens=100)
+    assert isinstance(out, Weather)
+    # strict: additionalProperties false, or the 135M model keeps adding keys until max_tokens
+    msg = llm.bind_tools([Weather], tool_choice="any", strict=True).invoke(ASK[0]["content"], max_tokens=100)
+    assert [t["name"] for t in msg.tool_calls] == ["Weather"]
+    Weather.model_validate(msg.tool_calls[0]["args"])
 
 
 def test_prefill_and_template_kwargs(llm_server):

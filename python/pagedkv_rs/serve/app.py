@@ -421,13 +421,20 @@ async def _generate(
 
 
 def _force_tool_call(params: Any, toolset: ToolSet, req: Any) -> Any:
-    """``params`` constrained to the JSON of the forced call (``tool_choice`` ``required`` or a named tool)."""
-    raise APIError(
-        f"tool_choice {toolset.choice!r} is not supported yet: it needs the constrained decoding engine "
-        "(use tool_choice 'auto')",
-        param="function_call" if toolset.legacy else "tool_choice",
-        code="unsupported_parameter",
-    )
+    """``params`` constrained to the JSON of the forced call (``tool_choice`` ``required`` or a named tool):
+    ``tools.ToolSet.constraint``'s schema, through the engine's structured outputs."""
+    from dataclasses import replace
+
+    from pagedkv_rs.engine.structured import StructuredOutputsParams
+
+    param = "function_call" if toolset.legacy else "tool_choice"
+    if getattr(params, "structured_outputs", None) is not None:
+        raise APIError(f"{param} {toolset.choice!r} forces a tool call: it cannot be combined with another "
+                       "output constraint (response_format, structured_outputs)", param=param)  # fmt: skip
+    try:
+        return replace(params, structured_outputs=StructuredOutputsParams(json=toolset.constraint()))
+    except (TypeError, ValueError) as e:
+        raise APIError(f"the tools' parameters cannot be forced: {e}", param="tools") from None
 
 
 # ------------------------------------------------------------------------------------------- errors
