@@ -546,3 +546,29 @@ def test_prefill_and_template_kwargs(llm_server):
         kw.status_code == 200
         and kw.json()["tokens"] == httpx.post(f"{llm_server}/tokenize", json={"messages": ASK}).json()["tokens"]
     )
+
+
+def test_control_token_markers_are_put_back_into_the_answer():
+    """``<|python_tag|>`` is a control token: the answer's text drops it, the parser gets it back where it was."""
+    from types import SimpleNamespace
+
+    from llamacpp_data import vocab_files
+    from pagedkv_rs.models.tokenizer import GGUFTokenizer, _read_metadata
+    from pagedkv_rs.serve.render import View
+
+    # Llama 3's vocabulary with control token 128010 under its Llama 3.1 name, as a Llama 3.1 GGUF has it
+    path, meta = _read_metadata(next(p for p in vocab_files() if p.name == "ggml-vocab-llama-bpe.gguf"))
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    assert tokens[128010] == "<|reserved_special_token_5|>"
+    tokens[128010] = "<|python_tag|>"
+    tok = GGUFTokenizer({**meta, "tokenizer.ggml.tokens": tokens}, path=path)
+    said = 'Sure.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    ids = tok.encode(said)
+    assert tok.token_to_id("<|python_tag|>") in ids
+    text = tok.decode(ids, skip_special_tokens=True, continuation=True)
+    assert "<|python_tag|>" not in text
+    view = View(SimpleNamespace(tokenizer=tok, model_name="m"), "id", True, SimpleNamespace(n=1), tools=parser("any"))
+    out = SimpleNamespace(text=text, token_ids=ids, finish_reason="stop", logprobs=None)
+    assert view._tool_text(out) == said
+    cut = SimpleNamespace(text=text[:3], token_ids=ids, finish_reason="stop", logprobs=None)  # a stop string hit
+    assert view._tool_text(cut) == text[:3]

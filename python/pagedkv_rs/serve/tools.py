@@ -304,7 +304,8 @@ def _template_calls(calls: Sequence[Mapping[str, Any]], caps: TemplateCaps) -> l
 # --------------------------------------------------------------------------------------------- parsing
 def _json_values(text: str) -> Optional[list[Any]]:
     """The JSON values ``text`` holds one after another (separated by whitespace, ``,`` or ``;``), or None."""
-    dec, out, i, n = json.JSONDecoder(), [], 0, len(text)
+    dec, i, n = json.JSONDecoder(), 0, len(text)
+    out: list[Any] = []
     while True:
         while i < n and text[i] in " \t\r\n,;":
             i += 1
@@ -326,7 +327,7 @@ def _call_items(values: Sequence[Any], args_keys: tuple[str, ...] = ("arguments"
     for it in items:
         if not isinstance(it, dict) or not isinstance(it.get("name"), str):
             return None
-        args = next((it[k] for k in args_keys if k in it), {})
+        args: Any = next((it[k] for k in args_keys if k in it), {})
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
@@ -470,7 +471,7 @@ class ToolParser:
 
 
 def _valid(args: dict[str, Any], schema: Mapping[str, Any]) -> bool:
-    import jsonschema
+    import jsonschema  # type: ignore[import-untyped]
 
     try:
         jsonschema.validate(args, schema)
