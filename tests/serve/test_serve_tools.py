@@ -572,3 +572,12 @@ def test_control_token_markers_are_put_back_into_the_answer():
     assert view._tool_text(out) == said
     cut = SimpleNamespace(text=text[:3], token_ids=ids, finish_reason="stop", logprobs=None)  # a stop string hit
     assert view._tool_text(cut) == text[:3]
+
+
+def test_a_tool_without_parameters_takes_none(scripted):
+    url, say = scripted
+    bare = [{"type": "function", "function": {"name": "ping"}}]
+    say('<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>', tools=bare)
+    r = client(url).chat.completions.create(model="tiny", messages=ASK, tools=bare)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "ping" and json.loads(call.function.arguments) == {}

@@ -369,10 +369,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 # Fields clients send as labels for their own bookkeeping: accepted, not used, not stored.
 METADATA = frozenset({"metadata", "prompt_cache_key", "safety_identifier"})
-# The structured-output fields: serve/constraints.py defines them; until it does they pass as before.
+# The structured-output fields (completions' response_format too): serve/constraints.py defines them as fields;
+# until it does they pass as before.
 STRUCTURED = frozenset(
     {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema",
-     "grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag"}
+     "grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag", "response_format"}
 )  # fmt: skip
 # Fields of a message that OpenAI's own response objects carry: accepted when empty.
 MESSAGE_ECHOES = frozenset({"refusal", "audio", "annotations", "reasoning", "reasoning_content"})

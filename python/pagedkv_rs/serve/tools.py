@@ -102,8 +102,9 @@ class ToolSet:
         return {t["name"]: t for t in self.tools}
 
     def template_tools(self) -> list[dict[str, Any]]:
-        """The tools as Hugging Face's ``apply_chat_template(tools=...)`` passes them."""
-        return [{"type": "function", "function": dict(t)} for t in self.tools]
+        """The tools as Hugging Face's ``apply_chat_template(tools=...)`` passes them (a tool without
+        ``parameters`` takes none: an empty object schema, which templates can print)."""
+        return [{"type": "function", "function": {**t, "parameters": _params(t)}} for t in self.tools]
 
     def constraint(self) -> Optional[dict[str, Any]]:
         """The JSON schema that forces ``required`` / a named choice; None for ``auto`` and ``none``."""
