@@ -129,7 +129,7 @@ def test_parallel_false_keeps_the_first_call_and_choice_none_parses_nothing():
 def test_constrained_answers_are_plain_json():
     req = parser("hermes", choice="required")
     assert calls_of(req.parse('[{"name": "get_time", "arguments": {"tz": "UTC"}}]')) == [("get_time", {"tz": "UTC"})]
-    assert calls_of(parser("hermes", choice="get_weather").parse('{"city": "Rome"}')) == [
+    assert calls_of(parser("hermes", choice="named", named="get_weather").parse('{"city": "Rome"}')) == [
         ("get_weather", {"city": "Rome"})
     ]
     assert req.parse('[{"name": "get_time"') == ('[{"name": "get_time"', [])  # cut off by max_tokens
@@ -140,8 +140,10 @@ def test_forcing_schemas():
     assert s is not None and s["type"] == "array" and s["minItems"] == 1 and s["maxItems"] == 1
     assert [o["properties"]["name"]["const"] for o in s["items"]["anyOf"]] == ["get_weather", "get_time"]
     assert s["items"]["anyOf"][0]["properties"]["arguments"] == WEATHER["parameters"]
-    assert ToolSet((WEATHER,), choice="get_weather").constraint() == WEATHER["parameters"]
+    assert ToolSet((WEATHER,), choice="named", named="get_weather").constraint() == WEATHER["parameters"]
     assert ToolSet((WEATHER,)).constraint() is None
+    odd = {"name": "required", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}
+    assert ToolSet((odd, WEATHER), choice="named", named="required").constraint() == odd["parameters"]
 
 
 def stream_all(p: ToolParser, text: str, step: int = 1) -> tuple[list[str], list[ToolCall]]:

@@ -429,8 +429,12 @@ def _force_tool_call(params: Any, toolset: ToolSet, req: Any) -> Any:
 
     param = "function_call" if toolset.legacy else "tool_choice"
     if getattr(params, "structured_outputs", None) is not None:
-        raise APIError(f"{param} {toolset.choice!r} forces a tool call: it cannot be combined with another "
-                       "output constraint (response_format, structured_outputs)", param=param)  # fmt: skip
+        what = repr(toolset.named or toolset.choice)
+        raise APIError(
+            f"{param} {what} forces a tool call: it cannot be combined with another output constraint "
+            "(response_format, structured_outputs)",
+            param=param,
+        )
     try:
         return replace(params, structured_outputs=StructuredOutputsParams(json=toolset.constraint()))
     except (TypeError, ValueError) as e:

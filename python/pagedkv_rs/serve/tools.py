@@ -89,13 +89,20 @@ class ToolCall:
 @dataclass(frozen=True)
 class ToolSet:
     """The request's tools: ``tools`` (OpenAI function dicts), ``choice`` (``"none"``, ``"auto"``,
-    ``"required"`` or a tool's name), ``parallel`` (more than one call allowed), ``legacy`` (asked with
-    ``functions`` / ``function_call``: the answer carries ``function_call``)."""
+    ``"required"``, or ``"named"`` with the tool's name in ``named``), ``parallel`` (more than one call allowed),
+    ``legacy`` (asked with ``functions`` / ``function_call``: the answer carries ``function_call``)."""
 
     tools: tuple[Mapping[str, Any], ...]
     choice: str = "auto"
+    named: Optional[str] = None
     parallel: bool = True
     legacy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice not in ("none", "auto", "required", "named") or (self.choice == "named") != (
+            self.named is not None
+        ):
+            raise ValueError(f"bad tool choice {self.choice!r} (named={self.named!r})")
 
     @property
     def names(self) -> dict[str, Mapping[str, Any]]:
@@ -122,9 +129,9 @@ class ToolSet:
             if not self.parallel:
                 schema["maxItems"] = 1
             return schema
-        if self.choice in ("auto", "none"):
+        if self.named is None:
             return None
-        return _params(self.names[self.choice])
+        return _params(self.names[self.named])
 
 
 def _params(tool: Mapping[str, Any]) -> dict[str, Any]:
@@ -446,7 +453,7 @@ class ToolParser:
         if self.toolset.choice == "required":
             items = _call_items([v]) if isinstance(v, list) else None
             return None if items is None else ("", items)
-        return ("", [(self.toolset.choice, v, None)]) if isinstance(v, dict) else None
+        return ("", [(self.toolset.named, v, None)]) if isinstance(v, dict) else None
 
     def _free(self, text: str) -> Optional[tuple[str, list]]:
         if self.family in PARSERS:
@@ -550,7 +557,7 @@ def toolset_from(req: Any) -> Optional[ToolSet]:
         defs = [t.function for t in req.tools or []]
         choice_param, raw = "tool_choice", req.tool_choice
         named = raw.function.name if raw is not None and not isinstance(raw, str) else None
-    choice = named if named is not None else (raw or "auto")
+    choice = "named" if named is not None else (raw or "auto")
     if not defs:
         if raw is not None and raw != "none":
             raise APIError(f"{choice_param} needs {'functions' if legacy else 'tools'}", param=choice_param)
@@ -563,7 +570,7 @@ def toolset_from(req: Any) -> Optional[ToolSet]:
     if named is not None and named not in names:
         raise APIError(f"{choice_param} names {named!r}, which is not among the tools", param=choice_param)
     parallel = False if legacy else req.parallel_tool_calls is not False
-    return ToolSet(tools, choice=choice, parallel=parallel, legacy=legacy)
+    return ToolSet(tools, choice=choice, named=named, parallel=parallel, legacy=legacy)
 
 
 def _strict(d: Any) -> dict[str, Any]:
