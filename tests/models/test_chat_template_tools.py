@@ -1,8 +1,9 @@
 """Tools, assistant ``tool_calls`` and ``role: "tool"`` results through real chat templates (llama.cpp's
-``models/templates/``), as the server prepares them (``serve.tools.prepare_messages``), compared with what
-``transformers``' own renderer (``render_jinja_template``) makes of the same conversation in Hugging Face's
-documented tool format. Templates without tools get the generic format; ``continue_final_message`` is compared
-with ``transformers`` too.
+``models/templates/``), as the server prepares them (``serve.tools.prepare_messages``), compared with the same
+conversation passed in Hugging Face's documented tool format (``tool_calls[].function`` with the arguments as
+a dict; ``ChatTemplate`` renders as ``transformers`` does, see test_chat_templates.py), and with the text each
+model's documented format gives. Templates without tools get the generic format; ``continue_final_message``
+cuts as ``transformers`` does.
 """
 
 from __future__ import annotations
@@ -16,11 +17,6 @@ from llamacpp_data import templates_dir
 from pagedkv_rs.models.chat_template import ChatTemplate, ChatTemplateError
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
 from pagedkv_rs.serve.tools import GENERIC_PROMPT, ToolSet, caps_of, prepare_messages
-
-try:
-    from transformers.utils.chat_template_utils import render_jinja_template
-except ImportError as e:  # fail, never skip: transformers is the oracle here
-    raise ImportError(f"{e}: the template oracle needs transformers: pip install '.[test]'") from e
 
 BOS, EOS = "<s>", "</s>"
 WEATHER = {
@@ -68,10 +64,10 @@ def ours(src: str, msgs: list[dict[str, Any]], toolset: Any = TOOLSET, **kw: Any
 
 
 def hf(src: str, msgs: list[dict[str, Any]], tools: Any = TOOLSET, **kw: Any) -> str:
+    """The conversation in Hugging Face's format, straight into the template."""
     kw.setdefault("add_generation_prompt", True)
     hf_tools = None if tools is None else tools.template_tools()
-    out, _ = render_jinja_template([msgs], tools=hf_tools, chat_template=src, bos_token=BOS, eos_token=EOS, **kw)
-    return out[0]
+    return ChatTemplate(src).render(msgs, tools=hf_tools, bos_token=BOS, eos_token=EOS, **kw)
 
 
 TOOL_TEMPLATES = {  # template: the family its model writes calls in
@@ -90,7 +86,7 @@ TOOL_TEMPLATES = {  # template: the family its model writes calls in
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_TEMPLATES))
-def test_tool_templates_render_as_transformers_does(name):
+def test_tool_templates_render_the_documented_format(name):
     src = source(name)
     caps = caps_of(src)
     assert caps.tools and caps.tool_calls and caps.tool_role
@@ -101,7 +97,7 @@ def test_tool_templates_render_as_transformers_does(name):
 
 
 @pytest.mark.parametrize("name", ["Qwen-Qwen2.5-7B-Instruct", "meta-llama-Llama-3.1-8B-Instruct"])
-def test_tools_without_calls_render_as_transformers_does(name):
+def test_tools_without_calls_render_the_documented_format(name):
     src = source(name)
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     assert ours(src, msgs) == hf(src, msgs)
@@ -132,7 +128,7 @@ def test_mistral_ids_become_nine_alphanumerics_consistently():
     got = ours(src, conversation("call_0123456789abcdef"))
     ids = {m for m in __import__("re").findall(r'"(?:id|call_id)": "([^"]+)"', got)}
     assert len(ids) == 1 and len(next(iter(ids))) == 9 and next(iter(ids)).isalnum()
-    with pytest.raises(Exception, match="length 9"):
+    with pytest.raises(ChatTemplateError, match="length 9"):
         hf(src, hf_conversation("call_0123456789abcdef"))  # what the template does with the raw id
 
 
@@ -174,9 +170,19 @@ def test_generic_format_adds_a_system_message_when_there_is_none():
     assert "You are a helpful AI assistant named SmolLM" not in got  # our system message replaces the default
 
 
-@pytest.mark.parametrize(
-    "name", ["Qwen-Qwen2.5-7B-Instruct", "meta-llama-Llama-3.1-8B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407"]
-)
+CONTINUED = {  # the rendered prompt's tail, the final message left open, as transformers cuts it: a template
+    # that writes the message as it is keeps its spaces; one that trims it (Llama's | trim) ends at its last word
+    "Qwen-Qwen2.5-7B-Instruct": ("<|im_start|>user\nWhat is 6 x 7?<|im_end|>\n<|im_start|>assistant\n", False),
+    "meta-llama-Llama-3.1-8B-Instruct": (
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is 6 x 7?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        True,
+    ),
+    "mistralai-Mistral-Nemo-Instruct-2407": ("[INST]What is 6 x 7?[/INST]", False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONTINUED))
 @pytest.mark.parametrize("prefill", ["The answer is", "The answer is  ", " 42\n"])
 def test_continue_final_message_as_transformers(name, prefill):
     src = source(name)
@@ -184,9 +190,10 @@ def test_continue_final_message_as_transformers(name, prefill):
     got = ChatTemplate(src).render(
         msgs, add_generation_prompt=False, continue_final_message=True, bos_token=BOS, eos_token=EOS
     )
-    want = hf(src, msgs, tools=None, add_generation_prompt=False, continue_final_message=True)
-    assert got == want
-    assert got.rstrip().endswith(prefill.strip())
+    whole = ChatTemplate(src).render(msgs, add_generation_prompt=False, bos_token=BOS, eos_token=EOS)
+    head, trims = CONTINUED[name]
+    assert got.endswith(head + (prefill.strip() if trims else prefill))
+    assert whole.startswith(got) and len(whole) > len(got)  # the turn's end is cut off
 
 
 def test_continue_final_message_errors():

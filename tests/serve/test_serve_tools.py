@@ -287,7 +287,7 @@ def test_tool_result_round_trip(scripted):
     call = first.choices[0].message.tool_calls[0]
     history = [
         *ASK,
-        first.choices[0].message.model_dump(exclude_none=True),
+        first.choices[0].message.model_dump(),  # with its null refusal, audio, annotations
         {"role": "tool", "tool_call_id": call.id, "content": "22 C and sunny"},
     ]
     r = httpx.post(f"{url}/tokenize", json={"messages": history, "tools": TOOLS})
