@@ -105,6 +105,10 @@ def build_app(
         shutdown_engine=shutdown_engine,
     )
     state.sampling_defaults = dict(default_sampling or {})
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, str):  # probe what it shows now, not on the event loop at the first tool request
+        with contextlib.suppress(Exception):  # a template that fails is reported by the requests that use it
+            caps_of(template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
