@@ -38,11 +38,13 @@ from pagedkv_rs.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    check_fields,
     error_body,
     to_sampling_params,
 )
 from pagedkv_rs.serve.render import View
 from pagedkv_rs.serve.sse import SSEResponse
+from pagedkv_rs.serve.tools import ToolParser, ToolSet, caps_of, prepare_messages, toolset_from
 
 __all__ = ["build_app", "OPEN_PATHS"]
 
@@ -106,6 +108,10 @@ def build_app(
         shutdown_engine=shutdown_engine,
     )
     state.sampling_defaults = dict(default_sampling or {})
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, str):  # probe what it shows now, not on the event loop at the first tool request
+        with contextlib.suppress(Exception):  # a template that fails is reported by the requests that use it
+            caps_of(template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -168,9 +174,10 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError("pass exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            args: tuple[Any, ...] = (state, req.messages, req.add_generation_prompt)
+            toolset = ToolSet(tuple(t.function.model_dump(exclude_none=True) for t in req.tools)) if req.tools else None
+            args: tuple[Any, ...] = (state, req, toolset)
             long = sum(len(m.text()) for m in req.messages) > LONG_INPUT
-            ids = await asyncio.to_thread(_chat_ids, *args) if long else _chat_ids(*args)
+            ids, _ = await asyncio.to_thread(_chat_ids, *args) if long else _chat_ids(*args)
         else:
             args = (state, req.prompt or "", req.add_special_tokens)
             ids = await asyncio.to_thread(_encode, *args) if len(args[1]) > LONG_INPUT else _encode(*args)
@@ -200,10 +207,11 @@ def build_app(
     async def chat(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest, state)
         _check_model(state, req.model)
+        toolset = toolset_from(req)
         long = sum(len(m.text()) for m in req.messages) > LONG_INPUT
-        args = (state, req.messages, req.add_generation_prompt)
-        ids = await asyncio.to_thread(_chat_ids, *args) if long else _chat_ids(*args)
-        return await _generate(state, request, req, [ids], chat=True)
+        args = (state, req, toolset)
+        ids, parser = await asyncio.to_thread(_chat_ids, *args) if long else _chat_ids(*args)
+        return await _generate(state, request, req, [ids], chat=True, tools=parser)
 
     return app
 
@@ -221,9 +229,11 @@ async def _parse(request: Request, model: type[BaseModel], state: State) -> Any:
             raise APIError(f"request body larger than {state.max_body} bytes", status=413)
         chunks.append(chunk)
     try:
-        return model.model_validate_json(b"".join(chunks))
+        req = model.model_validate_json(b"".join(chunks))
     except ValidationError as e:
         raise _validation_error(e.errors(include_url=False)) from None
+    check_fields(req)
+    return req
 
 
 def _validation_error(errors: Sequence[Any]) -> APIError:
@@ -272,16 +282,80 @@ def _encode(state: State, text: str, add_special_tokens: bool = False) -> list[i
     return list(getattr(enc, "ids", enc))
 
 
-def _chat_ids(state: State, messages: Sequence[Any], add_generation_prompt: bool) -> list[int]:
+# Variables the server itself passes to a chat template: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_VARS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token"}
+)
+
+
+def _chat_ids(state: State, req: Any, toolset: Optional[ToolSet]) -> tuple[list[int], Optional[ToolParser]]:
+    """The chat request's prompt ids through the GGUF's template (tools, calls and results as it shows them, see
+    ``tools.prepare_messages``), and the parser of its tool calls (None without tools)."""
     tok = state.tokenizer
     if not hasattr(tok, "apply_chat_template"):
         raise APIError("this server's tokenizer has no chat template; use /v1/completions", param="messages")
-    msgs = [{"role": m.role, "content": m.text()} for m in messages]
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(
+            "continue_final_message and add_generation_prompt cannot both be true (send add_generation_prompt: false)",
+            param="continue_final_message",
+        )
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
+    if clash:
+        raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    msgs = _message_dicts(req.messages)
     _fits(state, "".join(m["content"] for m in msgs), "messages")  # the rendered text holds them all
+    template = getattr(tok, "chat_template", None)
+    uses_tools = toolset is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs)
+    tools = None
+    parser = None
+    if uses_tools and template is not None:
+        try:
+            caps = caps_of(template)
+        except Exception as e:
+            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
+        msgs, tools = prepare_messages(msgs, toolset, caps)
+        if toolset is not None:
+            parser = ToolParser(toolset, caps.family)
+    if tools is not None:
+        kwargs["tools"] = tools
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
     try:
-        return list(tok.apply_chat_template(msgs, add_generation_prompt))
+        return list(tok.apply_chat_template(msgs, req.add_generation_prompt, **kwargs)), parser
     except Exception as e:
         raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
+
+
+def _message_dicts(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Request messages as template dicts: text content, calls as ``{"id", "name", "arguments": dict}``; the
+    legacy ``function_call`` / ``role: "function"`` pair becomes a call and its result."""
+    out: list[dict[str, Any]] = []
+    legacy_id = None
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            d["name"] = m.name
+        calls = []
+        for j, c in enumerate(m.tool_calls or []):
+            param = f"messages[{i}].tool_calls[{j}].function"
+            calls.append({"id": c.id, "name": c.function.name, "arguments": c.function.argument_dict(param)})
+        if m.function_call is not None:
+            legacy_id = f"call_legacy{i}"
+            args = m.function_call.argument_dict(f"messages[{i}].function_call")
+            calls.append({"id": legacy_id, "name": m.function_call.name, "arguments": args})
+        if calls:
+            if m.role != "assistant":
+                raise APIError(f"messages[{i}]: only assistant messages carry tool calls", param="messages")
+            d["tool_calls"] = calls
+        if m.role == "function":
+            d["role"] = "tool"
+            if legacy_id is not None:
+                d["tool_call_id"] = legacy_id
+        elif m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
 
 
 async def _generate(
@@ -291,6 +365,7 @@ async def _generate(
     prompts: list[list[int]],
     *,
     chat: bool,
+    tools: Optional[ToolParser] = None,
 ) -> Response:
     """Validate lengths and load, submit one engine request per prompt, answer streamed or whole."""
     limit = state.max_model_len
@@ -319,6 +394,8 @@ async def _generate(
     params = to_sampling_params(
         req, max_tokens=max_tokens, defaults=state.sampling_defaults, structured_outputs=constraint_of(req)
     )
+    if tools is not None and tools.constrained:
+        params = _force_tool_call(params, tools.toolset, req)
 
     def check() -> list[Any]:
         return [state.engine.check_request(ids, params, cache_salt=req.cache_salt) for ids in prompts]
@@ -355,7 +432,7 @@ async def _generate(
             s.cancel()
         raise APIError(str(e), param=getattr(e, "param", None)) from None
     job = Job(state, streams, req.n, req.stream)
-    view = View(state, rid, chat, req)
+    view = View(state, rid, chat, req, tools=tools)
     if req.stream:
         return SSEResponse(job, view)
     try:
@@ -373,6 +450,27 @@ async def _generate(
         return JSONResponse(view.whole([f for f in job.final if f is not None]))
     finally:
         job.close()
+
+
+def _force_tool_call(params: Any, toolset: ToolSet, req: Any) -> Any:
+    """``params`` constrained to the JSON of the forced call (``tool_choice`` ``required`` or a named tool):
+    ``tools.ToolSet.constraint``'s schema, through the engine's structured outputs."""
+    from dataclasses import replace
+
+    from pagedkv_rs.engine.structured import StructuredOutputsParams
+
+    param = "function_call" if toolset.legacy else "tool_choice"
+    if getattr(params, "structured_outputs", None) is not None:
+        what = repr(toolset.named or toolset.choice)
+        raise APIError(
+            f"{param} {what} forces a tool call: it cannot be combined with another output constraint "
+            "(response_format, structured_outputs)",
+            param=param,
+        )
+    try:
+        return replace(params, structured_outputs=StructuredOutputsParams(json=toolset.constraint()))
+    except (TypeError, ValueError) as e:
+        raise APIError(f"the tools' parameters cannot be forced: {e}", param="tools") from None
 
 
 # ------------------------------------------------------------------------------------------- errors

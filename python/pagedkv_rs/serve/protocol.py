@@ -1,15 +1,17 @@
 """OpenAI/vLLM request and response models, validated at the door, and the one map to ``SamplingParams``.
 
-Unknown request fields are ignored (as OpenAI and vLLM do); a known field of the wrong type or out of
-range is a 400. ``to_sampling_params`` is the only place a request becomes engine parameters; the few
-OpenAI fields the engine has no equivalent for (``echo``, ``suffix``, ``best_of``, ``logit_bias``,
-``tools``) answer 400 "not supported" when set, never silently ignored. The output-constraint fields
+A field we do not implement is refused with a 400 (``code: unsupported_parameter``, ``param`` naming it), never
+silently ignored: ``check_fields`` refuses every field the models do not define (``UNSUPPORTED`` lists the ones
+OpenAI or vLLM define, accepted only at their "off" value; ``METADATA`` the few harmless ones clients send), and
+``to_sampling_params`` the defined fields the engine has no equivalent for (``echo``, ``suffix``, ``best_of``,
+``logit_bias``). A known field of the wrong type or out of range is a 400. The output-constraint fields
 (``response_format``, ``structured_outputs``, ``guided_*``, ``json_schema``, ``grammar``) map to the engine's
 constraint in ``serve.constraints``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Literal, Optional, Union
 
@@ -28,6 +30,9 @@ __all__ = [
     "UsageInfo",
     "to_sampling_params",
     "error_body",
+    "check_fields",
+    "UNSUPPORTED",
+    "METADATA",
 ]
 
 MAX_SEED = (1 << 64) - 1
@@ -61,7 +66,7 @@ def error_body(message: str, type: str, param: Optional[str] = None, code: Optio
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # extras are refused by check_fields
 
 
 Float = Optional[float]
@@ -141,20 +146,72 @@ class CompletionRequest(_Sampling):
         return items
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
+# ------------------------------------------------------------------- chat messages, tools (serve/tools.py)
+class ContentPart(_Request):
+    type: str
+    text: Optional[str] = None
+
+
+class FunctionCallParam(_Request):
+    """A past call's function: ``arguments`` is OpenAI's JSON string (a JSON object is taken as well)."""
+
+    name: str = Field(..., min_length=1, max_length=256)
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+    def argument_dict(self, param: str) -> dict[str, Any]:
+        args = self.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise APIError(f"{param}: arguments is not valid JSON", param="messages") from None
+        if not isinstance(args, dict):
+            raise APIError(f"{param}: arguments must be a JSON object", param="messages")
+        return args
+
+
+class ToolCallParam(_Request):
+    id: str = Field(..., min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallParam]] = Field(None, max_length=128)
+    tool_call_id: Optional[str] = Field(None, max_length=256)
+    function_call: Optional[FunctionCallParam] = None  # legacy: an assistant's one call
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text or "" for p in self.content)
         return self.content or ""
+
+
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+class FunctionDef(_Request):
+    name: str = Field(..., pattern=NAME_PATTERN)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolParam(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -163,16 +220,24 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+    tools: Optional[list[ToolParam]] = Field(None, max_length=256)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list[FunctionDef]] = Field(None, max_length=256)  # legacy tools
+    function_call: Union[Literal["none", "auto"], NamedFunction, None] = None  # legacy tool_choice
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class TokenizeRequest(_Request):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(None, min_length=1, max_length=4096)
+    tools: Optional[list[ToolParam]] = Field(None, max_length=256)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = True  # vLLM's default: a text prompt gets the vocabulary's BOS/EOS
 
 
@@ -228,7 +293,6 @@ def to_sampling_params(
         logprobs = req.logprobs
     else:
         assert isinstance(req, ChatCompletionRequest)
-        unsupported += [("tools", req.tools or None, None)]
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -263,3 +327,100 @@ def to_sampling_params(
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as e:
         raise APIError(str(e)) from None
+
+
+# -------------------------------------------------------------------------------------------- field audit
+# Request fields OpenAI's or vLLM's chat / completion APIs define that this server does not implement: refused
+# with a 400 unless set to one of the values listed (what the field means when it is absent).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    # OpenAI
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    # vLLM
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "truncation_side": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logprob_token_ids": (None,),
+    "watermarking": (None, False),
+    "add_special_tokens": (None,),  # chat and completions (/tokenize implements it)
+    "documents": (None,),
+    "chat_template": (None,),
+    "media_io_kwargs": (None,),
+    "mm_processor_kwargs": (None,),
+    "request_id": (None,),
+    "session_id": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "return_prompt_text": (None, False),
+    "return_token_offsets": (None, False),
+    "return_mm_kwargs": (None, True),
+    "routed_experts_prompt_start": (None, 0),
+    "kv_transfer_params": (None,),
+    "ec_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "repetition_detection": (None,),
+    "stream_interval": (None,),
+    "thinking_token_budget": (None,),
+    "include_reasoning": (None,),
+    "prompt_embeds": (None,),
+    "logits_processors": (None,),
+    "echo": (None, False),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),  # vLLM's chat echo (completions define their own echo field)
+}
+# Fields clients send as labels for their own bookkeeping: accepted, not used, not stored.
+METADATA = frozenset({"metadata", "prompt_cache_key", "safety_identifier"})
+# Fields of a message that OpenAI's own response objects carry: accepted when empty.
+MESSAGE_ECHOES = frozenset({"refusal", "audio", "annotations", "reasoning", "reasoning_content"})
+
+
+def _is_off(value: Any, offs: tuple[Any, ...]) -> bool:
+    return any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in offs)
+
+
+def _refuse(param: str, message: str) -> APIError:
+    return APIError(message, param=param, code="unsupported_parameter")
+
+
+def check_fields(req: BaseModel) -> None:
+    """400 ``unsupported_parameter`` for the first field ``req`` (a parsed request) holds that no model defines."""
+    for name, value in (req.model_extra or {}).items():
+        if name in METADATA:
+            continue
+        if name in UNSUPPORTED:
+            if not _is_off(value, UNSUPPORTED[name]):
+                raise _refuse(name, f"{name} is not supported by this server")
+            continue
+        raise _refuse(name, f"unknown field {name!r}: this server does not implement it")
+    for field_name in type(req).model_fields:
+        _check_nested(getattr(req, field_name), field_name)
+
+
+def _check_nested(value: Any, path: str) -> None:
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_nested(v, f"{path}[{i}]")
+        return
+    if not isinstance(value, BaseModel):
+        return
+    if isinstance(value, ContentPart) and value.type != "text":
+        raise _refuse(path.split("[", 1)[0], f"{path}: content parts of type {value.type!r} are not supported")
+    if isinstance(value, ContentPart) and value.text is None:
+        raise APIError(f"{path}: a text part needs 'text'", param=path.split("[", 1)[0])
+    for name, v in (value.model_extra or {}).items():
+        if isinstance(value, ChatMessage) and name in MESSAGE_ECHOES and v in (None, "", []):
+            continue
+        raise _refuse(path.split("[", 1)[0].split(".", 1)[0], f"unknown field {path}.{name}: not supported")
+    for field_name in type(value).model_fields:
+        _check_nested(getattr(value, field_name), f"{path}.{field_name}")

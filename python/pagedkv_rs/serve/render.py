@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from pagedkv_rs.engine.request import RequestOutput
+from pagedkv_rs.serve.tools import ToolCall, ToolParser, ToolStream
 
 __all__ = ["View", "completion_logprobs", "chat_logprobs", "prompt_logprobs"]
 
@@ -20,8 +21,11 @@ _MARK_JSON = json.dumps(_MARK).encode()
 class View:
     """Renders a job's outputs as OpenAI completion / chat objects (whole, or SSE chunks)."""
 
-    def __init__(self, state: Any, rid: str, chat: bool, req: Any) -> None:
+    def __init__(self, state: Any, rid: str, chat: bool, req: Any, tools: Optional[ToolParser] = None) -> None:
         self.state, self.rid, self.chat, self.req = state, rid, chat, req
+        self.tools = tools
+        self._tool_streams: dict[int, ToolStream] = {}
+        self._vanishing = _vanishing_markers(state.tokenizer, tools) if tools is not None else {}
         self.created = int(time.time())
         self.sent_text: dict[int, int] = {}  # choice index -> characters sent
         self.sent_tokens: dict[int, int] = {}
@@ -56,11 +60,14 @@ class View:
                 k = i * self.req.n + o.index
                 lp = self._logprobs(o, 0)
                 base: dict[str, Any] = {"index": k}
-                if self.chat:
+                fin = o.finish_reason
+                if self.chat and self.tools is not None:
+                    base["message"], fin = self._tool_message(o)
+                elif self.chat:
                     base["message"] = {"role": "assistant", "content": o.text or ""}
                 else:
                     base["text"] = o.text or ""
-                base.update(logprobs=lp, finish_reason=o.finish_reason, stop_reason=getattr(o, "stop_reason", None))
+                base.update(logprobs=lp, finish_reason=fin, stop_reason=getattr(o, "stop_reason", None))
                 if plp is not None and not self.chat:  # vLLM: on each completion choice of the prompt
                     base["prompt_logprobs"] = plp
                 choices.append(base)
@@ -115,6 +122,9 @@ class View:
         parts = []
         for o in out.outputs:
             k = i * self.req.n + o.index
+            if self.chat and self.tools is not None:
+                parts.append(self._tool_delta(k, o))
+                continue
             text = o.text or ""
             fin = o.finish_reason
             if fin is None and text.endswith("\ufffd"):
@@ -145,6 +155,72 @@ class View:
             parts.append(self._chunk(c))
         return b"".join(parts)
 
+    # ---------------------------------------------------------------------------------------------- tools
+    def _tool_text(self, o: Any) -> str:
+        """The answer's text with the call markers that are control tokens (decoded as nothing) put back."""
+        text = o.text or ""
+        ids = list(o.token_ids)
+        hits = [k for k, t in enumerate(ids) if t in self._vanishing]
+        if not hits:
+            return text
+        tok, out, prev = self.state.tokenizer, [], 0
+        for k in hits:
+            pos = len(tok.decode(ids[:k], skip_special_tokens=True, continuation=True))
+            if pos > len(text):  # past a stop string: not part of the answer
+                break
+            out += [text[prev:pos], self._vanishing[ids[k]]]
+            prev = pos
+        out.append(text[prev:])
+        return "".join(out)
+
+    def _finish(self, calls: list[ToolCall], fin: Optional[str]) -> Optional[str]:
+        if not calls:
+            return fin
+        return "function_call" if self.tools is not None and self.tools.toolset.legacy else "tool_calls"
+
+    def _call_fields(self, calls: list[ToolCall], stream: bool) -> dict[str, Any]:
+        assert self.tools is not None
+        if not calls:
+            return {}
+        if self.tools.toolset.legacy:  # the legacy functions API answers with its one call
+            return {"function_call": calls[0].openai()["function"]}
+        return {"tool_calls": [c.openai(index=j if stream else None) for j, c in enumerate(calls)]}
+
+    def _tool_message(self, o: Any) -> tuple[dict[str, Any], Optional[str]]:
+        assert self.tools is not None
+        content, calls = self.tools.parse(self._tool_text(o))
+        msg: dict[str, Any] = {"role": "assistant", "content": content if content.strip() or not calls else None}
+        msg.update(self._call_fields(calls, stream=False))
+        return msg, self._finish(calls, o.finish_reason)
+
+    def _tool_delta(self, k: int, o: Any) -> bytes:
+        """Choice ``k``'s chunks: content up to a call's opening marker, then the calls when the answer ends."""
+        assert self.tools is not None
+        fin = o.finish_reason
+        if fin is None and (o.text or "").endswith("\ufffd"):
+            return b""  # a multi-byte character is still arriving
+        st = self._tool_streams.get(k)
+        if st is None:
+            st = self._tool_streams[k] = ToolStream(self.tools)
+        piece, calls = st.push(self._tool_text(o), fin is not None)
+        if not piece and not calls and fin is None:
+            return b""  # held: its logprobs go with the next chunk sent
+        lp = self._logprobs(o, self.sent_tokens.get(k, 0))
+        self.sent_tokens[k] = len(o.token_ids)
+        chunks = []
+        if piece:
+            chunks.append(self._chunk({"index": k, "delta": {"content": piece}, "logprobs": lp, "finish_reason": None}))
+            lp = None
+        if calls:
+            delta = self._call_fields(calls, stream=True)
+            chunks.append(self._chunk({"index": k, "delta": delta, "logprobs": lp, "finish_reason": None}))
+            lp = None
+        if fin is not None:
+            c = {"index": k, "delta": {}, "logprobs": lp, "finish_reason": self._finish(calls, fin)}
+            c["stop_reason"] = getattr(o, "stop_reason", None)
+            chunks.append(self._chunk(c))
+        return b"".join(chunks)
+
     def final_usage(self, finals: list[RequestOutput]) -> bytes:
         body = self._head + ',"choices":[],"usage":' + json.dumps(self.usage(finals)) + "}"
         return b"data: " + body.encode() + b"\n\n"
@@ -156,6 +232,16 @@ class View:
         ids, lps = o.token_ids[start:], lps[start:]
         tok = self.state.tokenizer
         return chat_logprobs(ids, lps, tok) if self.chat else completion_logprobs(ids, lps, tok)
+
+
+def _vanishing_markers(tok: Any, tools: ToolParser) -> dict[int, str]:
+    """The parser's call markers that are single control tokens, which the answer's text drops: id -> marker."""
+    out = {}
+    for mk in tools.markers:
+        tid = tok.token_to_id(mk) if hasattr(tok, "token_to_id") else None
+        if tid is not None and tok.decode([tid], skip_special_tokens=True) == "":
+            out[tid] = mk
+    return out
 
 
 def _token_text(tok: Any, token_id: int, lp: Any) -> str:
