@@ -34,7 +34,7 @@ from pagedkv_rs.engine.request import (
 )
 from pagedkv_rs.engine.runner import Model, ModelRunner, check_model
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedkv_rs.engine.stream import RequestStream, check_lease, expire_leases, publish, take_final
+from pagedkv_rs.engine.stream import RequestStream, check_lease, expire_leases, gather_finals, publish
 from pagedkv_rs.metrics import EngineMetrics
 
 if TYPE_CHECKING:
@@ -310,27 +310,7 @@ class LLMEngine:
                 for s in streams:
                     s.cancel()
                 raise
-        bar = None
-        if use_tqdm or (use_tqdm is None and len(streams) >= 64):
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(streams), desc="generate", unit="req")
-        final: dict[str, RequestOutput] = {}
-        pending = streams
-        try:
-            while pending:
-                self.step()
-                pending = [s for s in pending if not take_final(s, final)]
-                if bar is not None:
-                    bar.update(len(final) - bar.n)
-                if self._thread is not None and pending:
-                    time.sleep(0.0005)  # the background loop may hold the step
-        finally:
-            if bar is not None:
-                bar.close()
-            for s in streams:
-                s.cancel()
-        return [final[s.request_id] for s in streams]
+        return gather_finals(streams, self.step, use_tqdm=use_tqdm, background=lambda: self._thread is not None)
 
     # ---------------------------------------------------------- background loop
     def submit(
