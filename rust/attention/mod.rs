@@ -198,7 +198,10 @@ impl CacheShape {
     }
 }
 
-/// One varlen batch of queries plus its block tables (the arrays `prepare_batch` returns).
+/// One step's batch as the kernels read it: the arrays of `BatchInputs` (`block_table.rs` builds
+/// them, `rust/py` reads them by name), borrowed. `positions` and `slot_mapping` are the decoder's
+/// (its checks and `write_kv`); the standalone `paged_attention` reads only the tables and leaves
+/// them empty. The query rows are not part of it: each layer brings its own (`Queries`).
 ///
 /// Two table forms: padded (`indptr` None): `block_tables` is `[B, max_blocks]`, -1 padded, each
 /// row holding at least `ceil(seq_len / block_size)` ids; CSR (`indptr` `[B + 1]`, as FlashInfer's
@@ -207,9 +210,9 @@ impl CacheShape {
 /// `max_blocks` is not read. Both give the same blocks, so the same results bit for bit.
 #[derive(Clone, Copy)]
 pub struct Batch<'a> {
-    /// `[num_tokens, num_q_heads, head_dim]` f32.
-    pub q: &'a [f32],
-    pub num_q_heads: usize,
+    /// `[T]` positions of the step's tokens, `[T]` their cache slots (-1 = do not write).
+    pub positions: &'a [i64],
+    pub slot_mapping: &'a [i64],
     /// `[B, max_blocks]`, -1 padded; or, with `indptr`, the CSR `indices`.
     pub block_tables: &'a [i32],
     pub max_blocks: usize,
@@ -230,6 +233,13 @@ impl Batch<'_> {
             None => seq * self.max_blocks,
         }
     }
+}
+
+/// One layer's query rows: `q` `[num_tokens, num_heads, head_dim]` f32.
+#[derive(Clone, Copy)]
+pub struct Queries<'a> {
+    pub q: &'a [f32],
+    pub num_heads: usize,
 }
 
 /// Scalar attention options.
@@ -292,6 +302,7 @@ pub(crate) struct Ctx<'a> {
     pub v: Kv<'a>,
     pub shape: CacheShape,
     pub batch: Batch<'a>,
+    pub q: Queries<'a>,
     pub params: Params,
     pub group: usize,
 }
@@ -306,18 +317,24 @@ impl Ctx<'_> {
     #[inline]
     pub fn q_row(&self, row: usize, u: &Unit) -> &[f32] {
         let d = self.shape.head_dim;
-        let base = (row * self.batch.num_q_heads + u.h0 * self.group) * d;
-        &self.batch.q[base..base + u.per_row(self.group) * d]
+        let base = (row * self.q.num_heads + u.h0 * self.group) * d;
+        &self.q.q[base..base + u.per_row(self.group) * d]
     }
     /// Keys row at position `p` may attend within `lo..hi`.
     #[inline]
     pub fn key_range(&self, p: usize, lo: usize, hi: usize) -> (usize, usize) {
-        let lo = match self.params.sliding_window {
-            Some(w) => lo.max((p + 1).saturating_sub(w)),
-            None => lo,
-        };
-        (lo, hi.min(p + 1))
+        key_range(self.params.sliding_window, p, lo, hi)
     }
+}
+
+/// Keys a row at position `p` may attend within `lo..hi`, under `window`.
+#[inline]
+pub(crate) fn key_range(window: Option<usize>, p: usize, lo: usize, hi: usize) -> (usize, usize) {
+    let lo = match window {
+        Some(w) => lo.max((p + 1).saturating_sub(w)),
+        None => lo,
+    };
+    (lo, hi.min(p + 1))
 }
 
 /// Partial attention of one unit: per query vector m (row-major over rows, then group heads),
@@ -363,7 +380,14 @@ fn attend(isa: Isa, ctx: &Ctx, u: &Unit, st: &mut State) {
 }
 
 /// Check every input of `paged_attention`; after this all indexing in the kernels is in range.
-pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, out_len: usize) -> Result<()> {
+pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, q: &Queries, out_len: usize) -> Result<()> {
+    validate_caches(k, v, shape)?;
+    let num_tokens = validate_queries(shape, q, out_len)?;
+    validate_batch(shape, b, num_tokens)
+}
+
+/// Both caches: one dtype, `shape`'s element count.
+pub fn validate_caches(k: &Kv, v: &Kv, shape: &CacheShape) -> Result<()> {
     let inval = |m: String| Err(Error::Invalid(m));
     let numel = shape.numel()?;
     if k.dtype() != v.dtype() {
@@ -380,23 +404,34 @@ pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, out_len: usize) -
             v.len()
         ));
     }
-    let (hq, hkv, d) = (b.num_q_heads, shape.num_kv_heads, shape.head_dim);
-    if hq == 0 || hq % hkv != 0 {
+    Ok(())
+}
+
+/// The query rows against the cache's heads and `out`; returns their token count.
+fn validate_queries(shape: &CacheShape, q: &Queries, out_len: usize) -> Result<usize> {
+    let inval = |m: String| Err(Error::Invalid(m));
+    let (hq, hkv, d) = (q.num_heads, shape.num_kv_heads, shape.head_dim);
+    if hq == 0 || hkv == 0 || hq % hkv != 0 {
         return inval(format!(
             "num_q_heads ({hq}) must be a positive multiple of num_kv_heads ({hkv})"
         ));
     }
     let row = hq * d;
-    if !b.q.len().is_multiple_of(row) {
+    if !q.q.len().is_multiple_of(row) {
         return inval(format!(
             "q holds {} elements, not a multiple of num_q_heads*head_dim = {row}",
-            b.q.len()
+            q.q.len()
         ));
     }
-    let num_tokens = b.q.len() / row;
-    if out_len != b.q.len() {
-        return inval(format!("out holds {out_len} elements, q holds {}", b.q.len()));
+    if out_len != q.q.len() {
+        return inval(format!("out holds {out_len} elements, q holds {}", q.q.len()));
     }
+    Ok(q.q.len() / row)
+}
+
+/// The step's tables against the cache geometry and `num_tokens` query rows.
+pub fn validate_batch(shape: &CacheShape, b: &Batch, num_tokens: usize) -> Result<()> {
+    let inval = |m: String| Err(Error::Invalid(m));
     let nseq = b.seq_lens.len();
     if b.query_start_loc.len() != nseq + 1 {
         return inval(format!(
@@ -530,11 +565,19 @@ pub fn check_last_page_len(b: &Batch, block_size: usize, last_page_len: &[i32]) 
 }
 
 /// Attention of every query row over its sequence's paged keys; writes `out` `[num_tokens, Hq, D]`.
-pub fn paged_attention(k: Kv, v: Kv, shape: CacheShape, b: Batch, params: Params, out: &mut [f32]) -> Result<()> {
+pub fn paged_attention(
+    k: Kv,
+    v: Kv,
+    shape: CacheShape,
+    b: Batch,
+    q: Queries,
+    params: Params,
+    out: &mut [f32],
+) -> Result<()> {
     let isa = active_isa(shape.head_dim)?;
     let pool = runtime::pool()?;
     let threads = pool.current_num_threads();
-    pool.install(|| paged_attention_with(isa, threads, k, v, shape, b, params, out))
+    pool.install(|| paged_attention_with(isa, threads, k, v, shape, b, q, params, out))
 }
 
 /// `paged_attention` with an explicit ISA and the thread count the work split plans for
@@ -547,10 +590,104 @@ pub(crate) fn paged_attention_with(
     v: Kv,
     shape: CacheShape,
     b: Batch,
+    q: Queries,
     params: Params,
     out: &mut [f32],
 ) -> Result<()> {
-    validate(&k, &v, &shape, &b, out.len())?;
+    validate(&k, &v, &shape, &b, &q, out.len())?;
+    let plan = Plan::checked(
+        b,
+        shape,
+        q.num_heads / shape.num_kv_heads,
+        params.sliding_window,
+        threads,
+    );
+    run_planned(isa, k, v, &plan, q, params, out)
+}
+
+/// The step's work split for one attention window: built once per step (the decoder builds one
+/// per distinct window of its layers) from a checked batch, then run by every layer with that window.
+pub struct Plan<'a> {
+    batch: Batch<'a>,
+    shape: CacheShape,
+    group: usize,
+    window: Option<usize>,
+    /// Work units grouped per item (`plan.rs`).
+    units: Vec<Vec<Unit>>,
+}
+
+impl<'a> Plan<'a> {
+    /// Check `batch` against the cache geometry (`num_tokens` query rows, `num_q_heads` query
+    /// heads) and split its work for `threads` threads under `window`.
+    pub fn new(
+        batch: Batch<'a>,
+        shape: CacheShape,
+        num_tokens: usize,
+        num_q_heads: usize,
+        window: Option<usize>,
+        threads: usize,
+    ) -> Result<Self> {
+        shape.numel()?;
+        if num_q_heads == 0 || !num_q_heads.is_multiple_of(shape.num_kv_heads) {
+            return Err(Error::Invalid(format!(
+                "num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({})",
+                shape.num_kv_heads
+            )));
+        }
+        validate_batch(&shape, &batch, num_tokens)?;
+        Ok(Self::checked(
+            batch,
+            shape,
+            num_q_heads / shape.num_kv_heads,
+            window,
+            threads,
+        ))
+    }
+
+    /// `new` for a batch `validate_batch` accepted.
+    fn checked(batch: Batch<'a>, shape: CacheShape, group: usize, window: Option<usize>, threads: usize) -> Self {
+        let units = plan(&batch, &shape, group, window, threads);
+        Plan {
+            batch,
+            shape,
+            group,
+            window,
+            units,
+        }
+    }
+
+    /// The sliding window this plan was split for.
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
+    /// `paged_attention` of one layer's queries `q` over the planned batch; `params` must carry
+    /// the plan's window.
+    pub fn attend(&self, k: Kv, v: Kv, q: Queries, params: Params, out: &mut [f32]) -> Result<()> {
+        let isa = active_isa(self.shape.head_dim)?;
+        runtime::pool()?.install(|| run_planned(isa, k, v, self, q, params, out))
+    }
+}
+
+/// Run a plan on checked caches and queries of its batch.
+fn run_planned(isa: Isa, k: Kv, v: Kv, plan: &Plan, q: Queries, params: Params, out: &mut [f32]) -> Result<()> {
+    let shape = plan.shape;
+    validate_caches(&k, &v, &shape)?;
+    let num_tokens = validate_queries(&shape, &q, out.len())?;
+    let planned_tokens = plan.batch.query_start_loc.last().copied().unwrap_or(0) as usize;
+    if num_tokens != planned_tokens || q.num_heads / shape.num_kv_heads != plan.group {
+        return Err(Error::Invalid(format!(
+            "q is [{num_tokens}, {}] but the plan is for {planned_tokens} tokens of {} query heads",
+            q.num_heads,
+            plan.group * shape.num_kv_heads
+        )));
+    }
+    if params.sliding_window != plan.window {
+        return Err(Error::Invalid(format!(
+            "sliding_window {:?} but the plan was split for {:?}",
+            params.sliding_window, plan.window
+        )));
+    }
     assert!(isa.available(), "{isa:?} is not supported by this CPU");
     let isa = if !shape.head_dim.is_multiple_of(8) {
         Isa::Scalar
@@ -561,11 +698,11 @@ pub(crate) fn paged_attention_with(
         k,
         v,
         shape,
-        batch: b,
+        batch: plan.batch,
+        q,
         params,
-        group: b.num_q_heads / shape.num_kv_heads,
+        group: plan.group,
     };
-    let units = plan(&ctx, threads);
-    run(isa, &ctx, &units, out);
+    run(isa, &ctx, &plan.units, out);
     Ok(())
 }

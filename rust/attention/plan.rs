@@ -5,7 +5,7 @@
 //! item's key range on block boundaries; `run` computes every unit on the rayon pool and writes
 //! whole items straight into `out`; split items are merged by log-sum-exp (`merge`) first.
 
-use super::{attend, Ctx, State};
+use super::{attend, key_range, Batch, CacheShape, Ctx, State};
 use crate::runtime::Isa;
 
 /// Query vectors per item when prefill rows are chunked: rows * group <= this.
@@ -43,9 +43,14 @@ impl Unit {
 
 /// Items (then their key-range splits when items are fewer than 4 per thread).
 /// Returns units grouped per item: `units[i]` are the pieces of item i.
-pub(super) fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
-    let b = &ctx.batch;
-    let rows_per = (ITEM_QUERIES / ctx.group).max(1);
+pub(super) fn plan(
+    b: &Batch,
+    shape: &CacheShape,
+    group: usize,
+    window: Option<usize>,
+    threads: usize,
+) -> Vec<Vec<Unit>> {
+    let rows_per = (ITEM_QUERIES / group).max(1);
     let mut items = Vec::new();
     for seq in 0..b.seq_lens.len() {
         let (r0, r1) = (b.query_start_loc[seq] as usize, b.query_start_loc[seq + 1] as usize);
@@ -53,8 +58,8 @@ pub(super) fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
         let first_pos = seq_len - (r1 - r0);
         // Few rows (decode): one unit reads whole blocks (all KV heads: one contiguous stretch
         // of K and one of V per block). Many rows (prefill): one unit per KV head and row chunk.
-        let hkv = ctx.shape.num_kv_heads;
-        let (step, rows_per) = if (r1 - r0) * hkv * ctx.group <= ITEM_QUERIES * 4 {
+        let hkv = shape.num_kv_heads;
+        let (step, rows_per) = if (r1 - r0) * hkv * group <= ITEM_QUERIES * 4 {
             (hkv, r1 - r0)
         } else {
             (1, rows_per)
@@ -64,7 +69,7 @@ pub(super) fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
             while r < r1 {
                 let re = (r + rows_per).min(r1);
                 let pos0 = first_pos + (r - r0);
-                let (key_lo, _) = ctx.key_range(pos0, 0, seq_len);
+                let (key_lo, _) = key_range(window, pos0, 0, seq_len);
                 let key_hi = pos0 + (re - r);
                 items.push(Unit {
                     seq,
@@ -85,7 +90,7 @@ pub(super) fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
         return items.into_iter().map(|u| vec![u]).collect();
     }
     let want = target.div_ceil(items.len());
-    let bs = ctx.shape.block_size;
+    let bs = shape.block_size;
     items
         .into_iter()
         .map(|u| {
@@ -131,7 +136,7 @@ unsafe fn write_out(ctx: &Ctx, u: &Unit, acc: &[f32], sum: &[f32], out: OutPtr) 
     let (g, d) = (ctx.group, ctx.shape.head_dim);
     let pr = u.per_row(g);
     for (i, row) in (u.row0..u.row1).enumerate() {
-        let base = (row * ctx.batch.num_q_heads + u.h0 * g) * d;
+        let base = (row * ctx.q.num_heads + u.h0 * g) * d;
         // SAFETY: base + pr*d <= num_tokens*hq*d since row < num_tokens and h1*g <= hq
         // (validated); exclusivity per the function contract.
         let dst = unsafe { std::slice::from_raw_parts_mut(out.0.add(base), pr * d) };
