@@ -9,7 +9,8 @@
 //!
 //! The ISA setting and the thread pool live in `runtime`; `runtime::available_isas()` is what
 //! this CPU runs, and the tests run every one of them against the reference. `plan.rs` splits a
-//! batch into work units and merges split ones; `cache.rs` writes, copies and loads cache blocks.
+//! batch into work units (`Plan`: one step's split, checked once, for every layer with its window)
+//! and merges split ones; `cache.rs` writes, copies and loads cache blocks.
 //!
 //! Layout: `k_cache`, `v_cache` are each `[num_blocks, num_kv_heads, block_size, head_dim]`,
 //! row-major. A block is one contiguous stretch; each (block, kv_head) is a contiguous
@@ -42,8 +43,9 @@ pub mod x86;
 use half::{bf16, f16};
 
 pub use cache::{copy_blocks, write_blocks, write_kv};
+use plan::run_planned;
+pub use plan::Plan;
 pub(crate) use plan::Unit;
-use plan::{plan, run};
 
 use crate::error::{Error, Result};
 use crate::runtime::{self, Isa};
@@ -408,7 +410,7 @@ pub fn validate_caches(k: &Kv, v: &Kv, shape: &CacheShape) -> Result<()> {
 }
 
 /// The query rows against the cache's heads and `out`; returns their token count.
-fn validate_queries(shape: &CacheShape, q: &Queries, out_len: usize) -> Result<usize> {
+pub(crate) fn validate_queries(shape: &CacheShape, q: &Queries, out_len: usize) -> Result<usize> {
     let inval = |m: String| Err(Error::Invalid(m));
     let (hq, hkv, d) = (q.num_heads, shape.num_kv_heads, shape.head_dim);
     if hq == 0 || hkv == 0 || hq % hkv != 0 {
@@ -603,106 +605,4 @@ pub(crate) fn paged_attention_with(
         threads,
     );
     run_planned(isa, k, v, &plan, q, params, out)
-}
-
-/// The step's work split for one attention window: built once per step (the decoder builds one
-/// per distinct window of its layers) from a checked batch, then run by every layer with that window.
-pub struct Plan<'a> {
-    batch: Batch<'a>,
-    shape: CacheShape,
-    group: usize,
-    window: Option<usize>,
-    /// Work units grouped per item (`plan.rs`).
-    units: Vec<Vec<Unit>>,
-}
-
-impl<'a> Plan<'a> {
-    /// Check `batch` against the cache geometry (`num_tokens` query rows, `num_q_heads` query
-    /// heads) and split its work for `threads` threads under `window`.
-    pub fn new(
-        batch: Batch<'a>,
-        shape: CacheShape,
-        num_tokens: usize,
-        num_q_heads: usize,
-        window: Option<usize>,
-        threads: usize,
-    ) -> Result<Self> {
-        shape.numel()?;
-        if num_q_heads == 0 || !num_q_heads.is_multiple_of(shape.num_kv_heads) {
-            return Err(Error::Invalid(format!(
-                "num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({})",
-                shape.num_kv_heads
-            )));
-        }
-        validate_batch(&shape, &batch, num_tokens)?;
-        Ok(Self::checked(
-            batch,
-            shape,
-            num_q_heads / shape.num_kv_heads,
-            window,
-            threads,
-        ))
-    }
-
-    /// `new` for a batch `validate_batch` accepted.
-    fn checked(batch: Batch<'a>, shape: CacheShape, group: usize, window: Option<usize>, threads: usize) -> Self {
-        let units = plan(&batch, &shape, group, window, threads);
-        Plan {
-            batch,
-            shape,
-            group,
-            window,
-            units,
-        }
-    }
-
-    /// The sliding window this plan was split for.
-    pub fn window(&self) -> Option<usize> {
-        self.window
-    }
-
-    /// `paged_attention` of one layer's queries `q` over the planned batch; `params` must carry
-    /// the plan's window.
-    pub fn attend(&self, k: Kv, v: Kv, q: Queries, params: Params, out: &mut [f32]) -> Result<()> {
-        let isa = active_isa(self.shape.head_dim)?;
-        runtime::pool()?.install(|| run_planned(isa, k, v, self, q, params, out))
-    }
-}
-
-/// Run a plan on checked caches and queries of its batch.
-fn run_planned(isa: Isa, k: Kv, v: Kv, plan: &Plan, q: Queries, params: Params, out: &mut [f32]) -> Result<()> {
-    let shape = plan.shape;
-    validate_caches(&k, &v, &shape)?;
-    let num_tokens = validate_queries(&shape, &q, out.len())?;
-    let planned_tokens = plan.batch.query_start_loc.last().copied().unwrap_or(0) as usize;
-    if num_tokens != planned_tokens || q.num_heads / shape.num_kv_heads != plan.group {
-        return Err(Error::Invalid(format!(
-            "q is [{num_tokens}, {}] but the plan is for {planned_tokens} tokens of {} query heads",
-            q.num_heads,
-            plan.group * shape.num_kv_heads
-        )));
-    }
-    if params.sliding_window != plan.window {
-        return Err(Error::Invalid(format!(
-            "sliding_window {:?} but the plan was split for {:?}",
-            params.sliding_window, plan.window
-        )));
-    }
-    assert!(isa.available(), "{isa:?} is not supported by this CPU");
-    let isa = if !shape.head_dim.is_multiple_of(8) {
-        Isa::Scalar
-    } else {
-        isa
-    };
-    let ctx = Ctx {
-        k,
-        v,
-        shape,
-        batch: plan.batch,
-        q,
-        params,
-        group: plan.group,
-    };
-    run(isa, &ctx, &plan.units, out);
-    Ok(())
 }

@@ -191,7 +191,7 @@ fn plan_splits_long_single_sequence() {
         seq_lens: &[4000],
         query_start_loc: &[0, 1],
     };
-    let units = plan(&b, &shape, 1, None, 2);
+    let units = plan::plan(&b, &shape, 1, None, 2);
     assert_eq!(units.len(), 1);
     assert_eq!(units[0].len(), 8);
     assert_eq!(units[0][0].key_lo, 0);
