@@ -406,6 +406,9 @@ _Entry = tuple[str, tuple[int, ...], str, str]
 def _plan(spec: SyntheticSpec, vocab_size: int) -> list[_Entry]:
     """Every tensor of ``spec`` in file order, as llama.cpp's loader names and shapes them for ``spec.arch``."""
     h, f, hq, hkv, d = spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads, spec.head_size
+    bias_rows = {"q": hq * d, "k": hkv * d, "v": hkv * d, "qkv": (hq + 2 * hkv) * d}
+    if not set(spec.biases) <= set(bias_rows):
+        raise ValueError(f"biases must be among 'q', 'k', 'v', 'qkv', got {spec.biases!r}")
     plan: list[_Entry] = [("token_embd.weight", (vocab_size, h), spec.embed_type, "embed")]
     if spec.llama3_rope is not None:
         plan.append(("rope_freqs.weight", (d // 2,), "F32", "rope_freqs"))
@@ -446,8 +449,7 @@ def _plan(spec: SyntheticSpec, vocab_size: int) -> list[_Entry]:
         if post_norms:
             plan.append((b + "post_ffw_norm.weight", (h,), "F32", "norm"))
         for part in spec.biases:
-            n = {"q": hq * d, "k": hkv * d, "v": hkv * d, "qkv": (hq + 2 * hkv) * d}[part]
-            plan.append((b + f"attn_{part}.bias", (n,), "F32", "bias"))
+            plan.append((b + f"attn_{part}.bias", (bias_rows[part],), "F32", "bias"))
     plan.append(("output_norm.weight", (h,), "F32", "output_norm"))
     if spec.output_type is not None:
         plan.append(("output.weight", (vocab_size, h), spec.output_type, "output"))
