@@ -69,7 +69,8 @@ pub struct ManagerStats {
     pub prefix_hit_tokens: u64,
 }
 
-/// One step's kernel inputs as plain vectors (`BatchInputs` field for field).
+/// One step's kernel inputs as plain vectors: Python's `BatchInputs` field for field (`rust/py/alloc.rs`
+/// builds it by name), which the kernels read back, borrowed, as `attention::Batch`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BatchInputs {
     pub input_ids: Vec<i64>,

@@ -140,3 +140,14 @@ def test_help_of_the_package_lists_llm():
     code += "print('LLM' in pagedkv_rs.__all__)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert (r.returncode, r.stdout.strip()) == (0, "False"), r.stderr
+
+
+def test_type_checkers_see_llm(tmp_path):
+    # The package is typed inline (py.typed; the lazy LLM is imported under TYPE_CHECKING) and only the
+    # compiled core has a stub (_core.pyi), as pydantic-core does: mypy resolves pagedkv_rs.LLM to the class.
+    code = "import pagedkv_rs\nreveal_type(pagedkv_rs.LLM)\nreveal_type(pagedkv_rs.LLM().generate)\n"
+    r = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-incremental", "-c", code], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "-> pagedkv_rs.llm.LLM" in r.stdout and "list[pagedkv_rs.engine.request.RequestOutput]" in r.stdout

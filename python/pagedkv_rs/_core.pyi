@@ -253,13 +253,16 @@ class LlamaDecoder:
     def intermediate_size(self) -> int: ...
     @property
     def vocab_size(self) -> Optional[int]: ...
-    def forward_hidden(self, x: _F32, batch: Any, kv_caches: _KVPairs, *, spin: bool = False) -> _F32: ...
+    def forward_hidden(
+        self, x: _F32, batch: BatchInputs, kv_caches: _KVPairs, *, rope: Sequence[tuple[_F32, _F32]], spin: bool = False
+    ) -> _F32: ...
     def forward(
         self,
         x: _F32,
-        batch: Any,
+        batch: BatchInputs,
         kv_caches: _KVPairs,
         logits_indices: Optional[Sequence[int]] = None,
         *,
+        rope: Sequence[tuple[_F32, _F32]],
         spin: bool = False,
     ) -> npt.NDArray[np.float32]: ...

@@ -9,7 +9,8 @@
 //!
 //! The ISA setting and the thread pool live in `runtime`; `runtime::available_isas()` is what
 //! this CPU runs, and the tests run every one of them against the reference. `plan.rs` splits a
-//! batch into work units and merges split ones; `cache.rs` writes, copies and loads cache blocks.
+//! batch into work units (`Plan`: one step's split, checked once, for every layer with its window)
+//! and merges split ones; `cache.rs` writes, copies and loads cache blocks.
 //!
 //! Layout: `k_cache`, `v_cache` are each `[num_blocks, num_kv_heads, block_size, head_dim]`,
 //! row-major. A block is one contiguous stretch; each (block, kv_head) is a contiguous
@@ -42,8 +43,9 @@ pub mod x86;
 use half::{bf16, f16};
 
 pub use cache::{copy_blocks, write_blocks, write_kv};
+use plan::run_planned;
+pub use plan::Plan;
 pub(crate) use plan::Unit;
-use plan::{plan, run};
 
 use crate::error::{Error, Result};
 use crate::runtime::{self, Isa};
@@ -198,7 +200,10 @@ impl CacheShape {
     }
 }
 
-/// One varlen batch of queries plus its block tables (the arrays `prepare_batch` returns).
+/// One step's batch as the kernels read it: the arrays of `BatchInputs` (`block_table.rs` builds
+/// them, `rust/py` reads them by name), borrowed. `positions` and `slot_mapping` are the decoder's
+/// (its checks and `write_kv`); the standalone `paged_attention` reads only the tables and leaves
+/// them empty. The query rows are not part of it: each layer brings its own (`Queries`).
 ///
 /// Two table forms: padded (`indptr` None): `block_tables` is `[B, max_blocks]`, -1 padded, each
 /// row holding at least `ceil(seq_len / block_size)` ids; CSR (`indptr` `[B + 1]`, as FlashInfer's
@@ -207,9 +212,9 @@ impl CacheShape {
 /// `max_blocks` is not read. Both give the same blocks, so the same results bit for bit.
 #[derive(Clone, Copy)]
 pub struct Batch<'a> {
-    /// `[num_tokens, num_q_heads, head_dim]` f32.
-    pub q: &'a [f32],
-    pub num_q_heads: usize,
+    /// `[T]` positions of the step's tokens, `[T]` their cache slots (-1 = do not write).
+    pub positions: &'a [i64],
+    pub slot_mapping: &'a [i64],
     /// `[B, max_blocks]`, -1 padded; or, with `indptr`, the CSR `indices`.
     pub block_tables: &'a [i32],
     pub max_blocks: usize,
@@ -230,6 +235,13 @@ impl Batch<'_> {
             None => seq * self.max_blocks,
         }
     }
+}
+
+/// One layer's query rows: `q` `[num_tokens, num_heads, head_dim]` f32.
+#[derive(Clone, Copy)]
+pub struct Queries<'a> {
+    pub q: &'a [f32],
+    pub num_heads: usize,
 }
 
 /// Scalar attention options.
@@ -292,6 +304,7 @@ pub(crate) struct Ctx<'a> {
     pub v: Kv<'a>,
     pub shape: CacheShape,
     pub batch: Batch<'a>,
+    pub q: Queries<'a>,
     pub params: Params,
     pub group: usize,
 }
@@ -306,18 +319,24 @@ impl Ctx<'_> {
     #[inline]
     pub fn q_row(&self, row: usize, u: &Unit) -> &[f32] {
         let d = self.shape.head_dim;
-        let base = (row * self.batch.num_q_heads + u.h0 * self.group) * d;
-        &self.batch.q[base..base + u.per_row(self.group) * d]
+        let base = (row * self.q.num_heads + u.h0 * self.group) * d;
+        &self.q.q[base..base + u.per_row(self.group) * d]
     }
     /// Keys row at position `p` may attend within `lo..hi`.
     #[inline]
     pub fn key_range(&self, p: usize, lo: usize, hi: usize) -> (usize, usize) {
-        let lo = match self.params.sliding_window {
-            Some(w) => lo.max((p + 1).saturating_sub(w)),
-            None => lo,
-        };
-        (lo, hi.min(p + 1))
+        key_range(self.params.sliding_window, p, lo, hi)
     }
+}
+
+/// Keys a row at position `p` may attend within `lo..hi`, under `window`.
+#[inline]
+pub(crate) fn key_range(window: Option<usize>, p: usize, lo: usize, hi: usize) -> (usize, usize) {
+    let lo = match window {
+        Some(w) => lo.max((p + 1).saturating_sub(w)),
+        None => lo,
+    };
+    (lo, hi.min(p + 1))
 }
 
 /// Partial attention of one unit: per query vector m (row-major over rows, then group heads),
@@ -363,7 +382,14 @@ fn attend(isa: Isa, ctx: &Ctx, u: &Unit, st: &mut State) {
 }
 
 /// Check every input of `paged_attention`; after this all indexing in the kernels is in range.
-pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, out_len: usize) -> Result<()> {
+pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, q: &Queries, out_len: usize) -> Result<()> {
+    validate_caches(k, v, shape)?;
+    let num_tokens = validate_queries(shape, q, out_len)?;
+    validate_batch(shape, b, num_tokens)
+}
+
+/// Both caches: one dtype, `shape`'s element count.
+pub fn validate_caches(k: &Kv, v: &Kv, shape: &CacheShape) -> Result<()> {
     let inval = |m: String| Err(Error::Invalid(m));
     let numel = shape.numel()?;
     if k.dtype() != v.dtype() {
@@ -380,23 +406,34 @@ pub fn validate(k: &Kv, v: &Kv, shape: &CacheShape, b: &Batch, out_len: usize) -
             v.len()
         ));
     }
-    let (hq, hkv, d) = (b.num_q_heads, shape.num_kv_heads, shape.head_dim);
-    if hq == 0 || hq % hkv != 0 {
+    Ok(())
+}
+
+/// The query rows against the cache's heads and `out`; returns their token count.
+pub(crate) fn validate_queries(shape: &CacheShape, q: &Queries, out_len: usize) -> Result<usize> {
+    let inval = |m: String| Err(Error::Invalid(m));
+    let (hq, hkv, d) = (q.num_heads, shape.num_kv_heads, shape.head_dim);
+    if hq == 0 || hkv == 0 || hq % hkv != 0 {
         return inval(format!(
             "num_q_heads ({hq}) must be a positive multiple of num_kv_heads ({hkv})"
         ));
     }
     let row = hq * d;
-    if !b.q.len().is_multiple_of(row) {
+    if !q.q.len().is_multiple_of(row) {
         return inval(format!(
             "q holds {} elements, not a multiple of num_q_heads*head_dim = {row}",
-            b.q.len()
+            q.q.len()
         ));
     }
-    let num_tokens = b.q.len() / row;
-    if out_len != b.q.len() {
-        return inval(format!("out holds {out_len} elements, q holds {}", b.q.len()));
+    if out_len != q.q.len() {
+        return inval(format!("out holds {out_len} elements, q holds {}", q.q.len()));
     }
+    Ok(q.q.len() / row)
+}
+
+/// The step's tables against the cache geometry and `num_tokens` query rows.
+pub fn validate_batch(shape: &CacheShape, b: &Batch, num_tokens: usize) -> Result<()> {
+    let inval = |m: String| Err(Error::Invalid(m));
     let nseq = b.seq_lens.len();
     if b.query_start_loc.len() != nseq + 1 {
         return inval(format!(
@@ -530,11 +567,19 @@ pub fn check_last_page_len(b: &Batch, block_size: usize, last_page_len: &[i32]) 
 }
 
 /// Attention of every query row over its sequence's paged keys; writes `out` `[num_tokens, Hq, D]`.
-pub fn paged_attention(k: Kv, v: Kv, shape: CacheShape, b: Batch, params: Params, out: &mut [f32]) -> Result<()> {
+pub fn paged_attention(
+    k: Kv,
+    v: Kv,
+    shape: CacheShape,
+    b: Batch,
+    q: Queries,
+    params: Params,
+    out: &mut [f32],
+) -> Result<()> {
     let isa = active_isa(shape.head_dim)?;
     let pool = runtime::pool()?;
     let threads = pool.current_num_threads();
-    pool.install(|| paged_attention_with(isa, threads, k, v, shape, b, params, out))
+    pool.install(|| paged_attention_with(isa, threads, k, v, shape, b, q, params, out))
 }
 
 /// `paged_attention` with an explicit ISA and the thread count the work split plans for
@@ -547,25 +592,17 @@ pub(crate) fn paged_attention_with(
     v: Kv,
     shape: CacheShape,
     b: Batch,
+    q: Queries,
     params: Params,
     out: &mut [f32],
 ) -> Result<()> {
-    validate(&k, &v, &shape, &b, out.len())?;
-    assert!(isa.available(), "{isa:?} is not supported by this CPU");
-    let isa = if !shape.head_dim.is_multiple_of(8) {
-        Isa::Scalar
-    } else {
-        isa
-    };
-    let ctx = Ctx {
-        k,
-        v,
+    validate(&k, &v, &shape, &b, &q, out.len())?;
+    let plan = Plan::checked(
+        b,
         shape,
-        batch: b,
-        params,
-        group: b.num_q_heads / shape.num_kv_heads,
-    };
-    let units = plan(&ctx, threads);
-    run(isa, &ctx, &units, out);
-    Ok(())
+        q.num_heads / shape.num_kv_heads,
+        params.sliding_window,
+        threads,
+    );
+    run_planned(isa, k, v, &plan, q, params, out)
 }

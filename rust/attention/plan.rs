@@ -3,10 +3,15 @@
 //! `plan` cuts a batch into items (one per sequence for decode-like rows, one per (sequence, KV
 //! head, chunk of rows) for prefill) and, when items are fewer than `4 * threads`, splits each
 //! item's key range on block boundaries; `run` computes every unit on the rayon pool and writes
-//! whole items straight into `out`; split items are merged by log-sum-exp (`merge`) first.
+//! whole items straight into `out`; split items are merged by log-sum-exp (`merge`) first. `Plan`
+//! holds one batch's split, checked once, for every call with its window (the decoder's layers).
 
-use super::{attend, Ctx, State};
-use crate::runtime::Isa;
+use super::{
+    active_isa, attend, key_range, validate_batch, validate_caches, validate_queries, Batch, CacheShape, Ctx, Kv,
+    Params, Queries, State,
+};
+use crate::error::{Error, Result};
+use crate::runtime::{self, Isa};
 
 /// Query vectors per item when prefill rows are chunked: rows * group <= this.
 const ITEM_QUERIES: usize = 64;
@@ -43,9 +48,14 @@ impl Unit {
 
 /// Items (then their key-range splits when items are fewer than 4 per thread).
 /// Returns units grouped per item: `units[i]` are the pieces of item i.
-pub(super) fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
-    let b = &ctx.batch;
-    let rows_per = (ITEM_QUERIES / ctx.group).max(1);
+pub(super) fn plan(
+    b: &Batch,
+    shape: &CacheShape,
+    group: usize,
+    window: Option<usize>,
+    threads: usize,
+) -> Vec<Vec<Unit>> {
+    let rows_per = (ITEM_QUERIES / group).max(1);
     let mut items = Vec::new();
     for seq in 0..b.seq_lens.len() {
         let (r0, r1) = (b.query_start_loc[seq] as usize, b.query_start_loc[seq + 1] as usize);
@@ -53,8 +63,8 @@ pub(super) fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
         let first_pos = seq_len - (r1 - r0);
         // Few rows (decode): one unit reads whole blocks (all KV heads: one contiguous stretch
         // of K and one of V per block). Many rows (prefill): one unit per KV head and row chunk.
-        let hkv = ctx.shape.num_kv_heads;
-        let (step, rows_per) = if (r1 - r0) * hkv * ctx.group <= ITEM_QUERIES * 4 {
+        let hkv = shape.num_kv_heads;
+        let (step, rows_per) = if (r1 - r0) * hkv * group <= ITEM_QUERIES * 4 {
             (hkv, r1 - r0)
         } else {
             (1, rows_per)
@@ -64,7 +74,7 @@ pub(super) fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
             while r < r1 {
                 let re = (r + rows_per).min(r1);
                 let pos0 = first_pos + (r - r0);
-                let (key_lo, _) = ctx.key_range(pos0, 0, seq_len);
+                let (key_lo, _) = key_range(window, pos0, 0, seq_len);
                 let key_hi = pos0 + (re - r);
                 items.push(Unit {
                     seq,
@@ -85,7 +95,7 @@ pub(super) fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
         return items.into_iter().map(|u| vec![u]).collect();
     }
     let want = target.div_ceil(items.len());
-    let bs = ctx.shape.block_size;
+    let bs = shape.block_size;
     items
         .into_iter()
         .map(|u| {
@@ -114,6 +124,122 @@ pub(super) fn plan(ctx: &Ctx, threads: usize) -> Vec<Vec<Unit>> {
         .collect()
 }
 
+/// The step's work split for one attention window: built once per step (the decoder builds one
+/// per distinct window of its layers) from a checked batch, then run by every layer with that window.
+pub struct Plan<'a> {
+    batch: Batch<'a>,
+    shape: CacheShape,
+    group: usize,
+    window: Option<usize>,
+    /// Work units grouped per item (`plan.rs`).
+    units: Vec<Vec<Unit>>,
+}
+
+impl<'a> Plan<'a> {
+    /// Check `batch` against the cache geometry (`num_tokens` query rows, `num_q_heads` query
+    /// heads) and split its work for `threads` threads under `window`.
+    pub fn new(
+        batch: Batch<'a>,
+        shape: CacheShape,
+        num_tokens: usize,
+        num_q_heads: usize,
+        window: Option<usize>,
+        threads: usize,
+    ) -> Result<Self> {
+        shape.numel()?;
+        if num_q_heads == 0 || !num_q_heads.is_multiple_of(shape.num_kv_heads) {
+            return Err(Error::Invalid(format!(
+                "num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({})",
+                shape.num_kv_heads
+            )));
+        }
+        validate_batch(&shape, &batch, num_tokens)?;
+        Ok(Self::checked(
+            batch,
+            shape,
+            num_q_heads / shape.num_kv_heads,
+            window,
+            threads,
+        ))
+    }
+
+    /// `new` for a batch `validate_batch` accepted.
+    pub(super) fn checked(
+        batch: Batch<'a>,
+        shape: CacheShape,
+        group: usize,
+        window: Option<usize>,
+        threads: usize,
+    ) -> Self {
+        let units = plan(&batch, &shape, group, window, threads);
+        Plan {
+            batch,
+            shape,
+            group,
+            window,
+            units,
+        }
+    }
+
+    /// The sliding window this plan was split for.
+    pub fn window(&self) -> Option<usize> {
+        self.window
+    }
+
+    /// `paged_attention` of one layer's queries `q` over the planned batch; `params` must carry
+    /// the plan's window.
+    pub fn attend(&self, k: Kv, v: Kv, q: Queries, params: Params, out: &mut [f32]) -> Result<()> {
+        let isa = active_isa(self.shape.head_dim)?;
+        runtime::pool()?.install(|| run_planned(isa, k, v, self, q, params, out))
+    }
+}
+
+/// Run a plan on checked caches and queries of its batch.
+pub(super) fn run_planned(
+    isa: Isa,
+    k: Kv,
+    v: Kv,
+    plan: &Plan,
+    q: Queries,
+    params: Params,
+    out: &mut [f32],
+) -> Result<()> {
+    let shape = plan.shape;
+    validate_caches(&k, &v, &shape)?;
+    let num_tokens = validate_queries(&shape, &q, out.len())?;
+    let planned_tokens = plan.batch.query_start_loc.last().copied().unwrap_or(0) as usize;
+    if num_tokens != planned_tokens || q.num_heads / shape.num_kv_heads != plan.group {
+        return Err(Error::Invalid(format!(
+            "q is [{num_tokens}, {}] but the plan is for {planned_tokens} tokens of {} query heads",
+            q.num_heads,
+            plan.group * shape.num_kv_heads
+        )));
+    }
+    if params.sliding_window != plan.window {
+        return Err(Error::Invalid(format!(
+            "sliding_window {:?} but the plan was split for {:?}",
+            params.sliding_window, plan.window
+        )));
+    }
+    assert!(isa.available(), "{isa:?} is not supported by this CPU");
+    let isa = if !shape.head_dim.is_multiple_of(8) {
+        Isa::Scalar
+    } else {
+        isa
+    };
+    let ctx = Ctx {
+        k,
+        v,
+        shape,
+        batch: plan.batch,
+        q,
+        params,
+        group: plan.group,
+    };
+    run(isa, &ctx, &plan.units, out);
+    Ok(())
+}
+
 /// Raw `out` pointer shared by the workers; each unit writes a disjoint set of (row, head) vectors.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -131,7 +257,7 @@ unsafe fn write_out(ctx: &Ctx, u: &Unit, acc: &[f32], sum: &[f32], out: OutPtr) 
     let (g, d) = (ctx.group, ctx.shape.head_dim);
     let pr = u.per_row(g);
     for (i, row) in (u.row0..u.row1).enumerate() {
-        let base = (row * ctx.batch.num_q_heads + u.h0 * g) * d;
+        let base = (row * ctx.q.num_heads + u.h0 * g) * d;
         // SAFETY: base + pr*d <= num_tokens*hq*d since row < num_tokens and h1*g <= hq
         // (validated); exclusivity per the function contract.
         let dst = unsafe { std::slice::from_raw_parts_mut(out.0.add(base), pr * d) };

@@ -81,16 +81,20 @@ fn run_case(c: &Case, dt: DType, isa: Isa, threads: usize, params: Params) -> Ve
         DType::Bf16 => (Kv::Bf16(&kb), Kv::Bf16(&vb)),
     };
     let b = Batch {
-        q: &c.q,
-        num_q_heads: c.hq,
+        positions: &[],
+        slot_mapping: &[],
         block_tables: &c.tables,
         max_blocks: c.max_blocks,
         indptr: None,
         seq_lens: &c.seq_lens,
         query_start_loc: &c.qsl,
     };
+    let q = Queries {
+        q: &c.q,
+        num_heads: c.hq,
+    };
     let mut out = vec![f32::NAN; c.q.len()];
-    paged_attention_with(isa, threads, k, v, c.shape, b, params, &mut out).unwrap();
+    paged_attention_with(isa, threads, k, v, c.shape, b, q, params, &mut out).unwrap();
     out
 }
 
@@ -178,26 +182,16 @@ fn plan_splits_long_single_sequence() {
         head_dim: 8,
     };
     let tables: Vec<i32> = (0..256).collect();
-    let q = vec![0.0; 8];
     let b = Batch {
-        q: &q,
-        num_q_heads: 1,
+        positions: &[],
+        slot_mapping: &[],
         block_tables: &tables,
         max_blocks: 256,
         indptr: None,
         seq_lens: &[4000],
         query_start_loc: &[0, 1],
     };
-    let z = vec![0.0f32; shape.numel().unwrap()];
-    let ctx = Ctx {
-        k: Kv::F32(&z),
-        v: Kv::F32(&z),
-        shape,
-        batch: b,
-        params: Params::new(8, None, None, None).unwrap(),
-        group: 1,
-    };
-    let units = plan(&ctx, 2);
+    let units = plan::plan(&b, &shape, 1, None, 2);
     assert_eq!(units.len(), 1);
     assert_eq!(units[0].len(), 8);
     assert_eq!(units[0][0].key_lo, 0);
@@ -279,15 +273,16 @@ fn validate_rejects_bad_tables() {
     let p = Params::new(8, None, None, None).unwrap();
     let go = |tables: &[i32], seq: i32, out: &mut [f32]| {
         let b = Batch {
-            q: &q,
-            num_q_heads: 1,
+            positions: &[],
+            slot_mapping: &[],
             block_tables: tables,
             max_blocks: 2,
             indptr: None,
             seq_lens: &[seq],
             query_start_loc: &[0, 1],
         };
-        paged_attention(Kv::F32(&z), Kv::F32(&z), shape, b, p, out)
+        let q = Queries { q: &q, num_heads: 1 };
+        paged_attention(Kv::F32(&z), Kv::F32(&z), shape, b, q, p, out)
     };
     assert!(go(&[0, 1], 8, &mut out).is_ok());
     assert!(go(&[0, -1], 8, &mut out).is_err());
@@ -295,4 +290,71 @@ fn validate_rejects_bad_tables() {
     assert!(go(&[0, 1], 9, &mut out).is_err());
     assert!(go(&[0, -1], 0, &mut out).is_err()); // q_len 1 > seq_len 0
     assert!(go(&[0, -1], 4, &mut out).is_ok()); // padding past the used blocks is fine
+}
+
+#[test]
+fn one_plan_serves_every_layer_of_its_window() {
+    // A step's plan, built once, gives each layer's queries the bits of a per-call paged_attention
+    // split for the same thread count, and refuses queries or a window it was not split for.
+    let mut r = Rng(23);
+    for _ in 0..20 {
+        let c = random_case(&mut r, 16, 300);
+        let b = Batch {
+            positions: &[],
+            slot_mapping: &[],
+            block_tables: &c.tables,
+            max_blocks: c.max_blocks,
+            indptr: None,
+            seq_lens: &c.seq_lens,
+            query_start_loc: &c.qsl,
+        };
+        let t = *c.qsl.last().unwrap() as usize;
+        let window = Some(1 + r.below(40));
+        let params = Params::new(16, None, window.map(|w| w as i64), None).unwrap();
+        let plan = Plan::new(b, c.shape, t, c.hq, window, 2).unwrap();
+        let (k, v) = (Kv::F32(&c.k32), Kv::F32(&c.v32));
+        for layer in 0..2 {
+            let q: Vec<f32> = c.q.iter().map(|&x| x * (1.0 + layer as f32)).collect();
+            let queries = Queries { q: &q, num_heads: c.hq };
+            let mut got = vec![f32::NAN; q.len()];
+            plan.attend(k, v, queries, params, &mut got).unwrap();
+            let mut want = vec![f32::NAN; q.len()];
+            paged_attention_with(active_isa(16).unwrap(), 2, k, v, c.shape, b, queries, params, &mut want).unwrap();
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+        }
+        let mut out = vec![0.0; c.q.len()];
+        let queries = Queries {
+            q: &c.q,
+            num_heads: c.hq,
+        };
+        let other = Params::new(16, None, None, None).unwrap();
+        assert!(plan.attend(k, v, queries, other, &mut out).is_err());
+        let short = Queries {
+            q: &c.q[..c.q.len() - 16 * c.hq],
+            num_heads: c.hq,
+        };
+        assert!(plan
+            .attend(k, v, short, params, &mut out[..c.q.len() - 16 * c.hq])
+            .is_err());
+    }
+    // Planning checks the batch: a block id past the cache is refused.
+    let shape = CacheShape {
+        num_blocks: 2,
+        num_kv_heads: 1,
+        block_size: 4,
+        head_dim: 8,
+    };
+    let b = Batch {
+        positions: &[],
+        slot_mapping: &[],
+        block_tables: &[0, 2],
+        max_blocks: 2,
+        indptr: None,
+        seq_lens: &[8],
+        query_start_loc: &[0, 1],
+    };
+    assert!(Plan::new(b, shape, 1, 1, None, 2).is_err());
 }

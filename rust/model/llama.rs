@@ -18,16 +18,20 @@
 //!
 //! Geometry comes from the weights: `H` = the QKV input width, `F` = half of `w_gate_up`'s rows;
 //! `Hq`, `Hkv` and `D` are given (the fused QKV rows cannot tell them apart). RoPE's cos/sin rows
-//! come with each step (`StepBatch::rope`, one `[T, D/2]` pair per base: any scaling and each
+//! come with each step beside its batch (`rope`, one `[T, D/2]` pair per base: any scaling and each
 //! layer's base live in them, and no `[max_len, D/2]` table is held here); `RopeMode::Half` rotates `(x[i], x[i + D/2])`, `Adjacent` rotates `(x[2i], x[2i + 1])`. Each
 //! product is the multiply then the subtraction/addition in f32 (no fused multiply-add), as numpy
 //! computes it.
+//!
+//! The step's batch is `attention::Batch` (the arrays of `BatchInputs`), checked once per step; the
+//! attention work split is planned once per step for each distinct window of the layers
+//! (`attention::Plan`) and reused by every layer with that window.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::team::{with_team, Team};
-use crate::attention::{self, Batch, CacheShape, Kv, KvMut, Params};
+use crate::attention::{self, Batch, CacheShape, Kv, KvMut, Params, Plan, Queries};
 use crate::error::{Error, Result};
 use crate::linear::{self, Product, QWeight};
 use crate::ops::Activation;
@@ -81,7 +85,7 @@ pub struct Layer {
     /// `[H]`: RMSNorm of the attention / FFN output before its residual add (Gemma 3).
     pub post_attn_norm: Option<Vec<f32>>,
     pub post_ffn_norm: Option<Vec<f32>>,
-    /// Index of this layer's RoPE rows in `StepBatch::rope` (Gemma 3's local and global layers have
+    /// Index of this layer's RoPE rows in the step's `rope` (Gemma 3's local and global layers have
     /// their own bases).
     pub rope_table: usize,
     /// Attend only the last `w` positions, the query's own included (local layers).
@@ -125,23 +129,6 @@ impl Head {
     fn vocab(&self) -> usize {
         self.lm_head.iter().map(|w| w.n()).sum()
     }
-}
-
-/// The step's batch: what `prepare_batch` returns, as the kernels take it.
-#[derive(Clone, Copy)]
-pub struct StepBatch<'a> {
-    /// `[T]` positions, `[T]` slots (-1 = do not write).
-    pub positions: &'a [i64],
-    pub slot_mapping: &'a [i64],
-    /// `[B, max_blocks]` (-1 padded), or with `indptr` the CSR `indices`; `[B]`, `[B + 1]`.
-    pub block_tables: &'a [i32],
-    pub max_blocks: usize,
-    /// `[B + 1]` CSR row offsets into `block_tables` (None: the padded form).
-    pub indptr: Option<&'a [i32]>,
-    pub seq_lens: &'a [i32],
-    pub query_start_loc: &'a [i32],
-    /// RoPE rows of the step's tokens, one pair per base.
-    pub rope: &'a [RopeRows<'a>],
 }
 
 impl Decoder {
@@ -305,12 +292,13 @@ impl Decoder {
     pub fn forward_hidden(
         &self,
         x: &mut [f32],
-        batch: &StepBatch,
+        batch: &Batch,
+        rope: &[RopeRows],
         caches: &mut [(KvMut, KvMut)],
         shape: CacheShape,
         spin: bool,
     ) -> Result<()> {
-        self.forward_then(x, batch, caches, shape, spin, |_, _| Ok(()))
+        self.forward_then(x, batch, rope, caches, shape, spin, |_, _| Ok(()))
     }
 
     /// `forward_hidden`, then the head in the same call: `logits [N, V]` of the rows `rows` (each
@@ -319,7 +307,8 @@ impl Decoder {
     pub fn forward_logits(
         &self,
         x: &mut [f32],
-        batch: &StepBatch,
+        batch: &Batch,
+        rope: &[RopeRows],
         caches: &mut [(KvMut, KvMut)],
         shape: CacheShape,
         rows: &[usize],
@@ -343,7 +332,7 @@ impl Decoder {
                 logits.len()
             ));
         }
-        self.forward_then(x, batch, caches, shape, spin, |x, mm| {
+        self.forward_then(x, batch, rope, caches, shape, spin, |x, mm| {
             let mut last = Vec::with_capacity(rows.len() * h);
             for &r in rows {
                 last.extend_from_slice(&x[r * h..][..h]);
@@ -368,44 +357,53 @@ impl Decoder {
         })
     }
 
-    /// Check, run every layer, then `tail(x)` on the residual stream, all on the kernel pool
+    /// Check, plan, run every layer, then `tail(x)` on the residual stream, all on the kernel pool
     /// (inside one spinning region when `spin`).
+    #[allow(clippy::too_many_arguments)]
     fn forward_then(
         &self,
         x: &mut [f32],
-        batch: &StepBatch,
+        b: &Batch,
+        rope: &[RopeRows],
         caches: &mut [(KvMut, KvMut)],
         shape: CacheShape,
         spin: bool,
         tail: impl FnOnce(&[f32], Mm) -> Result<()> + Send,
     ) -> Result<()> {
-        let t = batch.positions.len();
-        self.check(x, batch, caches.len(), shape)?;
-        // The attention inputs are checked before the first cache write, so a bad batch leaves
-        // the caches as they were.
-        let q = vec![0f32; t * self.num_heads * self.head_dim];
-        let (kc, vc) = &caches[0];
-        attention::validate(&view(kc), &view(vc), &shape, &self.attention_batch(&q, batch), q.len())?;
+        let t = b.positions.len();
+        self.check(x, b, rope, caches.len(), shape)?;
+        // The attention inputs are checked (in the plans) before the first cache write, so a bad
+        // batch leaves the caches as they were.
+        let pool = runtime::pool()?;
+        let threads = pool.current_num_threads();
+        let mut plans: Vec<Plan> = Vec::with_capacity(1);
+        for l in &self.layers {
+            if !plans.iter().any(|p| p.window() == l.sliding_window) {
+                plans.push(Plan::new(*b, shape, t, self.num_heads, l.sliding_window, threads)?);
+            }
+        }
+        for (kc, vc) in caches.iter() {
+            attention::validate_caches(&view(kc), &view(vc), &shape)?;
+        }
         if t == 0 {
             return tail(x, Mm::Rayon);
         }
-        let pool = runtime::pool()?;
-        if t <= TEAM_MAX_TOKENS && pool.current_num_threads() > 1 && !spin {
+        if t <= TEAM_MAX_TOKENS && threads > 1 && !spin {
             let isa = linear::active_isa()?;
             return with_team(&pool, |team| {
                 let mm = Mm::Team(team, isa);
-                self.run(x, batch, caches, shape, q, mm)?;
+                self.run(x, b, rope, &plans, caches, shape, mm)?;
                 tail(x, mm)
             });
         }
         let body = || -> Result<()> {
-            self.run(x, batch, caches, shape, q, Mm::Rayon)?;
+            self.run(x, b, rope, &plans, caches, shape, Mm::Rayon)?;
             tail(x, Mm::Rayon)
         };
         pool.install(|| if spin { with_spinning_workers(body) } else { body() })
     }
 
-    fn check(&self, x: &[f32], b: &StepBatch, num_caches: usize, shape: CacheShape) -> Result<()> {
+    fn check(&self, x: &[f32], b: &Batch, rope: &[RopeRows], num_caches: usize, shape: CacheShape) -> Result<()> {
         let bad = |m: String| Err(Error::Invalid(m));
         let t = b.positions.len();
         if x.len() != t * self.hidden {
@@ -425,14 +423,14 @@ impl Decoder {
             return bad(format!("positions[{i}] = {p} is negative"));
         }
         let half = self.head_dim / 2;
-        if b.rope.len() != self.num_ropes {
+        if rope.len() != self.num_ropes {
             return bad(format!(
                 "the step needs {} RoPE (cos, sin) row pairs, got {}",
                 self.num_ropes,
-                b.rope.len()
+                rope.len()
             ));
         }
-        for (i, r) in b.rope.iter().enumerate() {
+        for (i, r) in rope.iter().enumerate() {
             if r.cos.len() != t * half || r.sin.len() != t * half {
                 return bad(format!(
                     "rope[{i}]: cos and sin must be [{t}, {half}] (tokens, head_dim/2), got {} and {} values",
@@ -461,25 +459,15 @@ impl Decoder {
         Ok(())
     }
 
-    fn attention_batch<'a>(&self, q: &'a [f32], b: &StepBatch<'a>) -> Batch<'a> {
-        Batch {
-            q,
-            num_q_heads: self.num_heads,
-            block_tables: b.block_tables,
-            max_blocks: b.max_blocks,
-            indptr: b.indptr,
-            seq_lens: b.seq_lens,
-            query_start_loc: b.query_start_loc,
-        }
-    }
-
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         x: &mut [f32],
-        b: &StepBatch,
+        b: &Batch,
+        rope: &[RopeRows],
+        plans: &[Plan],
         caches: &mut [(KvMut, KvMut)],
         shape: CacheShape,
-        mut q: Vec<f32>,
         mm: Mm,
     ) -> Result<()> {
         let t = b.positions.len();
@@ -487,6 +475,7 @@ impl Decoder {
         let (nq, nkv) = (self.num_heads * d, self.num_kv_heads * d);
         let mut hn = vec![0f32; t * h];
         let mut qkv = vec![0f32; t * (nq + 2 * nkv)];
+        let mut q = vec![0f32; t * nq];
         let (mut k, mut v) = (vec![0f32; t * nkv], vec![0f32; t * nkv]);
         // Per-head normed queries / keys (Qwen3, Gemma 3), before RoPE.
         let qk_norm = self.layers.iter().any(|l| l.q_norm.is_some() || l.k_norm.is_some());
@@ -551,7 +540,7 @@ impl Decoder {
                     (&qn, nq, &kn, nkv)
                 }
             };
-            let table = &b.rope[layer.rope_table];
+            let table = &rope[layer.rope_table];
             for r in 0..t {
                 let (c, s) = (&table.cos[r * d / 2..][..d / 2], &table.sin[r * d / 2..][..d / 2]);
                 rope_heads(&q_src[r * q_w..][..nq], &mut q[r * nq..][..nq], d, c, s, self.rope);
@@ -559,8 +548,15 @@ impl Decoder {
                 v[r * nkv..][..nkv].copy_from_slice(&qkv[r * (nq + 2 * nkv) + nq + nkv..][..nkv]);
             }
             attention::write_kv(reborrow(kc), reborrow(vc), shape, &k, &v, b.slot_mapping)?;
-            let batch = self.attention_batch(&q, b);
-            attention::paged_attention(view(kc), view(vc), shape, batch, params, &mut attn)?;
+            let plan = plans
+                .iter()
+                .find(|p| p.window() == layer.sliding_window)
+                .ok_or_else(|| Error::Invalid(format!("layer {i}: no attention plan for its window")))?;
+            let queries = Queries {
+                q: &q,
+                num_heads: self.num_heads,
+            };
+            plan.attend(view(kc), view(vc), queries, params, &mut attn)?;
             mm.linear(&attn, t, &layer.wo, &mut o)?;
             let o_in = match &layer.post_attn_norm {
                 Some(w) => {

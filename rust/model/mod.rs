@@ -15,4 +15,4 @@
 pub mod llama;
 pub mod team;
 
-pub use llama::{Decoder, Head, Layer, RopeMode, RopeRows, StepBatch};
+pub use llama::{Decoder, Head, Layer, RopeMode, RopeRows};

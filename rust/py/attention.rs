@@ -7,7 +7,7 @@ use pyo3::types::PyTuple;
 
 use super::args::dim;
 use super::arrays::{cache, cache_pair, cache_pair_mut, kv, kv_mut, readonly, slice_of, typed};
-use crate::attention::{self as att, Batch, Params};
+use crate::attention::{self as att, Batch, Params, Queries};
 
 /// Zeroed `(k_cache, v_cache)`, each `[num_blocks, num_kv_heads, block_size, head_dim]`,
 /// every page touched up front.
@@ -314,9 +314,10 @@ pub fn paged_attention<'py>(
         .try_readwrite()
         .map_err(|e| PyValueError::new_err(format!("out must be writeable and not borrowed elsewhere: {e}")))?;
     let indptr = ipg.as_ref().map(|g| slice_of(g, "indptr")).transpose()?;
+    // The standalone kernel reads only the tables: no positions or slots.
     let batch = Batch {
-        q: slice_of(&qg, "q")?,
-        num_q_heads: hq,
+        positions: &[],
+        slot_mapping: &[],
         block_tables: slice_of(&btg, "block_tables")?,
         max_blocks: if indptr.is_some() { 0 } else { btr.shape[1] },
         indptr,
@@ -335,7 +336,11 @@ pub fn paged_attention<'py>(
     // call. As with any numpy kernel that releases the GIL, the caller must not mutate the
     // caches from another thread during the call.
     let (k, v) = unsafe { (kv(&kr, dt, numel), kv(&vr, dt, numel)) };
-    py.detach(|| att::paged_attention(k, v, shape, batch, params, o))
+    let queries = Queries {
+        q: slice_of(&qg, "q")?,
+        num_heads: hq,
+    };
+    py.detach(|| att::paged_attention(k, v, shape, batch, queries, params, o))
         .map_err(PyErr::from)?;
     drop(og);
     Ok(out_obj)

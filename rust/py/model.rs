@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use numpy::{PyArray2, PyArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -12,8 +13,8 @@ use super::arrays::{cache_pair_mut, kv_mut, readonly, slice_of, typed, Raw};
 use super::linear::QLinear;
 use super::type_name;
 use crate::attention::KvMut;
-use crate::attention::{CacheShape, DType};
-use crate::model::{Decoder, Head, Layer, RopeMode, RopeRows, StepBatch};
+use crate::attention::{Batch, CacheShape, DType};
+use crate::model::{Decoder, Head, Layer, RopeMode, RopeRows};
 use crate::ops::Activation;
 
 /// A decoder stack over `QLinear` weights (shared, not copied), described by data.
@@ -23,8 +24,9 @@ use crate::ops::Activation;
 /// `[(Hq + 2 Hkv) D]`), `q_norm`, `k_norm` (float32 `[D]`, per head before RoPE),
 /// `post_attn_norm`, `post_ffn_norm` (float32 `[H]`), `rope_table` (int, default 0: which of the
 /// step's `rope_tables` RoPE row pairs the layer rotates with) and `sliding_window` (int; absent:
-/// the decoder's `sliding_window`). Each step's batch brings `rope`: `rope_tables` pairs of float32
-/// `[T, D/2]` cos and sin rows at its tokens' positions. `rope_mode`: "half" or "adjacent".
+/// the decoder's `sliding_window`). Each step brings its `BatchInputs` and `rope`: `rope_tables`
+/// pairs of float32 `[T, D/2]` cos and sin rows at its tokens' positions. `rope_mode`: "half" or
+/// "adjacent".
 /// `activation`: "silu" or "gelu_tanh"; `attn_scale`: the attention logits' scale (None: 1/sqrt(D)).
 /// `lm_head`: a `QLinear` `[V, H]`, or a sequence of them holding consecutive vocabulary rows.
 #[pyclass(frozen, module = "pagedkv_rs._core")]
@@ -206,26 +208,28 @@ impl LlamaDecoder {
     }
 
     /// Every layer over one step: `x` float32 `[T, H]` (the embedded tokens) becomes the residual
-    /// stream after the last layer, in place, and is returned. `batch` has `positions`,
-    /// `slot_mapping` (int64 `[T]`), `block_tables` (int32 `[B, max_blocks]`, or the CSR tuple
-    /// `(indptr, indices)` of int32 arrays as `paged_attention` takes it), `seq_lens` (int32 `[B]`),
-    /// `query_start_loc` (int32 `[B+1]`), as `prepare_batch` builds them; `kv_caches` one
+    /// stream after the last layer, in place, and is returned. `batch`: the step's `BatchInputs`
+    /// as `prepare_batch` builds it, read by attribute name: `positions`, `slot_mapping` (int64
+    /// `[T]`), `indptr`, `indices` (the CSR block table, int32), `seq_lens` (int32 `[B]`),
+    /// `query_start_loc` (int32 `[B+1]`). `rope`: per RoPE base, the (cos, sin) float32 `[T, D/2]`
+    /// rows at the step's positions (`LlamaWeights.rope_rows`). `kv_caches`: one
     /// `(k_cache, v_cache)` per layer, all of one shape and dtype. The GIL is released.
     /// `spin`: the kernel threads spin for the call instead of parking between products (off by
     /// default: on a busy machine the spinners take the cores the kernels need, and the call gets
     /// slower).
-    #[pyo3(signature = (x, batch, kv_caches, *, spin = false))]
+    #[pyo3(signature = (x, batch, kv_caches, *, rope, spin = false))]
     fn forward_hidden<'py>(
         &self,
         py: Python<'py>,
         x: &Bound<'py, PyAny>,
         batch: &Bound<'py, PyAny>,
         kv_caches: &Bound<'py, PyAny>,
+        rope: &Bound<'py, PyAny>,
         spin: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let dec = &self.inner;
-        self.with_step(py, x, batch, kv_caches, |xs, step, caches, shape| {
-            dec.forward_hidden(xs, step, caches, shape, spin)
+        self.with_step(py, x, batch, rope, kv_caches, |xs, b, rope, caches, shape| {
+            dec.forward_hidden(xs, b, rope, caches, shape, spin)
         })?;
         Ok(x.clone())
     }
@@ -234,7 +238,8 @@ impl LlamaDecoder {
     /// float32 logits `[N, V]` of the tokens `logits_indices` (ints into the step's `T` tokens;
     /// None: each sequence's last token, `query_start_loc[1:] - 1`). `x` is left holding the
     /// residual stream as `forward_hidden` leaves it.
-    #[pyo3(signature = (x, batch, kv_caches, logits_indices = None, *, spin = false))]
+    #[pyo3(signature = (x, batch, kv_caches, logits_indices = None, *, rope, spin = false))]
+    #[allow(clippy::too_many_arguments)]
     fn forward<'py>(
         &self,
         py: Python<'py>,
@@ -242,6 +247,7 @@ impl LlamaDecoder {
         batch: &Bound<'py, PyAny>,
         kv_caches: &Bound<'py, PyAny>,
         logits_indices: Option<&Bound<'py, PyAny>>,
+        rope: &Bound<'py, PyAny>,
         spin: bool,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let dec = &self.inner;
@@ -266,7 +272,7 @@ impl LlamaDecoder {
             }
             None => {
                 let qsl_o = batch
-                    .getattr("query_start_loc")
+                    .getattr(intern!(py, "query_start_loc"))
                     .map_err(|_| PyTypeError::new_err("batch has no 'query_start_loc' (pass a BatchInputs)"))?;
                 let qsl = typed::<i32>(&qsl_o, "batch.query_start_loc", 1, "int32")?;
                 let g = readonly::<i32>(&qsl, "batch.query_start_loc")?;
@@ -292,8 +298,8 @@ impl LlamaDecoder {
             let logits = og
                 .as_slice_mut()
                 .map_err(|e| PyValueError::new_err(format!("logits buffer: {e}")))?;
-            self.with_step(py, x, batch, kv_caches, |xs, step, caches, shape| {
-                dec.forward_logits(xs, step, caches, shape, &rows, spin, logits)
+            self.with_step(py, x, batch, rope, kv_caches, |xs, b, rope, caches, shape| {
+                dec.forward_logits(xs, b, rope, caches, shape, &rows, spin, logits)
             })?;
         }
         Ok(out)
@@ -315,13 +321,16 @@ impl LlamaDecoder {
 impl LlamaDecoder {
     /// Validate one step's arguments (see `forward_hidden`) and run `f` on them with the GIL
     /// released.
+    #[allow(clippy::too_many_arguments)]
     fn with_step<'py>(
         &self,
         py: Python<'py>,
         x: &Bound<'py, PyAny>,
         batch: &Bound<'py, PyAny>,
+        rope_o: &Bound<'py, PyAny>,
         kv_caches: &Bound<'py, PyAny>,
-        f: impl FnOnce(&mut [f32], &StepBatch, &mut [(KvMut, KvMut)], CacheShape) -> crate::error::Result<()> + Send,
+        f: impl FnOnce(&mut [f32], &Batch, &[RopeRows], &mut [(KvMut, KvMut)], CacheShape) -> crate::error::Result<()>
+            + Send,
     ) -> PyResult<()> {
         let xr = typed::<f32>(x, "x", 2, "float32")?;
         if xr.shape[1] != self.inner.hidden_size() {
@@ -331,41 +340,24 @@ impl LlamaDecoder {
                 xr.shape
             )));
         }
-        let field = |name: &str| -> PyResult<Bound<'py, PyAny>> {
+        // The BatchInputs, by field name (docs/internals/kernels.md, "One step's batch").
+        let field = |name: &Bound<'py, pyo3::types::PyString>| -> PyResult<Bound<'py, PyAny>> {
             batch
                 .getattr(name)
                 .map_err(|_| PyTypeError::new_err(format!("batch has no '{name}' (pass a BatchInputs)")))
         };
-        let (pos_o, slot_o, bt_o, sl_o, qsl_o) = (
-            field("positions")?,
-            field("slot_mapping")?,
-            field("block_tables")?,
-            field("seq_lens")?,
-            field("query_start_loc")?,
+        let (pos_o, slot_o, ip_o, ix_o, sl_o, qsl_o) = (
+            field(intern!(py, "positions"))?,
+            field(intern!(py, "slot_mapping"))?,
+            field(intern!(py, "indptr"))?,
+            field(intern!(py, "indices"))?,
+            field(intern!(py, "seq_lens"))?,
+            field(intern!(py, "query_start_loc"))?,
         );
-        let rope_o = batch.getattr("rope").map_err(|_| {
-            PyTypeError::new_err(
-                "batch has no 'rope' (per RoPE base, the (cos, sin) rows at the step's positions: \
-                 LlamaWeights.rope_rows)",
-            )
-        })?;
         let pos = typed::<i64>(&pos_o, "batch.positions", 1, "int64")?;
         let slot = typed::<i64>(&slot_o, "batch.slot_mapping", 1, "int64")?;
-        // The table: padded `[B, max_blocks]`, or the CSR tuple `(indptr, indices)`.
-        let (bt, ipr) = if let Ok(tu) = bt_o.cast::<PyTuple>() {
-            if tu.len() != 2 {
-                return Err(PyValueError::new_err(format!(
-                    "batch.block_tables must be an int32 [B, max_blocks] array or a tuple (indptr, indices), \
-                     got a tuple of {}",
-                    tu.len()
-                )));
-            }
-            let (ip, ix) = (tu.get_item(0)?, tu.get_item(1)?);
-            let ipr = typed::<i32>(&ip, "batch.block_tables indptr", 1, "int32")?;
-            (typed::<i32>(&ix, "batch.block_tables indices", 1, "int32")?, Some(ipr))
-        } else {
-            (typed::<i32>(&bt_o, "batch.block_tables", 2, "int32")?, None)
-        };
+        let ipr = typed::<i32>(&ip_o, "batch.indptr", 1, "int32")?;
+        let bt = typed::<i32>(&ix_o, "batch.indices", 1, "int32")?;
         let sl = typed::<i32>(&sl_o, "batch.seq_lens", 1, "int32")?;
         let qsl = typed::<i32>(&qsl_o, "batch.query_start_loc", 1, "int32")?;
         // The RoPE rows: a sequence of (cos, sin) float32 [T, D/2] pairs.
@@ -374,22 +366,19 @@ impl LlamaDecoder {
             .try_iter()
             .map_err(|_| {
                 PyTypeError::new_err(format!(
-                    "batch.rope must be a sequence of (cos, sin) pairs, got {}",
-                    type_name(&rope_o)
+                    "rope must be a sequence of (cos, sin) pairs, got {}",
+                    type_name(rope_o)
                 ))
             })?
             .enumerate()
         {
             let p = p?;
             let (co, so): (Bound<'py, PyAny>, Bound<'py, PyAny>) = p.extract().map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "batch.rope[{i}] must be a (cos, sin) pair, got {}",
-                    type_name(&p)
-                ))
+                PyTypeError::new_err(format!("rope[{i}] must be a (cos, sin) pair, got {}", type_name(&p)))
             })?;
             rope_arrs.push((
-                typed::<f32>(&co, &format!("batch.rope[{i}] cos"), 2, "float32")?,
-                typed::<f32>(&so, &format!("batch.rope[{i}] sin"), 2, "float32")?,
+                typed::<f32>(&co, &format!("rope[{i}] cos"), 2, "float32")?,
+                typed::<f32>(&so, &format!("rope[{i}] sin"), 2, "float32")?,
             ));
         }
         let t = xr.shape[0];
@@ -400,10 +389,10 @@ impl LlamaDecoder {
             )));
         }
         let nseq = sl.shape[0];
-        if (ipr.is_none() && bt.shape[0] != nseq) || qsl.shape[0] != nseq + 1 {
+        if qsl.shape[0] != nseq + 1 {
             return Err(PyValueError::new_err(format!(
-                "need block_tables [B, max_blocks], seq_lens [B], query_start_loc [B+1]; got {:?}, {:?}, {:?}",
-                bt.shape, sl.shape, qsl.shape
+                "need seq_lens [B], query_start_loc [B+1]; got {:?}, {:?}",
+                sl.shape, qsl.shape
             )));
         }
         // The caches: one pair per layer, all of one geometry and dtype, disjoint from each other
@@ -459,19 +448,15 @@ impl LlamaDecoder {
                     return Err(PyValueError::new_err("kv_caches must not share memory with each other"));
                 }
             }
-            for (r, n) in rope_arrs
-                .iter()
-                .flat_map(|(c, s)| [(c, "batch.rope"), (s, "batch.rope")])
-                .chain([
-                    (&xr, "x"),
-                    (&pos, "batch.positions"),
-                    (&slot, "batch.slot_mapping"),
-                    (&bt, "batch.block_tables"),
-                    (&sl, "batch.seq_lens"),
-                    (&qsl, "batch.query_start_loc"),
-                ])
-                .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
-            {
+            for (r, n) in rope_arrs.iter().flat_map(|(c, s)| [(c, "rope"), (s, "rope")]).chain([
+                (&xr, "x"),
+                (&pos, "batch.positions"),
+                (&slot, "batch.slot_mapping"),
+                (&ipr, "batch.indptr"),
+                (&bt, "batch.indices"),
+                (&sl, "batch.seq_lens"),
+                (&qsl, "batch.query_start_loc"),
+            ]) {
                 if ra.overlaps(r) {
                     return Err(PyValueError::new_err(format!(
                         "{n} must not share memory with kv_caches"
@@ -479,63 +464,47 @@ impl LlamaDecoder {
                 }
             }
         }
-        for (r, n) in rope_arrs
-            .iter()
-            .flat_map(|(c, s)| [(c, "batch.rope"), (s, "batch.rope")])
-            .chain([
-                (&pos, "batch.positions"),
-                (&slot, "batch.slot_mapping"),
-                (&bt, "batch.block_tables"),
-                (&sl, "batch.seq_lens"),
-                (&qsl, "batch.query_start_loc"),
-            ])
-            .chain(ipr.as_ref().map(|r| (r, "batch.block_tables indptr")))
-        {
+        for (r, n) in rope_arrs.iter().flat_map(|(c, s)| [(c, "rope"), (s, "rope")]).chain([
+            (&pos, "batch.positions"),
+            (&slot, "batch.slot_mapping"),
+            (&ipr, "batch.indptr"),
+            (&bt, "batch.indices"),
+            (&sl, "batch.seq_lens"),
+            (&qsl, "batch.query_start_loc"),
+        ]) {
             if xr.overlaps(r) {
                 return Err(PyValueError::new_err(format!("x must not share memory with {n}")));
             }
         }
-        let (pg, sg, btg, slg, qslg) = (
+        let (pg, sg, ipg, btg, slg, qslg) = (
             readonly::<i64>(&pos, "batch.positions")?,
             readonly::<i64>(&slot, "batch.slot_mapping")?,
-            readonly::<i32>(&bt, "batch.block_tables")?,
+            readonly::<i32>(&ipr, "batch.indptr")?,
+            readonly::<i32>(&bt, "batch.indices")?,
             readonly::<i32>(&sl, "batch.seq_lens")?,
             readonly::<i32>(&qsl, "batch.query_start_loc")?,
         );
-        let ipg = ipr
-            .as_ref()
-            .map(|r| readonly::<i32>(r, "batch.block_tables indptr"))
-            .transpose()?;
         let rope_guards = rope_arrs
             .iter()
-            .map(|(c, s)| {
-                Ok((
-                    readonly::<f32>(c, "batch.rope cos")?,
-                    readonly::<f32>(s, "batch.rope sin")?,
-                ))
-            })
+            .map(|(c, s)| Ok((readonly::<f32>(c, "rope cos")?, readonly::<f32>(s, "rope sin")?)))
             .collect::<PyResult<Vec<_>>>()?;
         let rope = rope_guards
             .iter()
             .map(|(c, s)| {
                 Ok(RopeRows {
-                    cos: slice_of(c, "batch.rope cos")?,
-                    sin: slice_of(s, "batch.rope sin")?,
+                    cos: slice_of(c, "rope cos")?,
+                    sin: slice_of(s, "rope sin")?,
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let step = StepBatch {
+        let step = Batch {
             positions: slice_of(&pg, "batch.positions")?,
             slot_mapping: slice_of(&sg, "batch.slot_mapping")?,
-            block_tables: slice_of(&btg, "batch.block_tables")?,
-            max_blocks: if ipr.is_some() { 0 } else { bt.shape[1] },
-            indptr: ipg
-                .as_ref()
-                .map(|g| slice_of(g, "batch.block_tables indptr"))
-                .transpose()?,
+            block_tables: slice_of(&btg, "batch.indices")?,
+            max_blocks: 0,
+            indptr: Some(slice_of(&ipg, "batch.indptr")?),
             seq_lens: slice_of(&slg, "batch.seq_lens")?,
             query_start_loc: slice_of(&qslg, "batch.query_start_loc")?,
-            rope: &rope,
         };
         let mut xg = xr
             .arr
@@ -555,7 +524,8 @@ impl LlamaDecoder {
             .chunks_exact(2)
             .map(|kv| unsafe { (kv_mut(&kv[0], dt, numel), kv_mut(&kv[1], dt, numel)) })
             .collect();
-        py.detach(|| f(xs, &step, &mut caches, shape)).map_err(PyErr::from)?;
+        py.detach(|| f(xs, &step, &rope, &mut caches, shape))
+            .map_err(PyErr::from)?;
         drop(xg);
         Ok(())
     }

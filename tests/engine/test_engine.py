@@ -86,7 +86,7 @@ def assert_clean(e: LLMEngine) -> None:
     st = e.kv_manager.stats()
     assert st["live_blocks"] == 0 and st["num_seqs"] == 0
     e.kv_manager.check_invariants()
-    assert e._host == {} and e._streams == {}
+    assert e.runner.host == {} and e._streams == {}
 
 
 def test_tiny_model_implements_the_protocol():

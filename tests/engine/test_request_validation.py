@@ -34,7 +34,7 @@ def alone(prompt: list[int]) -> list[int]:
 def assert_clean(e: LLMEngine) -> None:
     assert not e.has_unfinished_requests()
     assert e.kv_manager.num_live_blocks == 0
-    assert e._streams == {} and e._host == {}
+    assert e._streams == {} and e.runner.host == {}
 
 
 BAD_SUBMISSIONS = [

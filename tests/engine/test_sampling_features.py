@@ -34,7 +34,7 @@ def assert_clean(e: LLMEngine) -> None:
     assert not e.has_unfinished_requests()
     assert e.kv_manager.num_live_blocks == 0 and e.kv_manager.stats()["num_seqs"] == 0
     e.kv_manager.check_invariants()
-    assert e._streams == {} and e._host == {}
+    assert e._streams == {} and e.runner.host == {}
 
 
 def run(e: LLMEngine, prompt, params):

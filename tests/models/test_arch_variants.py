@@ -16,22 +16,44 @@ import dataclasses
 import gguf
 import numpy as np
 import pytest
-from arch_files import GEMMA3, PHI3, QWEN3, ArchFile, write_arch_gguf
 from test_fused import run_pair
 
 from dense_llama import DenseLlama
 from pagedkv_rs.models.gguf_loader import GGUFError, load_gguf
 from pagedkv_rs.models.llama import LlamaModel, LlamaWeights
+from pagedkv_rs.models.synthetic import SyntheticSpec, write_synthetic_gguf
 
+# Small random-weight files in each architecture's own layout (Q8_0 blocks, tied embeddings).
+SMALL = SyntheticSpec(
+    num_layers=3,
+    hidden_size=64,
+    intermediate_size=96,
+    vocab_size=300,
+    weight_type="Q8_0",
+    embed_type="Q8_0",
+    rms_eps=1e-6,
+)
+QWEN3 = dataclasses.replace(SMALL, arch="qwen3", head_dim=32)  # query width 4 x 32 = 128 != hidden 64
+PHI3 = dataclasses.replace(SMALL, arch="phi3", num_kv_heads=4, sliding_window=8)  # fused attn_qkv, [gate; up]
+GEMMA3 = dataclasses.replace(
+    SMALL,
+    arch="gemma3",
+    num_layers=7,  # layers 0-4 local, 5 global, 6 local
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=64,  # query width 128 != hidden 64
+    sliding_window=6,
+    rope_theta=1e6,
+)
 VARIANTS = {
     "qwen3": QWEN3,
     "phi3": PHI3,
     "gemma3": GEMMA3,
     "gemma3_q4k_untied": dataclasses.replace(
-        GEMMA3, weight_type="Q4_K", hidden_size=256, head_dim=128, intermediate_size=256, tied=False
+        GEMMA3, weight_type="Q4_K", hidden_size=256, head_dim=128, intermediate_size=256, output_type="Q4_K"
     ),
-    "llama_fused_qkv_bias": ArchFile("llama", fused_qkv=True, biases=("qkv",)),
-    "qwen2_partial_bias": ArchFile("qwen2", biases=("q", "v")),
+    "llama_fused_qkv_bias": dataclasses.replace(SMALL, fused_qkv=True, biases=("qkv",)),
+    "qwen2_partial_bias": dataclasses.replace(SMALL, arch="qwen2", biases=("q", "v")),
     "qwen3_fused_qkv": dataclasses.replace(QWEN3, fused_qkv=True, biases=("q", "k", "v")),
 }
 
@@ -39,7 +61,9 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("arch")
-    return {name: write_arch_gguf(d / f"{name}.gguf", spec, seed=i) for i, (name, spec) in enumerate(VARIANTS.items())}
+    return {
+        name: write_synthetic_gguf(d / f"{name}.gguf", spec, seed=i) for i, (name, spec) in enumerate(VARIANTS.items())
+    }
 
 
 def test_configs_say_what_llama_cpp_does(files):
@@ -60,10 +84,10 @@ def test_configs_say_what_llama_cpp_does(files):
 def test_gemma3_pattern_and_local_base_from_metadata(tmp_path):
     u32, f32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
     meta = {"gemma3.attention.sliding_window_pattern": (3, u32), "gemma3.rope.freq_base_swa": (5000.0, f32)}
-    p = write_arch_gguf(tmp_path / "g.gguf", dataclasses.replace(GEMMA3, extra_meta=meta))
+    p = write_synthetic_gguf(tmp_path / "g.gguf", dataclasses.replace(GEMMA3, extra_meta=meta))
     g = load_gguf(p).config
     assert g.layer_windows == (6, 6, None, 6, 6, None, 6) and g.rope_theta_local == 5000.0
-    p = write_arch_gguf(tmp_path / "nowin.gguf", dataclasses.replace(GEMMA3, sliding_window=None))
+    p = write_synthetic_gguf(tmp_path / "nowin.gguf", dataclasses.replace(GEMMA3, sliding_window=None))
     g = load_gguf(p).config
     assert g.layer_windows == () and g.layer_window(0) is None and g.rope_theta_local is None
 
@@ -160,7 +184,7 @@ def test_gemma3_parts_change_the_output(files, backend):
 
 
 def test_unknown_architecture_names_it_and_the_supported_ones(tmp_path):
-    p = write_arch_gguf(tmp_path / "falcon.gguf", ArchFile("falcon"))
+    p = write_synthetic_gguf(tmp_path / "falcon.gguf", dataclasses.replace(SMALL, arch="falcon"))
     with pytest.raises(GGUFError, match=r"falcon\.gguf: unsupported architecture 'falcon' \(general\.architecture\)"):
         load_gguf(p)
     with pytest.raises(GGUFError, match=r"'llama', 'qwen2', 'qwen3', 'phi3', 'gemma3'"):
@@ -169,7 +193,7 @@ def test_unknown_architecture_names_it_and_the_supported_ones(tmp_path):
 
 def test_unsupported_rope_scaling_is_refused(tmp_path):
     s = gguf.GGUFValueType.STRING
-    p = write_arch_gguf(
+    p = write_synthetic_gguf(
         tmp_path / "yarn.gguf", dataclasses.replace(QWEN3, extra_meta={"qwen3.rope.scaling.type": ("yarn", s)})
     )
     with pytest.raises(
@@ -177,11 +201,11 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
     ):
         load_gguf(p)
     long = {"rope_factors_long.weight": np.ones(4, np.float32), "rope_factors_short.weight": np.ones(4, np.float32)}
-    p = write_arch_gguf(tmp_path / "phi35.gguf", dataclasses.replace(PHI3, extra_tensors=long))
+    p = write_synthetic_gguf(tmp_path / "phi35.gguf", dataclasses.replace(PHI3, extra_tensors=long))
     with pytest.raises(GGUFError, match=r"phi35\.gguf: tensor 'rope_factors_long\.weight': LongRoPE .* not supported"):
         load_gguf(p)
     f32 = gguf.GGUFValueType.FLOAT32
-    p = write_arch_gguf(
+    p = write_synthetic_gguf(
         tmp_path / "cap.gguf", dataclasses.replace(GEMMA3, extra_meta={"gemma3.final_logit_softcapping": (30.0, f32)})
     )
     with pytest.raises(GGUFError, match=r"cap\.gguf: gemma3\.final_logit_softcapping 30\.0: .* not supported"):
@@ -199,20 +223,20 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
     ],
 )
 def test_wrong_tensor_shapes_name_the_tensor(tmp_path, spec, leaf, shape, want):
-    p = write_arch_gguf(tmp_path / "bad.gguf", dataclasses.replace(spec, shape_override={leaf: shape}))
+    p = write_synthetic_gguf(tmp_path / "bad.gguf", dataclasses.replace(spec, shape_override={leaf: shape}))
     with pytest.raises(GGUFError, match=r"bad\.gguf: tensor " + want):
         load_gguf(p)
 
 
 def test_missing_gemma_norm_is_named(tmp_path):
-    p = write_arch_gguf(tmp_path / "g.gguf", dataclasses.replace(GEMMA3, post_norms=False))
+    p = write_synthetic_gguf(tmp_path / "g.gguf", dataclasses.replace(GEMMA3, post_norms=False))
     with pytest.raises(GGUFError, match=r"g\.gguf: tensor 'blk\.0\.post_attention_norm\.weight' is missing"):
         load_gguf(p)
 
 
 def test_bad_head_sizes_are_refused(tmp_path):
     u32 = gguf.GGUFValueType.UINT32
-    p = write_arch_gguf(
+    p = write_synthetic_gguf(
         tmp_path / "kv.gguf", dataclasses.replace(QWEN3, extra_meta={"qwen3.attention.value_length": (16, u32)})
     )
     with pytest.raises(GGUFError, match=r"kv\.gguf: qwen3\.attention\.key_length 32 / value_length 16"):

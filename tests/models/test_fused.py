@@ -10,6 +10,7 @@ TypeError/ValueError before any cache is written.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -143,7 +144,8 @@ def test_fused_head_equals_numpy_head(isa, tokens):
         assert b.dtype == np.float32 and b.shape == (1 if idx is None else len(idx), 300)
         np.testing.assert_array_equal(a, b)
         x = np.ascontiguousarray(w.embed[batch.input_ids], np.float32)
-        direct = models[1]._decoder.forward(x, with_rope(batch, w), models[1].new_kv_caches(16, 4, "float32"), idx)
+        caches = models[1].new_kv_caches(16, 4, "float32")
+        direct = models[1]._decoder.forward(x, batch, caches, idx, rope=w.rope_rows(batch.positions))
         np.testing.assert_array_equal(direct, b)
 
 
@@ -156,15 +158,11 @@ def tiny():
     model = LlamaModel(w, impl="fused")
     mgr = pagedkv_rs.fallback.KVCacheManager(8, 4, enable_prefix_caching=False)
     mgr.allocate(0, [1, 2, 3, 4, 5])
-    batch = with_rope(mgr.prepare_batch([0], [5]), w)
+    batch = mgr.prepare_batch([0], [5])
     caches = model.new_kv_caches(8, 4, "float32")
     x = np.ascontiguousarray(w.embed[batch.input_ids], np.float32)
-    return types.SimpleNamespace(w=w, model=model, dec=model._decoder, batch=batch, caches=caches, x=x)
-
-
-def with_rope(batch, w):
-    """A batch as the decoder takes it directly: plus each RoPE base's cos/sin rows at its positions."""
-    return types.SimpleNamespace(**{**batch.__dict__, "rope": w.rope_rows(np.asarray(batch.positions))})
+    rope = w.rope_rows(batch.positions)  # each RoPE base's cos/sin rows at the step's positions
+    return types.SimpleNamespace(w=w, model=model, dec=model._decoder, batch=batch, rope=rope, caches=caches, x=x)
 
 
 def _layers(w, **over):
@@ -225,16 +223,20 @@ def test_decoder_constructor_rejects_bad_weights(tiny):
 
 
 def _with(batch, **over):
-    return types.SimpleNamespace(**{**batch.__dict__, **over})
+    return dataclasses.replace(batch, **over)
+
+
+def _without(batch, name):
+    return types.SimpleNamespace(**{k: v for k, v in vars(batch).items() if k != name})
 
 
 def test_forward_hidden_rejects_bad_input(tiny):
     dec, b, caches, x = tiny.dec, tiny.batch, tiny.caches, tiny.x
     before = [(k.copy(), v.copy()) for k, v in caches]
 
-    def bad(exc, match, x=x, batch=b, kv=caches):
+    def bad(exc, match, x=x, batch=b, kv=caches, rope=tiny.rope):
         with pytest.raises(exc, match=match):
-            dec.forward_hidden(x.copy() if x is tiny.x else x, batch, kv)
+            dec.forward_hidden(x.copy() if x is tiny.x else x, batch, kv, rope=rope)
 
     bad(TypeError, "x must be float32", x=x.astype(np.float64))
     bad(ValueError, r"x must be \[T, 64\]", x=np.zeros((5, 32), np.float32))
@@ -243,37 +245,29 @@ def test_forward_hidden_rejects_bad_input(tiny):
     bad(TypeError, "batch has no 'positions'", batch=object())
     bad(TypeError, "batch.positions must be int64", batch=_with(b, positions=b.positions.astype(np.int32)))
     bad(ValueError, r"positions\[1\] = -3 is negative", batch=_with(b, positions=np.array([0, -3, 2, 3, 4])))
-    cos, sin = b.rope[0]
-    bad(
-        TypeError,
-        "batch has no 'rope'",
-        batch=types.SimpleNamespace(**{k: v for k, v in b.__dict__.items() if k != "rope"}),
-    )
-    bad(ValueError, r"the step needs 1 RoPE \(cos, sin\) row pairs, got 2", batch=_with(b, rope=[(cos, sin)] * 2))
-    bad(ValueError, r"rope\[0\]: cos and sin must be \[5, 8\]", batch=_with(b, rope=[(cos[:4], sin[:4])]))
-    bad(TypeError, r"batch.rope\[0\] cos must be float32", batch=_with(b, rope=[(cos.astype(np.float64), sin)]))
-    bad(TypeError, r"batch.rope\[0\] must be a \(cos, sin\) pair", batch=_with(b, rope=[cos]))
+    cos, sin = tiny.rope[0]
+    with pytest.raises(TypeError, match="missing 1 required keyword argument: 'rope'"):
+        dec.forward_hidden(x.copy(), b, caches)
+    bad(ValueError, r"the step needs 1 RoPE \(cos, sin\) row pairs, got 2", rope=[(cos, sin)] * 2)
+    bad(ValueError, r"rope\[0\]: cos and sin must be \[5, 8\]", rope=[(cos[:4], sin[:4])])
+    bad(TypeError, r"rope\[0\] cos must be float32", rope=[(cos.astype(np.float64), sin)])
+    bad(TypeError, r"rope\[0\] must be a \(cos, sin\) pair", rope=[cos])
     bad(ValueError, "slot_mapping", batch=_with(b, slot_mapping=np.array([0, 1, 2, 3, 10**6])))
-    bt = b.block_tables.copy()
-    bt[0, 0] = 99
-    bad(ValueError, r"block_tables\[0, 0\] = 99", batch=_with(b, block_tables=bt))
+    ix = b.indices.copy()
+    ix[0] = 99
+    bad(ValueError, r"indices\[0\] = 99", batch=_with(b, indices=ix))
     bad(ValueError, "query_start_loc", batch=_with(b, query_start_loc=np.array([0, 4], np.int32)))
-    # the CSR form (indptr, indices), as paged_attention takes it
-    ip, ix = b.indptr.astype(np.int32), b.indices.astype(np.int32)
-    bad(ValueError, "a tuple of 3", batch=_with(b, block_tables=(ip, ix, ix)))
-    bad(TypeError, "indptr must be int32", batch=_with(b, block_tables=(ip.astype(np.int64), ix)))
-    bad(ValueError, "indptr must have 2 entries", batch=_with(b, block_tables=(np.array([0], np.int32), ix)))
-    bad(ValueError, "indptr\\[0\\] must be 0", batch=_with(b, block_tables=(ip + 1, ix)))
-    bad(ValueError, "needs 2 blocks", batch=_with(b, block_tables=(np.array([0, 1], np.int32), ix[:1])))
+    # the block table is the batch's CSR form (indptr, indices), as FlashInfer takes it
+    ip, ix = b.indptr, b.indices
+    bad(TypeError, "batch has no 'indices'", batch=_without(b, "indices"))
+    bad(TypeError, "indptr must be int32", batch=_with(b, indptr=ip.astype(np.int64)))
+    bad(ValueError, "indptr must have 2 entries", batch=_with(b, indptr=np.array([0], np.int32)))
+    bad(ValueError, "indptr\\[0\\] must be 0", batch=_with(b, indptr=ip + 1))
+    bad(ValueError, "needs 2 blocks", batch=_with(b, indptr=np.array([0, 1], np.int32), indices=ix[:1]))
     xx = x.copy()
     alias = xx.view(np.int32).reshape(-1)[:2]  # indptr inside x's memory
     alias[:] = ip
-    bad(
-        ValueError,
-        "x must not share memory with batch.block_tables indptr",
-        batch=_with(b, block_tables=(alias, ix)),
-        x=xx,
-    )
+    bad(ValueError, "x must not share memory with batch.indptr", batch=_with(b, indptr=alias), x=xx)
     bad(ValueError, r"need 2 \(k_cache, v_cache\) pairs", kv=caches[:1])
     bad(TypeError, "list of", kv=None)
     bad(TypeError, r"kv_caches\[1\] must be a \(k_cache, v_cache\) pair", kv=[caches[0], 5])
@@ -288,7 +282,7 @@ def test_forward_hidden_rejects_bad_input(tiny):
     for (k0, v0), (k1, v1) in zip(before, caches):  # nothing was written by a refused call
         np.testing.assert_array_equal(k0, k1)
         np.testing.assert_array_equal(v0, v1)
-    out = dec.forward_hidden(x, b, caches)
+    out = dec.forward_hidden(x, b, caches, rope=tiny.rope)
     assert out is x and np.isfinite(x).all()
 
 
@@ -320,7 +314,7 @@ def test_forward_logits_rejects_bad_input(tiny):
 
     def bad(exc, match, idx=None, batch=b, d=dec):
         with pytest.raises(exc, match=match):
-            d.forward(x.copy(), batch, caches, idx)
+            d.forward(x.copy(), batch, caches, idx, rope=tiny.rope)
 
     bad(ValueError, r"logits row 1 is token 5, not in \[0, 5\)", idx=[0, 5])
     bad(ValueError, r"logits_indices\[0\] = -1 is negative", idx=np.array([-1]))
@@ -336,7 +330,7 @@ def test_forward_logits_rejects_bad_input(tiny):
     for (k0, v0), (k1, v1) in zip(before, caches):  # nothing was written by a refused call
         np.testing.assert_array_equal(k0, k1)
         np.testing.assert_array_equal(v0, v1)
-    logits = dec.forward(x.copy(), b, caches)
+    logits = dec.forward(x.copy(), b, caches, rope=tiny.rope)
     assert logits.shape == (1, w.lm_head.q.n) and np.isfinite(logits).all()
 
 
@@ -350,8 +344,8 @@ def test_forward_hidden_releases_the_gil():
     batch = mgr.prepare_batch([0], [119])
     caches = model.new_kv_caches(64, 16, "float32")
     x = np.ascontiguousarray(big.embed[batch.input_ids], np.float32)
-    batch = with_rope(batch, big)
-    assert gil_released_during(lambda: model._decoder.forward_hidden(x.copy(), batch, caches))
+    rope = big.rope_rows(batch.positions)
+    assert gil_released_during(lambda: model._decoder.forward_hidden(x.copy(), batch, caches, rope=rope))
 
 
 # ---- the real SmolLM2 (int8 weights): fused == numpy bit for bit, so the same greedy tokens ----
@@ -411,7 +405,8 @@ def test_spinning_workers_give_the_same_bits(tiny, threads):
         outs = []
         for spin in (False, True):
             caches = tiny.model.new_kv_caches(8, 4, "float32")
-            outs.append((tiny.dec.forward_hidden(tiny.x.copy(), tiny.batch, caches, spin=spin), caches))
+            y = tiny.dec.forward_hidden(tiny.x.copy(), tiny.batch, caches, rope=tiny.rope, spin=spin)
+            outs.append((y, caches))
         np.testing.assert_array_equal(outs[0][0], outs[1][0])
         for (k0, v0), (k1, v1) in zip(outs[0][1], outs[1][1]):
             np.testing.assert_array_equal(k0, k1)
@@ -447,22 +442,21 @@ def test_generate_cli_model_impl(capsys):
         LLM(model_impl="fused", weights="float32", kv_memory="4MiB")
 
 
-def test_forward_hidden_takes_the_csr_table_with_the_padded_ones_bits(tiny):
-    """block_tables as the CSR tuple (indptr, indices) prepare_batch builds: the same bits and the
-    same cache writes as the padded [B, max_blocks] table, here over two sequences of unequal length."""
+def test_forward_hidden_reads_the_csr_table_with_the_padded_ones_bits(tiny):
+    """The decoder reads the batch's CSR table (indptr, indices); the numpy spec attends over its
+    padded [B, max_blocks] table: the same bits and the same cache writes, here over two sequences
+    of unequal length."""
     mgr = pagedkv_rs.fallback.KVCacheManager(8, 4, enable_prefix_caching=False)
     mgr.allocate(0, [1, 2, 3, 4, 5, 6, 7, 8, 9])
     mgr.allocate(1, [4, 5])
-    b = with_rope(mgr.prepare_batch([0, 1], [9, 2]), tiny.w)
+    b = mgr.prepare_batch([0, 1], [9, 2])
+    assert b.block_tables.shape == (2, 3) and b.block_tables[1, 1] == -1  # padded
     x = np.ascontiguousarray(tiny.w.embed[b.input_ids], np.float32)
-    outs = []
-    for table in (b.block_tables, (b.indptr, b.indices)):
-        caches = tiny.model.new_kv_caches(8, 4, "float32")
-        batch = _with(b, block_tables=table)
-        outs.append((tiny.dec.forward_hidden(x.copy(), batch, caches), caches))
-    (y0, c0), (y1, c1) = outs
+    caches = [tiny.model.new_kv_caches(8, 4, "float32") for _ in range(2)]
+    y0 = LlamaModel(tiny.w, impl="numpy").forward_hidden(b, caches[0])
+    y1 = tiny.dec.forward_hidden(x, b, caches[1], rope=tiny.w.rope_rows(b.positions))
     assert np.isfinite(y0).all()
     np.testing.assert_array_equal(y0.view(np.uint32), y1.view(np.uint32))
-    for (k0, v0), (k1, v1) in zip(c0, c1):
+    for (k0, v0), (k1, v1) in zip(*caches):
         np.testing.assert_array_equal(k0, k1)
         np.testing.assert_array_equal(v0, v1)

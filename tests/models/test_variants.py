@@ -28,7 +28,7 @@ VARIANTS = {
     "llama2": BASE,
     "llama3_rope_freqs": dataclasses.replace(BASE, rope_theta=500000.0, llama3_rope=(8.0, 1.0, 4.0, 32)),
     "linear_rope": dataclasses.replace(BASE, rope_scaling_linear=4.0),
-    "qwen2": dataclasses.replace(BASE, arch="qwen2", qkv_bias=True, num_kv_heads=1, rope_theta=1000000.0),
+    "qwen2": dataclasses.replace(BASE, arch="qwen2", biases=("q", "k", "v"), num_kv_heads=1, rope_theta=1000000.0),
     "mistral_window": dataclasses.replace(BASE, sliding_window=5, output_type="Q6_K"),
     "smollm2_shape": dataclasses.replace(  # another size: 8 heads of 64, 2 KV heads, 3 layers, untied Q8_0 head
         BASE, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=768, num_layers=3, output_type="Q8_0"

@@ -32,7 +32,7 @@ from pagedkv_rs.engine.request import (
 )
 from pagedkv_rs.engine.runner import Model, ModelRunner, check_model
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedkv_rs.engine.stream import RequestStream, check_lease, expire_leases, publish, take_final
+from pagedkv_rs.engine.stream import RequestStream, check_lease, expire_leases, gather_finals, publish
 from pagedkv_rs.engine.structured import GrammarCompiler
 from pagedkv_rs.metrics import EngineMetrics
 
@@ -101,7 +101,6 @@ class LLMEngine:
         )
         self.kv_caches: list[tuple[np.ndarray, np.ndarray]] = self.runner.kv_caches
         self.kv_tiers: Optional[KVTiers] = self.runner.kv_tiers
-        self._host = self.runner.host  # swapped-out KV by request id
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._lock = threading.RLock()
@@ -310,27 +309,7 @@ class LLMEngine:
                 for s in streams:
                     s.cancel()
                 raise
-        bar = None
-        if use_tqdm or (use_tqdm is None and len(streams) >= 64):
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(streams), desc="generate", unit="req")
-        final: dict[str, RequestOutput] = {}
-        pending = streams
-        try:
-            while pending:
-                self.step()
-                pending = [s for s in pending if not take_final(s, final)]
-                if bar is not None:
-                    bar.update(len(final) - bar.n)
-                if self._thread is not None and pending:
-                    time.sleep(0.0005)  # the background loop may hold the step
-        finally:
-            if bar is not None:
-                bar.close()
-            for s in streams:
-                s.cancel()
-        return [final[s.request_id] for s in streams]
+        return gather_finals(streams, self.step, use_tqdm=use_tqdm, background=lambda: self._thread is not None)
 
     # ---------------------------------------------------------- background loop
     def submit(

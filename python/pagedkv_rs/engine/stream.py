@@ -24,7 +24,7 @@ from pagedkv_rs.engine.request import RequestOutput, StreamLeaseExpiredError
 if TYPE_CHECKING:
     import asyncio  # imported where a stream is read asynchronously: importing it costs start-up time
 
-__all__ = ["RequestStream", "check_lease", "publish", "expire_leases", "take_final", "wake_all"]
+__all__ = ["RequestStream", "check_lease", "gather_finals", "publish", "expire_leases", "take_final", "wake_all"]
 
 
 class RequestStream:
@@ -228,6 +228,41 @@ def take_final(stream: RequestStream, final: dict[str, RequestOutput]) -> bool:
         if item.finished:
             final[stream.request_id] = item
     return stream.request_id in final
+
+
+def gather_finals(
+    streams: Sequence[RequestStream],
+    step: Callable[[], Any],
+    *,
+    use_tqdm: Optional[bool] = None,
+    background: Callable[[], bool] = lambda: False,
+) -> list[RequestOutput]:
+    """Call ``step`` until every stream has ended; their final outputs, in order. Cancels them on the way out.
+
+    ``use_tqdm``: a progress bar (None: for 64 streams or more); ``background()``: whether a background
+    loop steps too (then pause between tries: it may hold the step).
+    """
+    bar = None
+    if use_tqdm or (use_tqdm is None and len(streams) >= 64):
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(streams), desc="generate", unit="req")
+    final: dict[str, RequestOutput] = {}
+    pending = list(streams)
+    try:
+        while pending:
+            step()
+            pending = [s for s in pending if not take_final(s, final)]
+            if bar is not None:
+                bar.update(len(final) - bar.n)
+            if pending and background():
+                time.sleep(0.0005)
+    finally:
+        if bar is not None:
+            bar.close()
+        for s in streams:
+            s.cancel()
+    return [final[s.request_id] for s in streams]
 
 
 def publish(streams: dict[str, RequestStream], outputs: Sequence[RequestOutput]) -> None:

@@ -596,7 +596,7 @@ class LlamaModel:
         rows = qsl[1:] - 1 if logits_indices is None else np.asarray(logits_indices, np.int64)
         if self._fused_head:  # layers, final norm and lm_head in one GIL-free call
             x, pos = self._embedded(batch, kv_caches)
-            return self._decoder.forward(x, _kernel_batch(batch, pos, self.weights), kv_caches, rows)
+            return self._decoder.forward(x, batch, kv_caches, rows, rope=self.weights.rope_rows(pos))
         hidden = self.forward_hidden(batch, kv_caches)
         w = self.weights
         return linear(rms_norm(hidden[rows], w.final_norm, self.config.rms_eps), w.lm_head)  # [N, V]
@@ -605,7 +605,7 @@ class LlamaModel:
         """Residual stream ``[T, H]`` after the last layer (before the final norm)."""
         x, pos = self._embedded(batch, kv_caches)
         if self._decoder is not None:
-            return self._decoder.forward_hidden(x, _kernel_batch(batch, pos, self.weights), kv_caches)
+            return self._decoder.forward_hidden(x, batch, kv_caches, rope=self.weights.rope_rows(pos))
         return self._forward_hidden_numpy(x, pos, batch, kv_caches)
 
     def _embedded(
@@ -729,19 +729,6 @@ def _fused_decoder(weights: LlamaWeights, mode: str) -> Any:
         attn_scale=cfg.attention_scale,
     )
     return dec
-
-
-def _kernel_batch(batch: BatchInputs, positions: np.ndarray, weights: LlamaWeights) -> types.SimpleNamespace:
-    """The arrays ``LlamaDecoder.forward_hidden`` reads, in the dtypes it takes."""
-    c = np.ascontiguousarray
-    return types.SimpleNamespace(
-        positions=c(positions, np.int64),
-        slot_mapping=c(batch.slot_mapping, np.int64),
-        block_tables=(c(batch.indptr, np.int32), c(batch.indices, np.int32)),  # CSR: no padding
-        seq_lens=c(batch.seq_lens, np.int32),
-        query_start_loc=c(batch.query_start_loc, np.int32),
-        rope=weights.rope_rows(positions),  # per RoPE base, float32 cos and sin [T, D/2]
-    )
 
 
 def eos_ids_from_metadata(meta: dict[str, Any]) -> tuple[int, ...]:

@@ -12,6 +12,11 @@ Two kinds of weights:
   (K-quants by the encoders below). ``write_synthetic_gguf(..., dequantized=True)`` writes the same weights
   dequantized to F32: llama.cpp's own quantized-vs-F32 difference is the tolerance of the agreement tests.
 
+Layout knobs (``fused_qkv``, ``fused_gate_up``, ``qk_norm``, ``post_norms``: None is the architecture's own layout;
+``biases``) and deliberate defects (``extra_meta``, ``extra_tensors``, ``shape_override``) make the files the
+loader's tests read: each layout it accepts and each file it must refuse. An ``arch`` outside ``ARCHS`` gets
+llama's layout (a file of an architecture the loader does not support).
+
 ``ARCH_SPECS`` holds one small model per architecture (llama, qwen2, qwen3, phi3, gemma3) with the tensor names,
 shapes and metadata llama.cpp's loader expects for it (Q/K norms, fused ``attn_qkv`` and ``ffn_up`` = [gate; up],
 post-norms, ``key_length`` different from hidden / heads, sliding window, tied embeddings) and mixed quant types.
@@ -20,7 +25,8 @@ post-norms, ``key_length`` different from hidden / heads, sliding window, tied e
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -58,6 +64,9 @@ class SyntheticSpec:
     ``vocab``: path of a vocab-only GGUF whose ``tokenizer.*`` keys are copied (its token count is the
     vocabulary size; weights are then realistic floats quantized here, not random blocks).
     ``tensor_types``: ``(name, type)`` overrides, ``name`` a full tensor name or a leaf such as ``ffn_up.weight``.
+    ``biases``: any of ``"q"``, ``"k"``, ``"v"`` (Qwen2 has all three), or ``("qkv",)`` for one fused bias.
+    ``extra_meta``: key -> ``(value, GGUFValueType)`` added as given; ``extra_tensors``: name -> float32 array
+    added as given; ``shape_override``: tensor name or leaf -> a wrong shape, written as float32 zeros.
     """
 
     arch: str = "llama"
@@ -72,7 +81,7 @@ class SyntheticSpec:
     embed_type: str = "Q6_K"
     output_type: Optional[str] = None
     down_type: Optional[str] = None  # ffn_down / attn_v type (Q4_K_M uses Q6_K there); None: weight_type
-    qkv_bias: bool = False
+    biases: tuple[str, ...] = ()
     sliding_window: Optional[int] = None
     rope_theta: float = 10000.0
     rope_scaling_linear: Optional[float] = None
@@ -81,6 +90,16 @@ class SyntheticSpec:
     head_dim: Optional[int] = None
     vocab: Optional[str] = None
     tensor_types: tuple[tuple[str, str], ...] = ()
+    fused_qkv: Optional[bool] = None  # one attn_qkv (None: phi3 only)
+    fused_gate_up: Optional[bool] = None  # ffn_up = [gate; up] (None: phi3 only)
+    qk_norm: Optional[bool] = None  # attn_q_norm / attn_k_norm (None: qwen3, gemma3)
+    post_norms: Optional[bool] = None  # post_attention_norm / post_ffw_norm (None: gemma3)
+    extra_meta: Mapping[str, tuple[Any, Any]] = field(default_factory=dict)
+    extra_tensors: Mapping[str, np.ndarray] = field(default_factory=dict)
+    shape_override: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def _layout(self, knob: Optional[bool], *archs: str) -> bool:
+        return self.arch in archs if knob is None else knob
 
     @property
     def head_size(self) -> int:
@@ -138,7 +157,7 @@ ARCH_SPECS: dict[str, SyntheticSpec] = {
         embed_type="Q6_K",
         output_type="Q8_0",
         down_type="Q6_K",
-        qkv_bias=True,
+        biases=("q", "k", "v"),
         rope_theta=1000000.0,
         rms_eps=1e-6,
         tensor_types=_MIXED,
@@ -386,13 +405,17 @@ _Entry = tuple[str, tuple[int, ...], str, str]
 
 def _plan(spec: SyntheticSpec, vocab_size: int) -> list[_Entry]:
     """Every tensor of ``spec`` in file order, as llama.cpp's loader names and shapes them for ``spec.arch``."""
-    if spec.arch not in ARCHS:
-        raise ValueError(f"unknown architecture {spec.arch!r} (one of {', '.join(ARCHS)})")
     h, f, hq, hkv, d = spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads, spec.head_size
+    bias_rows = {"q": hq * d, "k": hkv * d, "v": hkv * d, "qkv": (hq + 2 * hkv) * d}
+    if not set(spec.biases) <= set(bias_rows):
+        raise ValueError(f"biases must be among 'q', 'k', 'v', 'qkv', got {spec.biases!r}")
     plan: list[_Entry] = [("token_embd.weight", (vocab_size, h), spec.embed_type, "embed")]
     if spec.llama3_rope is not None:
         plan.append(("rope_freqs.weight", (d // 2,), "F32", "rope_freqs"))
-    qk_norm = spec.arch in ("qwen3", "gemma3")
+    qk_norm = spec._layout(spec.qk_norm, "qwen3", "gemma3")
+    post_norms = spec._layout(spec.post_norms, "gemma3")
+    fused_qkv = spec._layout(spec.fused_qkv, "phi3")
+    fused_gate_up = spec._layout(spec.fused_gate_up, "phi3")
     for i in range(spec.num_layers):
         b = f"blk.{i}."
         wt, dt = spec.weight_type, spec.down_type or spec.weight_type
@@ -401,7 +424,7 @@ def _plan(spec: SyntheticSpec, vocab_size: int) -> list[_Entry]:
             return (b + leaf, (rows, cols), _tensor_type(spec, b + leaf, ty), kind)
 
         plan.append((b + "attn_norm.weight", (h,), "F32", "norm"))
-        if spec.arch == "phi3":  # fused Q, K, V
+        if fused_qkv:
             plan.append(mat("attn_qkv.weight", (hq + 2 * hkv) * d, h, wt, "qkv"))
         else:
             plan += [
@@ -415,23 +438,33 @@ def _plan(spec: SyntheticSpec, vocab_size: int) -> list[_Entry]:
                 (b + "attn_k_norm.weight", (d,), "F32", "qk_norm"),
             ]
         plan.append(mat("attn_output.weight", h, hq * d, wt))
-        if spec.arch == "gemma3":
+        if post_norms:
             plan.append((b + "post_attention_norm.weight", (h,), "F32", "norm"))
         plan.append((b + "ffn_norm.weight", (h,), "F32", "norm"))
-        if spec.arch == "phi3":  # ffn_up = [gate; up]
+        if fused_gate_up:  # ffn_up = [gate; up]
             plan.append(mat("ffn_up.weight", 2 * f, h, wt))
         else:
             plan += [mat("ffn_gate.weight", f, h, wt), mat("ffn_up.weight", f, h, wt)]
         plan.append(mat("ffn_down.weight", h, f, dt))
-        if spec.arch == "gemma3":
+        if post_norms:
             plan.append((b + "post_ffw_norm.weight", (h,), "F32", "norm"))
-        if spec.qkv_bias:
-            for leaf, n in (("attn_q.bias", hq * d), ("attn_k.bias", hkv * d), ("attn_v.bias", hkv * d)):
-                plan.append((b + leaf, (n,), "F32", "bias"))
+        for part in spec.biases:
+            plan.append((b + f"attn_{part}.bias", (bias_rows[part],), "F32", "bias"))
     plan.append(("output_norm.weight", (h,), "F32", "output_norm"))
     if spec.output_type is not None:
         plan.append(("output.weight", (vocab_size, h), spec.output_type, "output"))
+    plan += [(name, np.shape(arr), "F32", "extra") for name, arr in spec.extra_tensors.items()]
+    if spec.shape_override:
+        plan = [_overridden(spec, e) for e in plan]
     return plan
+
+
+def _overridden(spec: SyntheticSpec, entry: _Entry) -> _Entry:
+    """``entry`` with the wrong shape ``spec.shape_override`` gives its name or leaf (float32 zeros), if any."""
+    name = entry[0]
+    leaf = name.split(".", 2)[-1] if name.startswith("blk.") else name
+    shape = spec.shape_override.get(name, spec.shape_override.get(leaf))
+    return entry if shape is None else (name, tuple(shape), "F32", "zeros")
 
 
 def _random_block_maker(spec: SyntheticSpec, rng: np.random.Generator) -> Callable[[_Entry], tuple[np.ndarray, Any]]:
@@ -534,6 +567,8 @@ def write_synthetic_gguf(
     if spec.rope_scaling_linear is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope_scaling_linear)
+    for key, (value, vtype) in spec.extra_meta.items():
+        w.add_key_value(key, value, vtype)
     if spec.vocab is not None:
         vocab_size = _copy_tokenizer(w, spec.vocab)
         make = _realistic_maker(spec, rng)
@@ -564,7 +599,12 @@ def write_synthetic_gguf(
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for entry in plan:
-        arr, qt = make(entry)
+        if entry[3] == "zeros":
+            arr, qt = np.zeros(entry[1], np.float32), None
+        elif entry[3] == "extra":
+            arr, qt = np.asarray(spec.extra_tensors[entry[0]], np.float32), None
+        else:
+            arr, qt = make(entry)
         if dequantized:
             arr = _dequantized(arr, qt).reshape(entry[1])
         assert arr.nbytes == nbytes[entry[0]], entry[0]
