@@ -164,3 +164,17 @@ def test_pooling_params_are_checked():
         PoolingParams("cls")
     with pytest.raises(TypeError, match="normalize"):
         PoolingParams("mean", normalize="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_mean_pooling_survives_preemption(llm, mode):
+    """A pooling request preempted mid-prefill (by a generation that needs its blocks) pools every position once."""
+    long = " ".join([PROMPT] * 4)
+    eng = engine(llm, num_blocks=9, max_num_batched_tokens=4, preemption_mode=mode, watermark=0.0)
+    gen = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    want_gen = engine(llm).generate([PROMPT], gen)[0]
+    out_gen, out_pool = eng.generate([PROMPT, long], [gen, PoolingParams("mean")])
+    assert eng.scheduler.num_preemptions > 0
+    assert out_gen.outputs[0].token_ids == want_gen.outputs[0].token_ids
+    want = reference(llm, ids_of(llm, long), "mean")
+    np.testing.assert_allclose(out_pool.outputs.embedding, want, rtol=0, atol=1e-5)
