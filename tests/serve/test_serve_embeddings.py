@@ -126,3 +126,21 @@ def test_langchain_openai_embeddings(llm, llm_server):
     want = llm.embed([*TEXTS, "Where is Paris?"])
     np.testing.assert_allclose(docs, [w.outputs.embedding for w in want[:2]], atol=1e-6)
     np.testing.assert_allclose(query, want[2].outputs.embedding, atol=1e-6)
+
+
+def test_server_mean_pooling(llm, serve_tiny, make_tiny_engine):
+    with serve_tiny(engine=make_tiny_engine(llm.model), embedding_pooling="mean") as (url, engine, _):
+        got = client(url).embeddings.create(model="tiny", input=TEXTS, encoding_format="float")
+        assert engine.scheduler.stats()["kv_live_blocks"] == 0
+    mean = llm.embed(TEXTS, pooling="mean")
+    last = llm.embed(TEXTS, pooling="last")
+    for d, m, lt in zip(got.data, mean, last):  # this engine's KV is float32, the LLM's float16
+        np.testing.assert_allclose(d.embedding, m.outputs.embedding, atol=2e-3)
+        assert np.abs(np.asarray(d.embedding) - lt.outputs.embedding).max() > 1e-2
+
+
+def test_unknown_pooling_is_refused_when_the_app_is_built(llm):
+    from pagedkv_rs.serve import build_app
+
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        build_app(llm, embedding_pooling="cls", shutdown_engine=False)
