@@ -160,7 +160,7 @@ class LLM:
         unless ``normalize=False`` (``pooling_params`` instead: a ``PoolingParams``). Run by prefill only, batched
         with any generation under way."""
         params = pooling_params if pooling_params is not None else PoolingParams(pooling, normalize)
-        return self.engine.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[return-value]
+        return self.engine.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[arg-type,return-value]
 
     def chat(
         self,

@@ -158,7 +158,8 @@ def pooled_forward(
 def absorb(pooled: list[tuple[PoolSpan, np.ndarray]]) -> tuple[list[Any], dict[str, BaseException]]:
     """Fold a step's pooled rows into their requests (under the engine lock); returns (the requests whose
     embedding is now complete, request id -> its failure)."""
-    done, failed = [], {}
+    done: list[Any] = []
+    failed: dict[str, BaseException] = {}
     for s, vec in pooled:
         r = s.request
         st = r.pooling

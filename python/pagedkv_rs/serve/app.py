@@ -518,7 +518,7 @@ async def _embed(state: State, request: Request, req: EmbeddingRequest) -> Respo
         data = []
         for i, out in enumerate(job.final):
             assert out is not None
-            vec = out.outputs.embedding
+            vec: Any = out.outputs.embedding  # type: ignore[attr-defined]  # an EmbeddingRequestOutput
             if req.encoding_format == "base64":  # OpenAI's: the little-endian float32 bytes
                 vec = base64.b64encode(np.asarray(vec, "<f4").tobytes()).decode("ascii")
             data.append({"object": "embedding", "index": i, "embedding": vec})
