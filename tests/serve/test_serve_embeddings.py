@@ -144,3 +144,11 @@ def test_unknown_pooling_is_refused_when_the_app_is_built(llm):
 
     with pytest.raises(ValueError, match="pooling must be one of"):
         build_app(llm, embedding_pooling="cls", shutdown_engine=False)
+
+
+def test_full_queue_is_a_503(llm, serve_tiny, make_tiny_engine):
+    with serve_tiny(engine=make_tiny_engine(llm.model), max_queued_requests=1) as (url, engine, _):
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        assert r.headers["retry-after"] == "1"
+        assert not engine.has_unfinished_requests()
