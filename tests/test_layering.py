@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedkv_rs.kernels",),
     ("pagedkv_rs.models",),
     ("pagedkv_rs.tiers",),
-    ("pagedkv_rs.engine.structured",),
+    ("pagedkv_rs.engine.structured", "pagedkv_rs.engine.pooling"),
     ("pagedkv_rs.engine.request",),
     ("pagedkv_rs.engine.sampling",),
     ("pagedkv_rs.engine.input",),

@@ -20,10 +20,13 @@ from pagedkv_rs import fallback
 from pagedkv_rs._backend import BACKEND, BACKENDS, BlockAllocator, KVCacheManager, _core, backend
 from pagedkv_rs.engine import (
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
     InvalidRequestError,
     LLMEngine,
     Logprob,
     Model,
+    PoolingParams,
     RequestOutput,
     RequestStatus,
     RequestStream,
@@ -67,6 +70,9 @@ __all__ = [
     "Model",
     "RequestStream",
     "SamplingParams",
+    "PoolingParams",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",

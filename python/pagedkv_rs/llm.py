@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
 
 from pagedkv_rs.engine import LLMEngine, RequestStream
+from pagedkv_rs.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from pagedkv_rs.engine.request import RequestOutput, SamplingParams
 from pagedkv_rs.models.gguf_loader import GGUFFile, load_gguf
 from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, eos_ids_from_metadata
@@ -29,7 +30,7 @@ for _extra in ("gguf", "jinja2", "tokenizers"):
             name=_extra,
         )
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "parse_memory"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "EmbeddingRequestOutput", "parse_memory"]
 
 DEFAULT_KV_MEMORY = 512 << 20  # bytes of KV cache when neither num_blocks nor kv_memory is given
 
@@ -144,6 +145,22 @@ class LLM:
         with an optional ``"cache_salt"`` (prefix-cache and KV-tier isolation between tenants).
         """
         return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(
+        self,
+        prompts: Union[Prompt, Mapping[str, Any], Sequence[Union[Prompt, Mapping[str, Any]]]],
+        pooling_params: Optional[PoolingParams] = None,
+        *,
+        pooling: str = "last",
+        normalize: bool = True,
+        use_tqdm: Optional[bool] = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed prompts (vLLM's ``LLM.embed``): each output's ``outputs.embedding`` is the hidden state after the
+        final norm at the last token (``pooling="last"``) or averaged over the prompt (``"mean"``), L2-normalized
+        unless ``normalize=False`` (``pooling_params`` instead: a ``PoolingParams``). Run by prefill only, batched
+        with any generation under way."""
+        params = pooling_params if pooling_params is not None else PoolingParams(pooling, normalize)
+        return self.engine.generate(prompts, params, use_tqdm=use_tqdm)  # type: ignore[arg-type,return-value]
 
     def chat(
         self,

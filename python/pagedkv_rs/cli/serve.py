@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--access-log", action="store_true", help="log one line per request, with its X-Request-Id (default: off)"
     )
+    p.add_argument(
+        "--embedding-pooling",
+        choices=("last", "mean"),
+        default="last",
+        help="how /v1/embeddings pools the final-normed hidden states: the last token's, or their mean (default: last)",
+    )
     return p
 
 
@@ -260,6 +266,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             stream_idle_timeout=args.stream_idle_timeout,
             default_sampling=defaults,
             access_log=args.access_log,
+            embedding_pooling=args.embedding_pooling,
         )
     except (PagedKVError, ValueError, TypeError, OSError) as e:
         print(f"pagedkv serve: {e}", file=sys.stderr)

@@ -4,13 +4,14 @@
 ``KVCacheManager`` of either backend: decisions only) -> ``runner`` (KV caches, swap space, KV
 tiers, the forward and sampling) -> ``output`` (logprobs, stop strings, outputs) -> ``stream``
 (``RequestStream``); ``engine`` (``LLMEngine``) is the loop. ``request`` holds the parameters,
-per-request state and outputs; ``sampling`` the token choice.
+per-request state and outputs; ``sampling`` the token choice; ``pooling`` the embeddings of pooling requests.
 """
 
 from __future__ import annotations
 
 from pagedkv_rs.engine.engine import LLMEngine, Model, RequestStream
 from pagedkv_rs.engine.input import CheckedRequest
+from pagedkv_rs.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingParams
 from pagedkv_rs.engine.request import (
     CompletionOutput,
     InvalidRequestError,
@@ -30,6 +31,9 @@ __all__ = [
     "Model",
     "RequestStream",
     "SamplingParams",
+    "PoolingParams",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",

@@ -114,7 +114,7 @@ class LLMEngine:
         self.stream_buffer = stream_buffer
         self.stream_idle_timeout = float(stream_idle_timeout)
         self._clock = time.monotonic  # the lease clock (tests may replace it)
-        self._limits = dataclasses.replace(self.scheduler.limits, prompt_logprobs=self.runner.no_prompt_logprobs)
+        self._limits = dataclasses.replace(self.scheduler.limits, **self.runner.unsupported)
         self._last_snapshot = (self.scheduler.stats(), self.kv_manager.stats())
         self.tokenizer = tokenizer
 

@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from pagedkv_rs.engine.pooling import PoolingParams
 from pagedkv_rs.engine.request import MAX_TOKEN_ID, InvalidRequestError, SamplingParams
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
 
 MAX_REQUEST_ID_LEN = 1024
 MAX_CACHE_SALT_LEN = 1024
+# what a pooling request runs with: one greedy "token" that is never sampled (no random stream is drawn for it)
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 # logprob entries (token id, logprob, rank: 16 bytes as arrays) one request may make: n x its most output
 # tokens x (logprobs + 1), plus its prompt tokens x (prompt_logprobs + 1); 2^24 entries = 256 MiB
 MAX_LOGPROB_ENTRIES = 1 << 24
@@ -52,6 +55,7 @@ class InputLimits:
     pool: str = ""  # how the context limit came about, for the message
     max_num_seqs: int = 1 << 62  # seats: an n > 1 request's whole fan-out must fit them
     grammars: Any = None  # structured outputs: a ``structured.GrammarCompiler`` (None: no tokenizer)
+    pooling: Optional[str] = None  # None: pooling requests supported; else why not (the model)
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class CheckedRequest:
     cache_salt: Union[str, bytes, None] = None
     arrival_time: Optional[float] = None
     grammar: Any = None  # structured outputs: the compiled constraint (``structured.CompiledGrammar``)
+    pooling: Optional[PoolingParams] = None  # a pooling request (embeddings): prefill only, never sampled
 
 
 def split_prompt(p: Any) -> tuple[Any, Any]:
@@ -166,8 +171,13 @@ def check_request(
         prompt, salt = split_prompt(prompt)
         cache_salt = salt if cache_salt is None else cache_salt
     params = SamplingParams() if params is None else params
+    pooling = None
+    if isinstance(params, PoolingParams):
+        if limits.pooling is not None:
+            raise InvalidRequestError(f"pooling (embeddings): {limits.pooling}", param="input")
+        pooling, params = params, POOLING_SAMPLING
     if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
     if params.n > limits.max_num_seqs:
         raise InvalidRequestError(
             f"n={params.n} completions can never run: the engine runs at most max_num_seqs="
@@ -228,7 +238,7 @@ def check_request(
         )
     _check_logprob_entries(params, len(toks), limits.max_model_len, who)
     grammar = None if params.structured_outputs is None else _compile(limits, params.structured_outputs)
-    return CheckedRequest(request_id, toks, params, text, cache_salt, arrival_time, grammar)
+    return CheckedRequest(request_id, toks, params, text, cache_salt, arrival_time, grammar, pooling)
 
 
 def _check_logprob_entries(params: SamplingParams, prompt_len: int, max_model_len: int, who: str) -> None:

@@ -8,8 +8,9 @@ to decode one of its tokens) fails only that request: ``process`` returns it wit
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Union
 
+from pagedkv_rs.engine.pooling import EmbeddingRequestOutput, absorb, embedding_output
 from pagedkv_rs.engine.request import Request, RequestOutput, RequestStatus
 from pagedkv_rs.engine.runner import StepResult
 from pagedkv_rs.engine.structured import advance
@@ -23,8 +24,10 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
 
-    def output(self, req: Request) -> RequestOutput:
-        """A snapshot of ``req``'s group; its text is decoded on first access."""
+    def output(self, req: Request) -> Union[RequestOutput, EmbeddingRequestOutput]:
+        """A snapshot of ``req``'s group (its text is decoded on first access), or a pooling request's embedding."""
+        if req.pooling is not None:
+            return embedding_output(req)
         return RequestOutput.from_request(req, None if self.tokenizer is None else self.tokenizer.decode)
 
     def process(
@@ -33,9 +36,15 @@ class OutputProcessor:
         """Attach this step's logprobs, advance grammar matchers and match stop strings.
 
         Returns (heads to report, requests a stop string or their grammar's end finished, request id ->
-        its own failure). The caller finishes the stopped ones in the scheduler.
+        its own failure). The caller finishes the stopped ones in the scheduler. A pooling request whose
+        embedding this step completed is reported and stopped.
         """
         stopped, failed = advance(changed)
+        pooled: list[Request] = []
+        if result.pooled:
+            pooled, pool_failed = absorb(result.pooled)
+            stopped += pooled
+            failed.update(pool_failed)
         self._attach_logprobs(samplers, result, failed)
         for r in changed:
             if r.params.stop and r.head.request_id not in failed:
@@ -45,7 +54,7 @@ class OutputProcessor:
                 except Exception as e:
                     failed[r.head.request_id] = e
         heads: dict[str, Request] = {}
-        for r in changed:
+        for r in [*changed, *pooled]:
             if r.head.request_id not in failed:
                 heads.setdefault(r.head.request_id, r.head)
         return list(heads.values()), stopped, failed

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
+from pagedkv_rs.engine.pooling import PoolingState
 from pagedkv_rs.engine.structured import StructuredOutputsParams
 from pagedkv_rs.errors import PagedKVError
 
@@ -390,6 +391,7 @@ class Request:
         "abort_cause",
         "block_hashes",
         "matcher",
+        "pooling",
     )
 
     def __init__(
@@ -440,6 +442,7 @@ class Request:
         self.abort_cause: Optional[str] = None
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (KV tiers; filled lazily)
         self.matcher: Any = None  # structured outputs: this sequence's llguidance matcher
+        self.pooling: Optional[PoolingState] = None  # a pooling request's progress (never sampled)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -448,6 +451,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position must be computed (prompt logprobs, mean pooling): no prefix or tier hit."""
+        return self.params.prompt_logprobs is not None or (self.pooling is not None and self.pooling.mean)
 
     @property
     def finished(self) -> bool:

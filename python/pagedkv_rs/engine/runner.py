@@ -28,6 +28,7 @@ import numpy as np
 
 from pagedkv_rs import kernels
 from pagedkv_rs.batch import BatchInputs
+from pagedkv_rs.engine.pooling import PoolSpan, pool_spans, pooled_forward, pooling_unavailable
 from pagedkv_rs.engine.request import Request, RequestStatus, SamplingParams
 from pagedkv_rs.engine.sampling import apply_mask, sample, top_logprobs
 from pagedkv_rs.engine.scheduler import KVLoad, SchedulerOutput
@@ -77,6 +78,7 @@ class StepInputs:
     # structured outputs: the sample rows with a matcher, and their matchers
     mask_rows: Optional[np.ndarray] = None
     matchers: Optional[list[Any]] = None
+    pool: Optional[list[PoolSpan]] = None  # pooling requests in the step: one forward_hidden serves all rows
 
 
 @dataclass
@@ -87,6 +89,7 @@ class StepResult:
     logprobs: Optional[dict[int, LogprobRow]]  # sample row -> its row
     prompt_logprobs: list[tuple[Request, int, list[LogprobRow]]]  # (request, first position, rows)
     mask_seconds: Optional[float] = None  # time to compute this step's grammar masks (None: no constrained row)
+    pooled: list[tuple[PoolSpan, np.ndarray]] = field(default_factory=list)  # (span, its float64 sum or vector)
 
 
 @dataclass(eq=False)
@@ -141,6 +144,12 @@ class ModelRunner:
         self.no_prompt_logprobs = (
             None if self.logits_indices else f"model {type(model).__name__}.forward takes no logits_indices"
         )
+        self.no_pooling = pooling_unavailable(model)  # why pooling requests cannot be served, or None
+
+    @property
+    def unsupported(self) -> dict[str, Optional[str]]:
+        """``InputLimits`` fields: why the door refuses prompt logprobs and pooling requests (None: served)."""
+        return {"prompt_logprobs": self.no_prompt_logprobs, "pooling": self.no_pooling}
 
     def add_generators(self, req: Request, grammar: Any = None) -> None:
         """The random streams of a sampled request's completions (``params.seed``, else one drawn here),
@@ -341,6 +350,7 @@ class ModelRunner:
             np.concatenate(idx) if idx else None,
             np.asarray(cons, np.int64) if cons else None,
             [to_sample[j].matcher for j in cons] if cons else None,
+            pool_spans(so.requests, so.pool_rows, qsl) if so.pool_rows else None,
         )
 
     def execute(self, si: StepInputs) -> StepResult:
@@ -354,20 +364,26 @@ class ModelRunner:
             if self._masks is None:
                 self._masks = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-grammar-mask")
             masks = self._masks.submit(_timed_masks, si.matchers, vocab)
-        if si.prompt_indices is None:
-            logits = self.model.forward(so.batch, self.kv_caches)
-        else:
-            last = so.batch.query_start_loc[1:].astype(np.int64) - 1
-            idx = np.concatenate([last, si.prompt_indices])
-            logits = self.model.forward(so.batch, self.kv_caches, logits_indices=idx)
-        want = b if si.prompt_indices is None else b + len(si.prompt_indices)
-        if not isinstance(logits, np.ndarray) or logits.shape != (want, vocab):
-            raise ValueError(
-                f"model.forward returned {getattr(logits, 'shape', type(logits))}, expected ({want}, {vocab})"
+        pooled: list[tuple[PoolSpan, np.ndarray]] = []
+        if si.pool is not None:  # one forward_hidden: the pooling rows and the sampled rows' logits
+            logits, extra, pooled = pooled_forward(
+                self.model, so.batch, self.kv_caches, rows, si.prompt_indices, si.pool
             )
-        extra = logits[b:]
-        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
-            logits = logits[rows]
+        else:
+            if si.prompt_indices is None:
+                logits = self.model.forward(so.batch, self.kv_caches)
+            else:
+                last = so.batch.query_start_loc[1:].astype(np.int64) - 1
+                idx = np.concatenate([last, si.prompt_indices])
+                logits = self.model.forward(so.batch, self.kv_caches, logits_indices=idx)
+            want = b if si.prompt_indices is None else b + len(si.prompt_indices)
+            if not isinstance(logits, np.ndarray) or logits.shape != (want, vocab):
+                raise ValueError(
+                    f"model.forward returned {getattr(logits, 'shape', type(logits))}, expected ({want}, {vocab})"
+                )
+            extra = logits[b:]
+            if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+                logits = logits[rows]
         sel = [j for j, p in enumerate(params) if p.logprobs is not None]
         raw = logits[sel] if sel else None  # logprobs: the raw distribution, taken before any mask
         mask_seconds = None
@@ -394,7 +410,7 @@ class ModelRunner:
         lp = None
         if sel:  # top-k logprobs (raw distribution) of the sampled tokens, keyed by sample row
             lp = dict(zip(sel, top_logprobs(raw, tokens[sel], [params[j].logprobs for j in sel])))  # type: ignore[misc]
-        return StepResult(tokens, lp, self._prompt_rows(si.prompt_spans, extra), mask_seconds)
+        return StepResult(tokens, lp, self._prompt_rows(si.prompt_spans, extra), mask_seconds, pooled)
 
     @staticmethod
     def _prompt_rows(

@@ -38,6 +38,7 @@ from typing import Any, Optional, Union
 
 from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.engine.input import CheckedRequest, InputLimits, check_request
+from pagedkv_rs.engine.pooling import PoolingState
 from pagedkv_rs.engine.request import (
     MAX_TOKEN_ID,
     InvalidRequestError,
@@ -126,6 +127,7 @@ class SchedulerOutput:
     requests: list[Request]  # batch order
     num_scheduled_tokens: list[int]
     sample_rows: list[int] = field(default_factory=list)  # rows whose request has all its KV: sample these
+    pool_rows: list[int] = field(default_factory=list)  # rows of pooling requests (never sampled)
     # the request each sample_rows entry samples for: requests[row], or (a row listed n times) the
     # completions of an n > 1 request whose prompt finishes this step, forked from it in update_from_output
     samplers: list[Request] = field(default_factory=list)
@@ -232,6 +234,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self.num_steps = 0
+        self.num_pooling = 0  # unfinished pooling requests (a step without them pays nothing for pooling)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -280,6 +283,11 @@ class Scheduler:
         toks, params, arrival_time = request.prompt_token_ids, request.params, request.arrival_time
         cache_salt, prompt = request.cache_salt, request.prompt
         req = self._new_request(request_id, toks, params, arrival_time, cache_salt, prompt)
+        if request.pooling is not None:
+            req.pooling = PoolingState(request.pooling)
+            self.num_pooling += 1
+            if req.pooling.mean:
+                req.kv_salt = _own_salt(cache_salt, f"mean_pooling:{req.seq_id}")
         if params.n > 1:
             req.group = (req,) + tuple(
                 self._new_request(f"{request_id}\x00{i}", toks, params, req.metrics.arrival_time, cache_salt, prompt)
@@ -306,8 +314,7 @@ class Scheduler:
         )
         req._order = next(self._order)
         if params.prompt_logprobs is not None:  # its own salt: every prompt position is computed, none hit
-            tag = f"\x00prompt_logprobs:{req.seq_id}"
-            req.kv_salt = cache_salt + tag.encode() if isinstance(cache_salt, bytes) else (cache_salt or "") + tag
+            req.kv_salt = _own_salt(cache_salt, f"prompt_logprobs:{req.seq_id}")
         if not params.ignore_eos:
             req.stop_ids = req.stop_ids | self.eos_token_ids
         req.max_output = min(params.max_tokens, self.max_model_len - len(toks))
@@ -375,6 +382,8 @@ class Scheduler:
             self.swap_blocks_used -= self._blocks(req.swapped_computed)
         req.status = status
         req.metrics.finished_time = time.monotonic()
+        if req.pooling is not None:
+            self.num_pooling -= 1
         head = req.head
         if head.group_finished and not head.pending_forks:
             del self.requests[head.request_id]
@@ -400,6 +409,9 @@ class Scheduler:
         if self.kv_tiers:
             self._plan_stores(out)
         reqs = out.requests
+        if self.num_pooling:  # pooling rows are pooled, never sampled
+            out.pool_rows = [i for i, r in enumerate(reqs) if r.pooling is not None]
+            out.sample_rows = [i for i in out.sample_rows if reqs[i].pooling is None]
         out.samplers = [reqs[i] for i in out.sample_rows]
         if any(r.pending_forks for r in out.samplers):
             rows: list[int] = []
@@ -421,7 +433,7 @@ class Scheduler:
         for req, n in zip(out.requests, out.num_scheduled_tokens):
             c = req.num_computed_tokens
             lo, hi = (c - n) // bs, c // bs
-            if hi > lo and req.params.prompt_logprobs is None:
+            if hi > lo and not req.computes_whole_prompt:
                 out.kv_stores.append(KVStore(req, lo, self.kv.block_table(req.seq_id)[lo:hi]))
 
     def finish_loads(self, done: Sequence[tuple[KVLoad, int]]) -> None:
@@ -641,7 +653,7 @@ class Scheduler:
             self.reserved_seats += len(req.pending_forks)
             cached = self.kv.allocate(req.seq_id, toks, req.kv_salt)
             first, last = cached // bs, (len(toks) - 1) // bs  # a hit leaves at least one token to compute (I6)
-            if self.kv_tiers and last > first and req.params.prompt_logprobs is None:
+            if self.kv_tiers and last > first and not req.computes_whole_prompt:
                 req.num_computed_tokens = cached
                 req.status = RequestStatus.WAITING_FOR_KV
                 self.loading.append(req)
@@ -732,3 +744,9 @@ class Scheduler:
             s["kv_block_evictions"] = int(kv.get("evictions", 0))
             s["kv_block_allocations"] = int(kv.get("block_allocations", 0))
         return s
+
+
+def _own_salt(cache_salt: Union[str, bytes, None], tag: str) -> Union[str, bytes]:
+    """A salt no other request has: its prompt takes no prefix-cache hit (but may hit its own blocks again)."""
+    t = "\x00" + tag
+    return cache_salt + t.encode() if isinstance(cache_salt, bytes) else (cache_salt or "") + t

@@ -598,8 +598,15 @@ class LlamaModel:
             x, pos = self._embedded(batch, kv_caches)
             return self._decoder.forward(x, batch, kv_caches, rows, rope=self.weights.rope_rows(pos))
         hidden = self.forward_hidden(batch, kv_caches)
-        w = self.weights
-        return linear(rms_norm(hidden[rows], w.final_norm, self.config.rms_eps), w.lm_head)  # [N, V]
+        return self.compute_logits(self.final_norm(hidden[rows]))  # [N, V]
+
+    def final_norm(self, hidden: np.ndarray) -> np.ndarray:
+        """The final RMSNorm of residual-stream rows ``[N, H]`` (the hidden states embeddings pool)."""
+        return rms_norm(hidden, self.weights.final_norm, self.config.rms_eps)
+
+    def compute_logits(self, normed: np.ndarray) -> np.ndarray:
+        """Logits ``[N, V]`` of final-normed rows ``[N, H]``: the lm_head."""
+        return linear(normed, self.weights.lm_head)
 
     def forward_hidden(self, batch: BatchInputs, kv_caches: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
         """Residual stream ``[T, H]`` after the last layer (before the final norm)."""

@@ -9,15 +9,18 @@ in one shape (``protocol.error_body``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import json
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Optional, Union
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -27,6 +30,7 @@ from starlette.requests import ClientDisconnect
 
 import pagedkv_rs
 from pagedkv_rs.engine.input import ContextLengthError, check_text_length
+from pagedkv_rs.engine.pooling import PoolingParams
 from pagedkv_rs.engine.request import InvalidRequestError
 from pagedkv_rs.serve.constraints import constraint_of
 from pagedkv_rs.serve.jobs import Job, State, disconnected, watchdog
@@ -37,6 +41,7 @@ from pagedkv_rs.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     check_fields,
     error_body,
@@ -68,6 +73,7 @@ def build_app(
     shutdown_engine: bool = True,
     default_sampling: Optional[Mapping[str, Any]] = None,
     access_log: bool = False,
+    embedding_pooling: str = "last",
 ) -> FastAPI:
     """A FastAPI app serving ``llm_or_engine`` (an ``LLM`` or an ``LLMEngine`` with a tokenizer).
 
@@ -75,7 +81,8 @@ def build_app(
     ``request_timeout`` caps a request's life (seconds); ``stream_idle_timeout`` is the lease of a
     stream whose reader stopped reading; ``shutdown_engine``: stop the engine's loop with the app;
     ``default_sampling``: values (by request field name) for the sampling fields a request leaves unset;
-    ``access_log``: one log line per request (``pagedkv_rs.serve.access``).
+    ``access_log``: one log line per request (``pagedkv_rs.serve.access``);
+    ``embedding_pooling``: how ``/v1/embeddings`` pools the hidden states, "last" (token) or "mean".
     """
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
     tok = tokenizer or getattr(llm_or_engine, "tokenizer", None) or engine.tokenizer
@@ -108,6 +115,7 @@ def build_app(
         shutdown_engine=shutdown_engine,
     )
     state.sampling_defaults = dict(default_sampling or {})
+    state.embedding_pooling = PoolingParams(embedding_pooling).pooling  # checked here, not at the first request
     template = getattr(tok, "chat_template", None)
     if isinstance(template, str):  # probe what it shows now, not on the event loop at the first tool request
         with contextlib.suppress(Exception):  # a template that fails is reported by the requests that use it
@@ -213,6 +221,12 @@ def build_app(
         ids, parser = await asyncio.to_thread(_chat_ids, *args) if long else _chat_ids(*args)
         return await _generate(state, request, req, [ids], chat=True, tools=parser)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        req = await _parse(request, EmbeddingRequest, state)
+        _check_model(state, req.model)
+        return await _embed(state, request, req)
+
     return app
 
 
@@ -275,9 +289,9 @@ def _fits(state: State, text: str, param: str) -> None:
         ) from None
 
 
-def _encode(state: State, text: str, add_special_tokens: bool = False) -> list[int]:
+def _encode(state: State, text: str, add_special_tokens: bool = False, param: str = "prompt") -> list[int]:
     tok = state.tokenizer
-    _fits(state, text, "prompt")
+    _fits(state, text, param)
     enc = tok.encode(text, add_special_tokens=True) if add_special_tokens else tok.encode(text)
     return list(getattr(enc, "ids", enc))
 
@@ -406,6 +420,21 @@ async def _generate(
         raise APIError(str(e), param=getattr(e, "param", None)) from None
     if req.stop_token_ids:
         _check_ids(state, req.stop_token_ids, "stop_token_ids")
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    streams = _submit(state, checked, rid)
+    job = Job(state, streams, req.n, req.stream)
+    view = View(state, rid, chat, req, tools=tools)
+    if req.stream:
+        return SSEResponse(job, view)
+    try:
+        left = await _wait_whole(job, request)
+        return left or JSONResponse(view.whole([f for f in job.final if f is not None]))
+    finally:
+        job.close()
+
+
+def _submit(state: State, checked: list[Any], rid: str) -> list[Any]:
+    """Queue checked engine requests (ids ``rid-i``) on the engine's loop, or a 503 when it takes no more."""
     if state.draining or not state.engine_alive():
         raise APIError(
             "the server is not accepting requests",
@@ -413,7 +442,7 @@ async def _generate(
             type="service_unavailable_error",
             headers={"Retry-After": "5"},
         )
-    if state.engine.queue_depth() + len(prompts) > state.max_queued:
+    if state.engine.queue_depth() + len(checked) > state.max_queued:
         state.metrics.aborted("rejected")
         raise APIError(
             f"the server is overloaded: {state.max_queued} requests are already waiting",
@@ -422,7 +451,6 @@ async def _generate(
             code="queue_full",
             headers={"Retry-After": "1"},
         )
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     streams: list[Any] = []
     try:
         for i, c in enumerate(checked):
@@ -431,23 +459,80 @@ async def _generate(
         for s in streams:
             s.cancel()
         raise APIError(str(e), param=getattr(e, "param", None)) from None
-    job = Job(state, streams, req.n, req.stream)
-    view = View(state, rid, chat, req, tools=tools)
-    if req.stream:
-        return SSEResponse(job, view)
+    return streams
+
+
+async def _wait_whole(job: Job, request: Request) -> Optional[Response]:
+    """Until the job ends (None; its error raised) or the client leaves (a 499, the job aborted)."""
+    waiter = asyncio.ensure_future(job.wait())
+    gone = asyncio.ensure_future(disconnected(request.receive))
+    await asyncio.wait((waiter, gone), return_when=asyncio.FIRST_COMPLETED)
+    if gone.done():
+        job.abort("client_disconnect")
+        waiter.cancel()
+        return Response(status_code=499)
+    gone.cancel()
+    err = job.failure()
+    if err is not None:
+        raise err
+    return None
+
+
+async def _embed(state: State, request: Request, req: EmbeddingRequest) -> Response:
+    """``/v1/embeddings``: one pooling request per input through the engine (batched with generation)."""
+    hidden = getattr(state.engine.model, "hidden_size", None)
+    if req.dimensions is not None and req.dimensions != hidden:
+        raise APIError(
+            f"dimensions={req.dimensions} is not supported: this model's embeddings have {hidden} dimensions "
+            "(they are not truncated)",
+            param="dimensions",
+            code="unsupported_parameter",
+        )
+    items = req.inputs()
+    limit = state.max_model_len
+
+    def encode() -> list[list[int]]:
+        return [_encode(state, p, True, "input") if isinstance(p, str) else list(p) for p in items]
+
+    long = sum(len(p) for p in items) > LONG_INPUT
+    prompts = await asyncio.to_thread(encode) if long else encode()
+    for ids in prompts:
+        if len(ids) > limit:
+            raise APIError(
+                f"this model's maximum context length is {limit} tokens; an input has {len(ids)} tokens",
+                param="input",
+                code="context_length_exceeded",
+            )
+    params = PoolingParams(state.embedding_pooling, req.normalize)
     try:
-        waiter = asyncio.ensure_future(job.wait())
-        gone = asyncio.ensure_future(disconnected(request.receive))
-        await asyncio.wait((waiter, gone), return_when=asyncio.FIRST_COMPLETED)
-        if gone.done():
-            job.abort("client_disconnect")
-            waiter.cancel()
-            return Response(status_code=499)
-        gone.cancel()
-        err = job.failure()
-        if err is not None:
-            raise err
-        return JSONResponse(view.whole([f for f in job.final if f is not None]))
+        checked = [state.engine.check_request(ids, params) for ids in prompts]
+    except (InvalidRequestError, ValueError, TypeError) as e:
+        param = getattr(e, "param", None)
+        raise APIError(str(e), param="input" if param in (None, "prompt") else param) from None
+    rid = f"embd-{uuid.uuid4().hex}"
+    job = Job(state, _submit(state, checked, rid), 1, False)
+    try:
+        left = await _wait_whole(job, request)
+        if left is not None:
+            return left
+        data = []
+        for i, out in enumerate(job.final):
+            assert out is not None
+            vec: Any = out.outputs.embedding  # type: ignore[attr-defined]  # an EmbeddingRequestOutput
+            if req.encoding_format == "base64":  # OpenAI's: the little-endian float32 bytes
+                vec = base64.b64encode(np.asarray(vec, "<f4").tobytes()).decode("ascii")
+            data.append({"object": "embedding", "index": i, "embedding": vec})
+        n = sum(len(ids) for ids in prompts)
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "list",
+                "created": int(time.time()),
+                "model": state.model_name,
+                "data": data,
+                "usage": {"prompt_tokens": n, "total_tokens": n},
+            }
+        )
     finally:
         job.close()
 

@@ -50,6 +50,7 @@ class State:
         self.draining = False
         self.created = int(time.time())
         self.sampling_defaults: dict[str, Any] = {}  # request field -> the server's default
+        self.embedding_pooling = "last"  # how /v1/embeddings pools: "last" or "mean"
 
     def engine_alive(self) -> bool:
         return bool(self.engine.is_running)

@@ -178,7 +178,7 @@ class ServerMetrics:
     def finished(self, out: Any) -> None:
         """Record one engine request's final output (finished by the engine: stop or length)."""
         m = out.metrics
-        n_out = sum(len(c.token_ids) for c in out.outputs)
+        n_out = sum(len(c.token_ids) for c in out.outputs) if isinstance(out.outputs, list) else 0  # 0: embeddings
         self.req_prompt.observe(len(out.prompt_token_ids))
         self.req_generation.observe(n_out)
         if out.finish_reason in ("stop", "length"):

@@ -26,6 +26,7 @@ __all__ = [
     "ChatCompletionRequest",
     "TokenizeRequest",
     "DetokenizeRequest",
+    "EmbeddingRequest",
     "ErrorResponse",
     "UsageInfo",
     "to_sampling_params",
@@ -244,6 +245,27 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: Optional[str] = None
     tokens: list[int] = Field(..., max_length=1 << 20)
+
+
+class EmbeddingRequest(_Request):
+    """OpenAI's ``/v1/embeddings`` body, and vLLM's ``normalize``."""
+
+    input: Union[str, list[str], TokenIds, list[TokenIds]]
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    user: Optional[str] = None
+    normalize: bool = True  # vLLM: L2-normalize the pooled vector
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        """The inputs as a list: texts or token-id lists (1 to ``MAX_PROMPTS``, none empty)."""
+        p = self.input
+        items: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not items or len(items) > MAX_PROMPTS:
+            raise APIError(f"input must hold 1 to {MAX_PROMPTS} inputs, got {len(items)}", param="input")
+        if any(len(x) == 0 for x in items):
+            raise APIError("an input must not be empty", param="input")
+        return items
 
 
 class UsageInfo(BaseModel):
