@@ -29,7 +29,7 @@ CALL_ID = "abc123XYZ"  # 9 alphanumerics: valid for every template (Mistral's de
 
 
 def conversation(call_id: str = CALL_ID) -> list[dict[str, Any]]:
-    """The server's message dicts (``app._message_dicts``): a call and its result."""
+    """The server's message dicts (``prompts.message_dicts``): a call and its result."""
     return [
         {"role": "system", "content": "You are a weather bot."},
         {"role": "user", "content": "Weather in Paris?"},

@@ -29,13 +29,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import pagedkv_rs
-from pagedkv_rs.engine.input import ContextLengthError, check_text_length
 from pagedkv_rs.engine.pooling import PoolingParams
 from pagedkv_rs.engine.request import InvalidRequestError
 from pagedkv_rs.serve.constraints import constraint_of
 from pagedkv_rs.serve.jobs import Job, State, disconnected, watchdog
 from pagedkv_rs.serve.logs import RequestIdMiddleware, current_request_id
 from pagedkv_rs.serve.metrics import CONTENT_TYPE
+from pagedkv_rs.serve.prompts import chat_ids, check_ids, encode_text, force_tool_call
 from pagedkv_rs.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -49,7 +49,7 @@ from pagedkv_rs.serve.protocol import (
 )
 from pagedkv_rs.serve.render import View
 from pagedkv_rs.serve.sse import SSEResponse
-from pagedkv_rs.serve.tools import ToolParser, ToolSet, caps_of, prepare_messages, toolset_from
+from pagedkv_rs.serve.tools import ToolParser, ToolSet, caps_of, toolset_from
 
 __all__ = ["build_app", "OPEN_PATHS"]
 
@@ -185,17 +185,17 @@ def build_app(
             toolset = ToolSet(tuple(t.function.model_dump(exclude_none=True) for t in req.tools)) if req.tools else None
             args: tuple[Any, ...] = (state, req, toolset)
             long = sum(len(m.text()) for m in req.messages) > LONG_INPUT
-            ids, _ = await asyncio.to_thread(_chat_ids, *args) if long else _chat_ids(*args)
+            ids, _ = await asyncio.to_thread(chat_ids, *args) if long else chat_ids(*args)
         else:
             args = (state, req.prompt or "", req.add_special_tokens)
-            ids = await asyncio.to_thread(_encode, *args) if len(args[1]) > LONG_INPUT else _encode(*args)
+            ids = await asyncio.to_thread(encode_text, *args) if len(args[1]) > LONG_INPUT else encode_text(*args)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         req = await _parse(request, DetokenizeRequest, state)
         _check_model(state, req.model)
-        _check_ids(state, req.tokens, "tokens")
+        check_ids(state, req.tokens, "tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
     @app.post("/v1/completions")
@@ -205,7 +205,7 @@ def build_app(
         items = req.prompts()
 
         def encode() -> list[list[int]]:
-            return [_encode(state, p, True) if isinstance(p, str) else list(p) for p in items]
+            return [encode_text(state, p, True) if isinstance(p, str) else list(p) for p in items]
 
         long = sum(len(p) for p in items) > LONG_INPUT
         prompts = await asyncio.to_thread(encode) if long else encode()  # a long text must not stall the loop
@@ -218,7 +218,7 @@ def build_app(
         toolset = toolset_from(req)
         long = sum(len(m.text()) for m in req.messages) > LONG_INPUT
         args = (state, req, toolset)
-        ids, parser = await asyncio.to_thread(_chat_ids, *args) if long else _chat_ids(*args)
+        ids, parser = await asyncio.to_thread(chat_ids, *args) if long else chat_ids(*args)
         return await _generate(state, request, req, [ids], chat=True, tools=parser)
 
     @app.post("/v1/embeddings")
@@ -267,111 +267,6 @@ def _check_model(state: State, model: Optional[str]) -> None:
         )
 
 
-def _check_ids(state: State, ids: Sequence[int], param: str) -> list[int]:
-    v = state.vocab_size
-    for t in ids:
-        if not 0 <= t < v:
-            raise APIError(f"token id {t} is out of range for a vocabulary of {v}", param=param)
-    return list(ids)
-
-
-def _fits(state: State, text: str, param: str) -> None:
-    """Refuse a text too long for the context before it is tokenized (``engine.input.check_text_length``)."""
-    try:
-        check_text_length(state.tokenizer, text, state.max_model_len)
-    except ContextLengthError:
-        n = state.tokenizer.min_num_tokens(text)
-        raise APIError(
-            f"this model's maximum context length is {state.max_model_len} tokens; the {param} of {len(text)} "
-            f"characters is at least {n} tokens",
-            param=param,
-            code="context_length_exceeded",
-        ) from None
-
-
-def _encode(state: State, text: str, add_special_tokens: bool = False, param: str = "prompt") -> list[int]:
-    tok = state.tokenizer
-    _fits(state, text, param)
-    enc = tok.encode(text, add_special_tokens=True) if add_special_tokens else tok.encode(text)
-    return list(getattr(enc, "ids", enc))
-
-
-# Variables the server itself passes to a chat template: chat_template_kwargs may not set them.
-RESERVED_TEMPLATE_VARS = frozenset(
-    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token"}
-)
-
-
-def _chat_ids(state: State, req: Any, toolset: Optional[ToolSet]) -> tuple[list[int], Optional[ToolParser]]:
-    """The chat request's prompt ids through the GGUF's template (tools, calls and results as it shows them, see
-    ``tools.prepare_messages``), and the parser of its tool calls (None without tools)."""
-    tok = state.tokenizer
-    if not hasattr(tok, "apply_chat_template"):
-        raise APIError("this server's tokenizer has no chat template; use /v1/completions", param="messages")
-    if req.continue_final_message and req.add_generation_prompt:
-        raise APIError(
-            "continue_final_message and add_generation_prompt cannot both be true (send add_generation_prompt: false)",
-            param="continue_final_message",
-        )
-    kwargs = dict(req.chat_template_kwargs or {})
-    clash = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
-    if clash:
-        raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
-    msgs = _message_dicts(req.messages)
-    _fits(state, "".join(m["content"] for m in msgs), "messages")  # the rendered text holds them all
-    template = getattr(tok, "chat_template", None)
-    uses_tools = toolset is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in msgs)
-    tools = None
-    parser = None
-    if uses_tools and template is not None:
-        try:
-            caps = caps_of(template)
-        except Exception as e:
-            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
-        msgs, tools = prepare_messages(msgs, toolset, caps)
-        if toolset is not None:
-            parser = ToolParser(toolset, caps.family)
-    if tools is not None:
-        kwargs["tools"] = tools
-    if req.continue_final_message:
-        kwargs["continue_final_message"] = True
-    try:
-        return list(tok.apply_chat_template(msgs, req.add_generation_prompt, **kwargs)), parser
-    except Exception as e:
-        raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
-
-
-def _message_dicts(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Request messages as template dicts: text content, calls as ``{"id", "name", "arguments": dict}``; the
-    legacy ``function_call`` / ``role: "function"`` pair becomes a call and its result."""
-    out: list[dict[str, Any]] = []
-    legacy_id = None
-    for i, m in enumerate(messages):
-        d: dict[str, Any] = {"role": m.role, "content": m.text()}
-        if m.name is not None:
-            d["name"] = m.name
-        calls = []
-        for j, c in enumerate(m.tool_calls or []):
-            param = f"messages[{i}].tool_calls[{j}].function"
-            calls.append({"id": c.id, "name": c.function.name, "arguments": c.function.argument_dict(param)})
-        if m.function_call is not None:
-            legacy_id = f"call_legacy{i}"
-            args = m.function_call.argument_dict(f"messages[{i}].function_call")
-            calls.append({"id": legacy_id, "name": m.function_call.name, "arguments": args})
-        if calls:
-            if m.role != "assistant":
-                raise APIError(f"messages[{i}]: only assistant messages carry tool calls", param="messages")
-            d["tool_calls"] = calls
-        if m.role == "function":
-            d["role"] = "tool"
-            if legacy_id is not None:
-                d["tool_call_id"] = legacy_id
-        elif m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        out.append(d)
-    return out
-
-
 async def _generate(
     state: State,
     request: Request,
@@ -409,7 +304,7 @@ async def _generate(
         req, max_tokens=max_tokens, defaults=state.sampling_defaults, structured_outputs=constraint_of(req)
     )
     if tools is not None and tools.constrained:
-        params = _force_tool_call(params, tools.toolset, req)
+        params = force_tool_call(params, tools.toolset, req)
 
     def check() -> list[Any]:
         return [state.engine.check_request(ids, params, cache_salt=req.cache_salt) for ids in prompts]
@@ -419,7 +314,7 @@ async def _generate(
     except (InvalidRequestError, ValueError, TypeError) as e:
         raise APIError(str(e), param=getattr(e, "param", None)) from None
     if req.stop_token_ids:
-        _check_ids(state, req.stop_token_ids, "stop_token_ids")
+        check_ids(state, req.stop_token_ids, "stop_token_ids")
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     streams = _submit(state, checked, rid)
     job = Job(state, streams, req.n, req.stream)
@@ -492,7 +387,7 @@ async def _embed(state: State, request: Request, req: EmbeddingRequest) -> Respo
     limit = state.max_model_len
 
     def encode() -> list[list[int]]:
-        return [_encode(state, p, True, "input") if isinstance(p, str) else list(p) for p in items]
+        return [encode_text(state, p, True, "input") if isinstance(p, str) else list(p) for p in items]
 
     long = sum(len(p) for p in items) > LONG_INPUT
     prompts = await asyncio.to_thread(encode) if long else encode()
@@ -535,27 +430,6 @@ async def _embed(state: State, request: Request, req: EmbeddingRequest) -> Respo
         )
     finally:
         job.close()
-
-
-def _force_tool_call(params: Any, toolset: ToolSet, req: Any) -> Any:
-    """``params`` constrained to the JSON of the forced call (``tool_choice`` ``required`` or a named tool):
-    ``tools.ToolSet.constraint``'s schema, through the engine's structured outputs."""
-    from dataclasses import replace
-
-    from pagedkv_rs.engine.structured import StructuredOutputsParams
-
-    param = "function_call" if toolset.legacy else "tool_choice"
-    if getattr(params, "structured_outputs", None) is not None:
-        what = repr(toolset.named or toolset.choice)
-        raise APIError(
-            f"{param} {what} forces a tool call: it cannot be combined with another output constraint "
-            "(response_format, structured_outputs)",
-            param=param,
-        )
-    try:
-        return replace(params, structured_outputs=StructuredOutputsParams(json=toolset.constraint()))
-    except (TypeError, ValueError) as e:
-        raise APIError(f"the tools' parameters cannot be forced: {e}", param="tools") from None
 
 
 # ------------------------------------------------------------------------------------------- errors
