@@ -20,9 +20,9 @@ import numpy as np
 from pagedkv_rs.engine.request import SamplingParams
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
 from pagedkv_rs.serve import build_app
-from pagedkv_rs.tiers import Tier, chain_hashes, encode_record, salt_digest
+from pagedkv_rs.tiers import chain_hashes, encode_record, salt_digest
 from pagedkv_rs.tiers.disk import SUFFIX, DiskTier
-from tier_util import PREFIX, make_engine
+from tier_util import PREFIX, HeldLookup, make_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 A = PREFIX + [90, 91, 92]
@@ -89,29 +89,9 @@ def test_a_sigstopped_redis_holds_no_request_past_the_deadline_and_recovers_afte
     e.kv_manager.check_invariants()
 
 
-class _Held(Tier):
-    """A disk tier whose lookups hang until the test releases them (a hung mount, a read that never returns)."""
-
-    kind = "held"
-
-    def __init__(self, inner: DiskTier) -> None:
-        self.name = "held"
-        self.inner = inner
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def get_many(self, keys, deadline):
-        self.entered.set()
-        self.release.wait(60)
-        return self.inner.get_many(keys, float("inf"))
-
-    def put_many(self, items):
-        return 0
-
-
 def test_a_hung_lookup_is_given_up_at_its_deadline_and_its_late_result_is_dropped(tmp_path):
     want = make_engine().generate([A], GREEDY)[0].token_ids
-    held = _Held(DiskTier(os.fspath(tmp_path / "kv"), 1 << 30))
+    held = HeldLookup(DiskTier(os.fspath(tmp_path / "kv"), 1 << 30), store=False)
     e = make_engine([held], kv_tier_deadline=0.2)
     kv = e.kv_tiers
     # records that verify but hold zeros: written into the blocks late, they would poison the prefix cache

@@ -10,30 +10,10 @@ from __future__ import annotations
 import threading
 
 from pagedkv_rs.engine.request import RequestStatus, SamplingParams
-from pagedkv_rs.tiers import Tier, parse_tier
-from tier_util import PREFIX, make_engine
+from pagedkv_rs.tiers import parse_tier
+from tier_util import PREFIX, HeldLookup, make_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
-
-
-class _HeldLookup(Tier):
-    """A disk tier whose lookups wait until the test releases them."""
-
-    kind = "held"
-
-    def __init__(self, inner: Tier) -> None:
-        self.name = "held"
-        self.inner = inner
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def get_many(self, keys, deadline):
-        self.entered.set()
-        self.release.wait(60)
-        return self.inner.get_many(keys, float("inf"))
-
-    def put_many(self, items):
-        return self.inner.put_many(items)
 
 
 def _warm_disk(backend, path, prompt):
@@ -47,7 +27,7 @@ def test_a_held_lookup_delays_only_its_own_request(backend, tmp_path):
     alone = make_engine(backend=backend.name)
     want, want_other = (o.token_ids for o in alone.generate([prompt, other], GREEDY))
     _warm_disk(backend.name, tmp_path / "kv", prompt)
-    held = _HeldLookup(parse_tier(f"disk:{tmp_path}/kv"))
+    held = HeldLookup(parse_tier(f"disk:{tmp_path}/kv"))
     e = make_engine([held], backend=backend.name, kv_tier_deadline=60)
     try:
         first = e.submit(prompt, GREEDY)
@@ -71,7 +51,7 @@ def test_an_abort_during_the_load_answers_at_once_and_frees_the_blocks_after_it(
     prompt = PREFIX + [90, 91, 92]
     want = make_engine(backend=backend.name).generate([prompt], GREEDY)[0].token_ids
     _warm_disk(backend.name, tmp_path / "kv", prompt)
-    held = _HeldLookup(parse_tier(f"disk:{tmp_path}/kv"))
+    held = HeldLookup(parse_tier(f"disk:{tmp_path}/kv"))
     e = make_engine([held], backend=backend.name, kv_tier_deadline=60)
     try:
         first = e.submit(prompt, GREEDY)
@@ -94,7 +74,7 @@ def test_an_abort_during_the_load_answers_at_once_and_frees_the_blocks_after_it(
 def test_shutdown_waits_for_the_loads_in_flight(tmp_path):
     prompt = PREFIX + [90, 91, 92]
     _warm_disk("auto", tmp_path / "kv", prompt)
-    held = _HeldLookup(parse_tier(f"disk:{tmp_path}/kv"))
+    held = HeldLookup(parse_tier(f"disk:{tmp_path}/kv"))
     e = make_engine([held], kv_tier_deadline=60)
     e.submit(prompt, GREEDY)
     assert held.entered.wait(60)

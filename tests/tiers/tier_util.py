@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 from pagedkv_rs.engine import LLMEngine
 from pagedkv_rs.models.tiny import TinyModel
+from pagedkv_rs.tiers import Tier
 
 PREFIX = list(range(3, 3 + 80))  # 5 full blocks of 16
 
@@ -23,3 +26,27 @@ def make_engine(tiers=None, *, backend="auto", seed=0, kv_dtype="float32", num_b
         kv_tiers=tiers,
         **kw,
     )
+
+
+class HeldLookup(Tier):
+    """A tier whose lookups hang until the test releases them (a hung mount, a read that never returns).
+
+    ``store``: False stores nothing (``put_many`` reports 0), so every lookup depends on what the test puts.
+    """
+
+    kind = "held"
+
+    def __init__(self, inner: Tier, *, store: bool = True) -> None:
+        self.name = "held"
+        self.inner = inner
+        self.store = store
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def get_many(self, keys, deadline):
+        self.entered.set()
+        self.release.wait(60)
+        return self.inner.get_many(keys, float("inf"))
+
+    def put_many(self, items):
+        return self.inner.put_many(items) if self.store else 0
