@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from pagedkv_rs.models.tokenizer import _byte_alphabet
+
 __all__ = [
     "ARCH_SPECS",
     "ARCH_VOCABS",
@@ -317,15 +319,8 @@ _SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 def _byte_vocab(n: int) -> list[str]:
     """GPT-2's byte-to-unicode table (256 tokens) then fillers up to ``n``."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    k = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + k)
-            k += 1
-    byte_tokens = [chr(c) for _, c in sorted(zip(bs, cs))]
+    alphabet = _byte_alphabet()
+    byte_tokens = [alphabet[b] for b in range(256)]
     specials = list(_SPECIALS)
     fill = [f"<|x{i}|>" for i in range(max(0, n - 257 - len(specials)))]
     return (specials + byte_tokens + ["Ġt"] + fill)[:n]
