@@ -44,7 +44,8 @@ DEFAULT_MAX_CONNECTIONS = 1024
 RESERVED_CONNECTIONS = 16  # past max_connections: for /health and /metrics only
 OVER_CAP_HEADER_TIMEOUT = 2.0  # seconds a connection in the reserve gets to send its request head
 FD_HEADROOM = 64  # file descriptors kept for the process itself (model, tiers, logs) beside the connections
-_HEAD, _BODY, _APP = range(3)  # where a connection is: waiting for or reading a head, reading a body, answering
+_HEAD, _BODY, _APP, _LINGER = range(4)  # waiting for or reading a head, reading a body, answering, closing
+LINGER_SECONDS = 2.0  # a connection answered before its body ended reads and drops what still comes, then closes
 
 
 def _error_json(message: str, type: str, code: str) -> bytes:
@@ -87,6 +88,8 @@ class Protocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.phase == _LINGER:
+            return  # the rest of a body already answered: dropped unparsed
         super().data_received(data)
         if self.phase == _HEAD and not self.transport.is_closing():
             self.head_bytes += len(data)  # counted after parsing: a chunk that ends the head is not held against it
@@ -115,11 +118,25 @@ class Protocol(HttpToolsProtocol):
         super().on_response_complete()
         if self.transport.is_closing():
             return
-        if self.phase == _BODY:  # answered before its body ended (a 413): the rest is not worth reading
+        if self.phase == _BODY:  # answered before its body ended (a 413, a 401): the rest is not worth reading
             self._disarm()
-            self.transport.close()
+            self._linger()
         elif self.phase == _APP:
             self._start_head()  # the next head is due (uvicorn's keep-alive timer closes an idle one sooner)
+
+    def _linger(self) -> None:
+        """Half-close, drop what the client still sends for ``LINGER_SECONDS``, then close.
+
+        Closing at once with unread bytes in the socket makes the kernel reset the connection, which can
+        destroy the answer before the client reads it.
+        """
+        self.phase = _LINGER
+        try:
+            self.transport.write_eof()
+        except (NotImplementedError, OSError, RuntimeError):
+            self.transport.close()
+            return
+        self.timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
     def handle_websocket_upgrade(self) -> None:
         self.phase = _APP  # the connection now belongs to the websocket protocol: no timer of ours
