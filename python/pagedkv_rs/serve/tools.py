@@ -27,7 +27,10 @@ any            every parser above in turn                                       
 A call is returned only when it names one of the request's tools and its arguments are a JSON object (valid
 against the tool's schema when the tool is ``strict``); otherwise the whole answer is content. With
 ``tool_choice`` ``required`` or a named function the engine's JSON-schema constraint writes the call as plain
-JSON (``REQUIRED`` below, or the named tool's arguments), which is parsed as such.
+JSON (``REQUIRED`` below, or the named tool's arguments), which is parsed as such. With ``auto`` the family's
+lazy grammar (``ToolSet.auto_grammar``, llama.cpp's lazy grammar in llguidance's Lark) leaves the text free until
+the model writes the family's opening marker, then forces each call to name a tool and carry arguments valid for
+its schema (one call when ``parallel_tool_calls`` is false); the ``any`` family has no such grammar.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 __all__ = [
     "GENERIC_PROMPT",
@@ -132,6 +135,126 @@ class ToolSet:
         if self.named is None:
             return None
         return _params(self.names[self.named])
+
+    def auto_grammar(self, family: str, special: Callable[[str], Optional[int]]) -> Optional[str]:
+        """The llguidance Lark grammar of ``tool_choice: "auto"`` for the family's format, or None (``any``).
+
+        llama.cpp's lazy grammar in one grammar: free text until the family's opening marker (a lazy lexeme:
+        it ends at the marker's first occurrence, so plain text is never masked), then the calls, each valid
+        JSON for one tool's schema; after the last call only whitespace and the end. ``special(marker)``: the
+        marker's token id when the vocabulary holds it as one special token (a grammar names it ``<[id]>``).
+        """
+        g = _Grammar(self, special)
+        if family == "llama3":
+            return _llama3_grammar(g)
+        build = _AUTO.get(family)
+        return None if build is None else g.build(build)
+
+
+# The JSON of a call is written the way templates show it: json.dumps' separators, no other whitespace.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_WS = "/[ \\t\\r\\n]{0,4}/"  # between the pieces of a call: a little whitespace, never unbounded
+
+
+class _Grammar:
+    """Builds one ``auto`` grammar: the family's pieces (markers, call bodies) as Lark rules."""
+
+    def __init__(self, toolset: ToolSet, special: Callable[[str], Optional[int]]) -> None:
+        self.toolset, self.special = toolset, special
+
+    def mark(self, marker: str) -> str:
+        """A marker as a rule body: its text, or the special token spelled that way."""
+        tid = self.special(marker)
+        return json.dumps(marker) if tid is None else f"(<[{tid}]> | {json.dumps(marker)})"
+
+    def body(self, args_key: str, array: bool = False, with_id: bool = False) -> str:
+        """``%json`` of one call ``{"name": const, args_key: schema}`` (any tool), or of a list of them."""
+        one = []
+        for t in self.toolset.tools:
+            props: dict[str, Any] = {"name": {"const": t["name"]}, args_key: _params(t)}
+            if with_id:
+                props["id"] = {"type": "string"}
+            one.append(
+                {"type": "object", "properties": props, "required": ["name", args_key], "additionalProperties": False}
+            )
+        schema: dict[str, Any] = {"anyOf": one} if len(one) > 1 else one[0]
+        if array:
+            schema = {"type": "array", "items": schema, "minItems": 1}
+            if not self.toolset.parallel:
+                schema["maxItems"] = 1
+        return "%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE})
+
+    def build(self, family: Callable[[_Grammar], tuple[str, str, list[str]]]) -> str:
+        trigger, calls, rules = family(self)
+        alts = ["TEXT", "head calls"]
+        tid = self.special(trigger)
+        if tid is not None:
+            alts.append(f"TEXT <[{tid}]> calls")
+        lines = [
+            "%llguidance {}",
+            "start: " + " | ".join(alts),
+            "TEXT: /(?s:.*)/",
+            f"head[lazy]: /(?s:.*)/ {json.dumps(trigger)}",
+            f"calls: {calls}",
+            *rules,
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def _hermes_grammar(g: _Grammar) -> tuple[str, str, list[str]]:
+    more = f" ({_WS} {g.mark('<tool_call>')} call)*" if g.toolset.parallel else ""
+    return (
+        "<tool_call>",
+        f"call{more} {_WS}",
+        [f"call: /[ \\t]*\\n?/ body {_WS} {g.mark('</tool_call>')}", f"body: {g.body('arguments')}"],
+    )
+
+
+def _array_grammar(trigger: str, closer: str = "") -> Callable[[_Grammar], tuple[str, str, list[str]]]:
+    """One JSON list of calls after the trigger (Mistral v0.3, Granite 3 / Phi-4-mini)."""
+
+    def build(g: _Grammar) -> tuple[str, str, list[str]]:
+        close = f" {g.mark(closer)}?" if closer else ""
+        return trigger, f"/[ \\t]{{0,2}}/ body{close} {_WS}", [f"body: {g.body('arguments', array=True, with_id=True)}"]
+
+    return build
+
+
+def _mistral_args_grammar(g: _Grammar) -> tuple[str, str, list[str]]:
+    names = " | ".join(
+        f"{json.dumps(t['name'])} cid? {g.mark('[ARGS]')} args{i}" for i, t in enumerate(g.toolset.tools)
+    )
+    more = f" ({_WS} {g.mark('[TOOL_CALLS]')} call)*" if g.toolset.parallel else ""
+    rules = [f"call: {names}", f"cid: {g.mark('[CALL_ID]')} /[A-Za-z0-9]{{9}}/"]
+    rules += [
+        f"args{i}: %json " + json.dumps({**_params(t), "x-guidance": _JSON_STYLE})
+        for i, t in enumerate(g.toolset.tools)
+    ]
+    return "[TOOL_CALLS]", f"call{more} {_WS}", rules
+
+
+def _llama3_grammar(g: _Grammar) -> str:
+    """Llama 3.x: the answer is a call when it opens with ``{`` or ``<|python_tag|>``, text otherwise."""
+    sep = "/[ \\t]*[;,]?[ \\t\\r\\n]{0,4}/"
+    more = f" ({sep} body)*" if g.toolset.parallel else ""
+    tag = g.mark("<|python_tag|>")
+    lines = [
+        "%llguidance {}",
+        f"start: TEXT | {_WS} calls | {tag} {_WS} calls",
+        "TEXT: /(?s:[ \\t\\r\\n]*([^{ \\t\\r\\n<].*|<([^|].*)?)?)/",
+        f"calls: body{more} {_WS}",
+        f"body: {g.body('parameters')}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+_AUTO: dict[str, Any] = {
+    "hermes": _hermes_grammar,
+    "generic": _hermes_grammar,
+    "mistral": _array_grammar("[TOOL_CALLS]"),
+    "mistral-args": _mistral_args_grammar,
+    "tool-call": _array_grammar("<|tool_call|>", "<|/tool_call|>"),
+}
 
 
 def _params(tool: Mapping[str, Any]) -> dict[str, Any]:
