@@ -143,6 +143,7 @@ def tool_constraint(state: State, params: Any, parser: ToolParser, req: Any) -> 
     grammar = toolset.auto_grammar(parser.family, lambda text: special_token_id(state.tokenizer, text))
     if grammar is None:
         return params
+    parser.guarded = True  # the calls are the grammar's: they may stream as they are written
     return replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
 
 

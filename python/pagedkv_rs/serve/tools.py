@@ -41,7 +41,7 @@ import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 __all__ = [
@@ -80,12 +80,16 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    text: Optional[str] = None  # the arguments as the model wrote them (what a stream sends piece by piece)
+
+    @property
+    def arguments_text(self) -> str:
+        return self.text if self.text is not None else json.dumps(self.arguments, ensure_ascii=False)
 
     def openai(self, index: Optional[int] = None) -> dict[str, Any]:
         """OpenAI's ``tool_calls`` item (with ``index`` for a stream delta)."""
         out: dict[str, Any] = {} if index is None else {"index": index}
-        args = json.dumps(self.arguments, ensure_ascii=False)
-        out.update(id=self.id, type="function", function={"name": self.name, "arguments": args})
+        out.update(id=self.id, type="function", function={"name": self.name, "arguments": self.arguments_text})
         return out
 
 
@@ -552,6 +556,7 @@ class ToolParser:
         self.markers = MARKERS.get(family, MARKERS["any"])
         self.json_start = family in JSON_START
         self.constrained = toolset.constraint() is not None
+        self.guarded = self.constrained  # a grammar writes the calls (set when the auto grammar is armed)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """``(content, calls)``: calls empty when ``text`` holds no valid call (then the content is ``text``)."""
@@ -566,7 +571,42 @@ class ToolParser:
             return text, []
         if not self.toolset.parallel:
             calls = calls[:1]
-        return content, calls
+        return content, self._with_text(text, len(content), calls)
+
+    @property
+    def call_depth(self) -> Optional[int]:
+        """How deep the call objects sit in the JSON after the opening marker (None: not JSON-bodied, or
+        ``named``, whose whole answer is the arguments)."""
+        if self.toolset.choice == "named":
+            return None
+        if self.constrained:
+            return 1  # REQUIRED: a list of calls
+        return {"hermes": 0, "generic": 0, "llama3": 0, "mistral": 1, "tool-call": 1}.get(self.family)
+
+    def spans(self, text: str, start: int) -> list[_Span]:
+        """The calls of ``text[start:]`` as far as they are written (``named``: one span, its arguments all)."""
+        if self.toolset.choice == "named":
+            i = text.find("{", start)
+            return [_Span(self.toolset.named, i if i >= 0 else None, _value_end(text, i) if i >= 0 else None)]
+        depth = self.call_depth
+        return [] if depth is None else _scan_calls(text, start, depth)
+
+    def _with_text(self, text: str, start: int, calls: list[ToolCall]) -> list[ToolCall]:
+        """The calls with their arguments' text as written, when the JSON-bodied answer shows it for each."""
+        if self.call_depth is None and self.toolset.choice != "named":
+            return calls
+        spans = self.spans(text, start)
+        if len(spans) < len(calls):
+            return calls
+        out = []
+        for c, sp in zip(calls, spans):
+            raw = text[sp.args : sp.args_end] if sp.args is not None and sp.args_end is not None else None
+            try:
+                same = raw is not None and sp.name == c.name and json.loads(raw) == c.arguments
+            except ValueError:
+                same = False
+            out.append(replace(c, text=raw) if same else c)
+        return out
 
     def _constrained(self, text: str) -> Optional[tuple[str, list]]:
         try:
@@ -613,43 +653,195 @@ def _valid(args: dict[str, Any], schema: Mapping[str, Any]) -> bool:
     return True
 
 
+# ------------------------------------------------------------------------------------------- scanning
+@dataclass
+class _Span:
+    """One call as far as it is written: its name (once its string is closed), and where its arguments' value
+    starts and ends (once closed)."""
+
+    name: Optional[str] = None
+    args: Optional[int] = None
+    args_end: Optional[int] = None
+
+
+def _string_end(text: str, i: int) -> Optional[int]:
+    """The index after the JSON string opening at ``text[i]`` (a quote), or None while it is still open."""
+    j, n = i + 1, len(text)
+    while j < n:
+        c = text[j]
+        if c == "\\":
+            j += 2
+        elif c == '"':
+            return j + 1
+        else:
+            j += 1
+    return None
+
+
+def _value_end(text: str, i: int) -> Optional[int]:
+    """The index after the JSON object or list opening at ``text[i]``, or None while it is still open."""
+    depth, j, n = 0, i, len(text)
+    while j < n:
+        c = text[j]
+        if c == '"':
+            e = _string_end(text, j)
+            if e is None:
+                return None
+            j = e
+            continue
+        if c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        j += 1
+    return None
+
+
+def _scan_calls(text: str, start: int, call_depth: int) -> list[_Span]:
+    """The call objects at ``call_depth`` (brackets counted from ``start``) in ``text[start:]``, written so far:
+    each one's ``name`` and the start and end of its ``arguments`` / ``parameters`` value. Text between calls
+    (tags, separators) holds no quote or bracket in the families scanned."""
+    spans: list[_Span] = []
+    depth, i, n = 0, start, len(text)
+    key: Optional[str] = None
+    expect_key = False
+    while i < n:
+        c = text[i]
+        top = spans and depth == call_depth + 1  # directly inside the current call object
+        if c == '"':
+            e = _string_end(text, i)
+            if e is None:
+                break
+            if top and expect_key:
+                key = json.loads(text[i:e])
+            elif top and key == "name":
+                name = json.loads(text[i:e])
+                spans[-1].name = name if isinstance(name, str) else None
+            i = e
+            continue
+        if top and not expect_key and key in ("arguments", "parameters") and c in "{[":
+            spans[-1].args = i
+            end = _value_end(text, i)
+            if end is None:
+                break
+            spans[-1].args_end, i, key = end, end, None
+            continue
+        if c in "{[":
+            if c == "{" and depth == call_depth:
+                spans.append(_Span())
+                expect_key, key = True, None
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+        elif top and c == ":":
+            expect_key = False
+        elif top and c == ",":
+            expect_key, key = True, None
+        i += 1
+    return spans
+
+
 # ------------------------------------------------------------------------------------------- streaming
 class ToolStream:
-    """One streamed choice: content streams until a call's opening marker, the rest is held and parsed at
-    the end. ``push(text, final)`` returns the content to send now and, when ``final``, the calls."""
+    """One streamed choice: content streams until a call's opening marker; then, when a grammar writes the
+    calls (``ToolParser.guarded``) in a JSON-bodied format, each call streams as OpenAI does (a first delta with
+    its index, id, type, name and ``arguments: ""``, then the arguments' text piece by piece as it is written);
+    otherwise the calls are sent whole when the answer ends. ``push(text, final)`` returns the content to send
+    now and the ``tool_calls`` delta items; ``calls`` holds the answer's calls once ``final``."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.sent = 0  # characters of the text already sent as content
         self.holding = parser.constrained  # a constrained answer is all call
+        json_bodied = parser.call_depth is not None or parser.toolset.choice == "named"
+        self.incremental = parser.guarded and json_bodied and not parser.toolset.legacy
+        self.ids: list[str] = []  # the id of each call whose first delta is sent
+        self.args_sent: list[str] = []  # each such call's arguments text sent
+        self.calls: list[ToolCall] = []
 
-    def push(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+    def push(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        piece = self._content(text, final)
+        if final:
+            return piece, self._finish(text)
+        return piece, self._deltas(text) if self.holding and self.incremental else []
+
+    def _content(self, text: str, final: bool) -> str:
         p = self.parser
         if final:
             content, calls = p.parse(text)
-            if calls:
-                return content[self.sent :], calls
+            if calls or self.ids:
+                self.calls = calls
+                piece, self.sent = content[self.sent :], max(self.sent, len(content))
+                return piece
             piece, self.sent = text[self.sent :], len(text)
-            return piece, []
+            return piece
         if self.holding:
-            return "", []
+            return ""
         if p.toolset.choice == "none":
             piece, self.sent = text[self.sent :], len(text)
-            return piece, []
+            return piece
         if p.json_start and self.sent == 0:
             head = text.lstrip()
             if head.startswith(("{", "<|python_tag|>")):
                 self.holding = True
-                return "", []
+                return ""
             if not head or "<|python_tag|>".startswith(head):
-                return "", []  # the answer's start does not tell yet
+                return ""  # the answer's start does not tell yet
         hits = [i for i in (text.find(mk, self.sent) for mk in p.markers) if i >= 0]
         if hits:
             cut, self.holding = min(hits), True
         else:
             cut = len(text) - _partial_marker(text[self.sent :], p.markers)
         piece, self.sent = text[self.sent : cut], max(self.sent, cut)
-        return piece, []
+        return piece
+
+    def _deltas(self, text: str) -> list[dict[str, Any]]:
+        """The delta items for what the calls gained: new calls' first deltas, then arguments' new text."""
+        out: list[dict[str, Any]] = []
+        names = self.parser.toolset.names
+        for j, sp in enumerate(self.parser.spans(text, self.sent)):
+            if sp.name is None or sp.name not in names:
+                break  # calls go in order: a call streams once its name is known
+            if j == len(self.ids):
+                self.ids.append(ToolCall(sp.name, {}).id)
+                self.args_sent.append("")
+                out.append(_head(j, self.ids[j], sp.name))
+            if sp.args is None:
+                break
+            end = sp.args_end if sp.args_end is not None else len(text)
+            new = text[sp.args + len(self.args_sent[j]) : end]
+            if new:
+                self.args_sent[j] += new
+                out.append({"index": j, "function": {"arguments": new}})
+            if sp.args_end is None:
+                break
+        return out
+
+    def _finish(self, text: str) -> list[dict[str, Any]]:
+        """The last deltas: the rest of each streamed call's arguments, the calls not streamed yet whole."""
+        if not self.incremental:
+            return [c.openai(index=j) for j, c in enumerate(self.calls)]
+        out = self._deltas(text) if self.calls else []
+        calls = []
+        for j, c in enumerate(self.calls):
+            if j >= len(self.ids):
+                calls.append(c)
+                out.append(c.openai(index=j))
+                continue
+            c = replace(c, id=self.ids[j])
+            full, sent = c.arguments_text, self.args_sent[j]
+            rest = full[len(sent) :] if full.startswith(sent) else ""  # the same text: sent is always its start
+            if rest:
+                out.append({"index": j, "function": {"arguments": rest}})
+            calls.append(c)
+        self.calls = calls
+        return out
+
+
+def _head(index: int, call_id: str, name: str) -> dict[str, Any]:
+    return {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
 
 
 def _partial_marker(text: str, markers: Sequence[str]) -> int:
