@@ -11,7 +11,7 @@ from pagedkv_rs.engine.input import ContextLengthError, check_text_length
 from pagedkv_rs.engine.structured import StructuredOutputsParams, special_token_id
 from pagedkv_rs.serve.jobs import State
 from pagedkv_rs.serve.protocol import APIError
-from pagedkv_rs.serve.tools import ToolParser, ToolSet, caps_of, prepare_messages
+from pagedkv_rs.serve.tools import RESERVED_TEMPLATE_VARS, ToolParser, ToolSet, caps_of, prepare_messages
 
 __all__ = [
     "RESERVED_TEMPLATE_VARS",
@@ -52,12 +52,6 @@ def encode_text(state: State, text: str, add_special_tokens: bool = False, param
     check_fits(state, text, param)
     enc = tok.encode(text, add_special_tokens=True) if add_special_tokens else tok.encode(text)
     return list(getattr(enc, "ids", enc))
-
-
-# Variables the server itself passes to a chat template: chat_template_kwargs may not set them.
-RESERVED_TEMPLATE_VARS = frozenset(
-    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token"}
-)
 
 
 def chat_ids(state: State, req: Any, toolset: Optional[ToolSet]) -> tuple[list[int], Optional[ToolParser]]:

@@ -46,6 +46,9 @@ from typing import Any, Callable, Optional
 
 __all__ = [
     "GENERIC_PROMPT",
+    "RESERVED_TEMPLATE_VARS",
+    "chat_messages",
+    "parse_tool_calls",
     "TemplateCaps",
     "ToolSet",
     "ToolCall",
@@ -60,6 +63,11 @@ GENERIC_PROMPT = (
     "<tool_call></tool_call> tags, one block per call:\n"
     '<tool_call>\n{"name": <tool name>, "arguments": <the arguments as a JSON object>}\n</tool_call>\n'
     "Tools:\n"
+)
+
+# Variables the caller itself passes to a chat template: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_VARS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token"}
 )
 
 # The format families' opening markers: text from the first of them on is a call (streaming buffers it).
@@ -890,3 +898,61 @@ def toolset_from(req: Any) -> Optional[ToolSet]:
 
 def _strict(d: Any) -> dict[str, Any]:
     return {"strict": True} if d.strict else {}
+
+
+# ------------------------------------------------------------------------------------- the offline API
+def _functions(tools: Sequence[Mapping[str, Any]]) -> ToolSet:
+    """OpenAI tools (``{"type": "function", "function": {...}}``) or bare function dicts as a ``ToolSet``."""
+    defs = []
+    for t in tools:
+        f = t.get("function", t) if t.get("type", "function") == "function" else None
+        if not isinstance(f, Mapping) or not isinstance(f.get("name"), str):
+            raise ValueError(
+                f"a tool is an OpenAI function tool {{'type': 'function', 'function': {{'name', ...}}}}, got {t!r}"
+            )
+        defs.append({k: v for k, v in f.items() if v is not None})
+    return ToolSet(tuple(defs))
+
+
+def chat_messages(
+    messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence[Mapping[str, Any]]], template: Optional[str]
+) -> tuple[list[dict[str, Any]], Optional[list[dict[str, Any]]]]:
+    """OpenAI chat messages (assistant ``tool_calls`` with JSON-string or dict arguments, ``role: "tool"``
+    results) and tools as ``template`` shows them: ``(messages, tools)`` to render (``prepare_messages``)."""
+    toolset = _functions(tools) if tools else None
+    msgs: list[dict[str, Any]] = []
+    for m in messages:
+        d = {k: v for k, v in m.items() if k != "tool_calls"}
+        d["content"] = d.get("content") or ""
+        calls = []
+        for c in m.get("tool_calls") or []:
+            f = c.get("function", c)
+            args = f.get("arguments") or {}
+            calls.append({"id": c.get("id") or "call_0", "name": f["name"], "arguments": _arguments(args)})
+        if calls:
+            d["tool_calls"] = calls
+        msgs.append(d)
+    uses = toolset is not None or any(d["role"] == "tool" or d.get("tool_calls") for d in msgs)
+    if not uses or template is None:
+        return msgs, toolset.template_tools() if toolset is not None else None
+    return prepare_messages(msgs, toolset, caps_of(template))
+
+
+def _arguments(args: Any) -> dict[str, Any]:
+    if isinstance(args, str):
+        args = json.loads(args) if args.strip() else {}
+    if not isinstance(args, dict):
+        raise ValueError(f"a tool call's arguments must be a JSON object, got {args!r}")
+    return args
+
+
+def parse_tool_calls(
+    text: str, tools: Sequence[Mapping[str, Any]], chat_template: Optional[str] = None, *, parallel: bool = True
+) -> tuple[str, list[ToolCall]]:
+    """The tool calls in a model's answer: ``(content, calls)`` as the server parses them (calls empty when
+    ``text`` holds no valid call; then the content is ``text``). ``chat_template``: the template the prompt was
+    rendered with (it names the format family; None: the generic ``<tool_call>`` format). Each call has
+    ``name``, ``arguments`` (a dict), ``id`` and ``openai()`` (OpenAI's ``tool_calls`` item)."""
+    family = caps_of(chat_template).family if chat_template is not None else "generic"
+    toolset = _functions(tools)
+    return ToolParser(replace(toolset, parallel=parallel), family).parse(text)
