@@ -20,11 +20,17 @@ mistral        ``[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]``   
 mistral-args   ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`` (``[CALL_ID]`` optional)         Mistral Small 3.2,
                                                                                            Devstral, Ministral 3
 tool-call      ``<|tool_call|>[{"name": ..., "arguments": {...}}]``                        Granite 3.x, Phi-4-mini
+xml            ``<tool_call><function=name><parameter=key>value</parameter>...</function>``  Qwen3-Coder, Qwen3.5,
+               ``</tool_call>`` (repeated)                                                 Nemotron 3 Nano, Step 3.5
+glm            ``<tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value>...``    GLM 4.6 / 4.7
+               ``</tool_call>`` (repeated)
 generic        the hermes format, taught by ``GENERIC_PROMPT``                             templates without tools
 any            every parser above in turn                                                  other tool templates
 =============  ==========================================================================  ==========================
 
-A call is returned only when it names one of the request's tools and its arguments are a JSON object (valid
+In the two XML formats a value is text: it becomes the JSON value it spells (``3``, ``true``, ``{...}``) unless
+the tool's schema types that parameter as a string (as the templates write values: strings bare, others as
+JSON). A call is returned only when it names one of the request's tools and its arguments are a JSON object (valid
 against the tool's schema when the tool is ``strict``); otherwise the whole answer is content. With
 ``tool_choice`` ``required`` or a named function the engine's JSON-schema constraint writes the call as plain
 JSON (``REQUIRED`` below, or the named tool's arguments), which is parsed as such. With ``auto`` the family's
@@ -78,6 +84,8 @@ MARKERS: dict[str, tuple[str, ...]] = {
     "mistral": ("[TOOL_CALLS]",),
     "mistral-args": ("[TOOL_CALLS]",),
     "tool-call": ("<|tool_call|>",),
+    "xml": ("<tool_call>",),
+    "glm": ("<tool_call>",),
     "any": ("<tool_call>", "[TOOL_CALLS]", "<|tool_call|>", "<|python_tag|>"),
 }
 JSON_START = frozenset({"llama3", "any"})  # families whose call may open with a bare "{" at the answer's start
@@ -260,7 +268,43 @@ def _llama3_grammar(g: _Grammar) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _tagged_grammar(g: _Grammar, head: str, param: str, value_end: str) -> tuple[str, str, list[str]]:
+    """The XML formats: ``<tool_call>``, ``head`` with a tool's name, its parameters (``param`` with one of the
+    tool's parameter names, then a value: any text up to ``value_end``), ``</tool_call>``. Names and keys are
+    the tools'; values are text (the parser types them by the schema)."""
+    more = f" ({_WS} {g.mark('<tool_call>')} call)*" if g.toolset.parallel else ""
+    rules = [f"value[lazy]: /(?s:.*)/ {json.dumps(value_end)}"]
+    fns = []
+    for i, t in enumerate(g.toolset.tools):
+        keys = list((_params(t).get("properties") or {}).keys())
+        params = ""
+        if keys:
+            rules.append(f"p{i}: {param.format(' | '.join(json.dumps(k) for k in keys))} /\\n?/")
+            params = f" p{i}*"
+        fns.append(f"fn{i}")
+        rules.append(f"fn{i}: {head.format(json.dumps(t['name']))}{params}")
+    rules.insert(0, "fn: " + " | ".join(fns))
+    return "<tool_call>", f"call{more} {_WS}", rules
+
+
+def _xml_grammar(g: _Grammar) -> tuple[str, str, list[str]]:
+    trigger, calls, rules = _tagged_grammar(
+        g, '"<function=" {} ">" /\\n?/', '"<parameter=" ({}) ">" value', "</parameter>"
+    )
+    close = g.mark("</tool_call>")
+    return trigger, calls, [f'call: /[ \\t]*\\n?/ fn "</function>" /[ \\t]*\\n?/ {close}', *rules]
+
+
+def _glm_grammar(g: _Grammar) -> tuple[str, str, list[str]]:
+    trigger, calls, rules = _tagged_grammar(
+        g, "{} /\\n?/", '"<arg_key>" ({}) "</arg_key>" /\\n?/ "<arg_value>" value', "</arg_value>"
+    )
+    return trigger, calls, [f"call: fn {g.mark('</tool_call>')}", *rules]
+
+
 _AUTO: dict[str, Any] = {
+    "xml": _xml_grammar,
+    "glm": _glm_grammar,
     "hermes": _hermes_grammar,
     "generic": _hermes_grammar,
     "mistral": _array_grammar("[TOOL_CALLS]"),
@@ -350,6 +394,10 @@ def family_of(source: str, shows_tools: bool) -> str:
         return "mistral-args" if "[ARGS]" in source else "mistral"
     if "<|tool_call|>" in source:
         return "tool-call"
+    if "<tool_call>" in source and "<function=" in source:
+        return "xml"
+    if "<tool_call>" in source and "<arg_key>" in source:
+        return "glm"
     if "<tool_call>" in source:
         return "hermes"
     if "<|python_tag|>" in source or '"parameters": dictionary' in source:
@@ -368,6 +416,22 @@ def format_calls(family: str, calls: Sequence[Mapping[str, Any]]) -> str:
         return "".join(f"[TOOL_CALLS]{c['name']}[ARGS]{json.dumps(c['arguments'])}" for c in calls)
     if family == "tool-call":
         return "<|tool_call|>" + json.dumps([{"name": c["name"], "arguments": c["arguments"]} for c in calls])
+    if family == "xml":
+        return "\n".join(
+            f"<tool_call>\n<function={c['name']}>\n"
+            + "".join(f"<parameter={k}>\n{_xml_value(v)}\n</parameter>\n" for k, v in c["arguments"].items())
+            + "</function>\n</tool_call>"
+            for c in calls
+        )
+    if family == "glm":
+        return "".join(
+            f"<tool_call>{c['name']}\n"
+            + "".join(
+                f"<arg_key>{k}</arg_key>\n<arg_value>{_xml_value(v)}</arg_value>\n" for k, v in c["arguments"].items()
+            )
+            + "</tool_call>"
+            for c in calls
+        )
     return "\n".join(
         "<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]}) + "\n</tool_call>" for c in calls
     )
@@ -546,6 +610,61 @@ def _mistral_args(text: str) -> Optional[tuple[str, list]]:
     return text[:i], calls
 
 
+def _xml_value(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.S)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+_GLM_CALL = re.compile(r"\s*([^<\n]+?)\s*((?:<arg_key>.*?</arg_key>\s*<arg_value>.*?</arg_value>\s*)*)$", re.S)
+_GLM_PARAM = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _tagged(text: str, body: Any, pairs: Any) -> Optional[tuple[str, list]]:
+    """``<tool_call>...</tool_call>`` blocks whose body ``body`` matches as (name, parameters text), each
+    parameter a ``pairs`` match of (key, value text); values stay text (``ToolParser`` types them)."""
+    i = text.find("<tool_call>")
+    if i < 0:
+        return None
+    calls = []
+    for block in text[i:].split("<tool_call>")[1:]:
+        inner, closed, rest = block.partition("</tool_call>")
+        if not closed or rest.strip():
+            return None
+        m = body.match(inner)
+        if m is None or pairs.sub("", m.group(2)).strip():
+            return None
+        args = {k.strip(): _XmlText(v.removeprefix("\n").removesuffix("\n")) for k, v in pairs.findall(m.group(2))}
+        calls.append((m.group(1).strip(), args, None))
+    return text[:i], calls
+
+
+class _XmlText(str):
+    """A parameter's value as the XML formats write it: text, typed by the tool's schema once the tool is known."""
+
+
+def _typed(args: dict[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
+    """XML parameter texts as JSON values: text where the schema says string, else the JSON the text spells."""
+    props = schema.get("properties") or {}
+    out: dict[str, Any] = {}
+    for k, v in args.items():
+        if not isinstance(v, _XmlText):
+            out[k] = v
+            continue
+        kind = (props.get(k) or {}).get("type")
+        if kind == "string" or (isinstance(kind, list) and "string" in kind):
+            out[k] = str(v)
+            continue
+        if kind == "boolean" and v.strip() in ("True", "False"):  # a template that writes Python's spelling
+            out[k] = v.strip() == "True"
+            continue
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = str(v)
+    return out
+
+
 PARSERS = {
     "hermes": _hermes,
     "generic": _hermes,
@@ -553,6 +672,8 @@ PARSERS = {
     "mistral": lambda t: _after_marker(t, "[TOOL_CALLS]"),
     "mistral-args": _mistral_args,
     "tool-call": lambda t: _after_marker(t, "<|tool_call|>", "<|/tool_call|>"),
+    "xml": lambda t: _tagged(t, _XML_FUNCTION, _XML_PARAM),
+    "glm": lambda t: _tagged(t, _GLM_CALL, _GLM_PARAM),
 }
 
 
@@ -643,6 +764,7 @@ class ToolParser:
             tool = tools.get(name)
             if tool is None or not isinstance(args, dict):
                 return []
+            args = _typed(args, _params(tool))
             if tool.get("strict") and not _valid(args, _params(tool)):
                 return []
             calls.append(ToolCall(name, args))
