@@ -92,3 +92,11 @@ def test_the_auto_grammar_takes_text_and_the_tools_names_and_keys_only(smollm2, 
     assert not feed(smollm2, family, call.replace("get_weather", "get_time"))
     assert not feed(smollm2, family, call.replace("days", "weeks"))
     assert not feed(smollm2, family, call[: len(call) // 2])  # EOS inside a call
+
+
+@pytest.mark.parametrize("name", ["MiniMax-M3", "unsloth-Apriel-1.5", "meetkai-functionary-medium-v3.1"])
+def test_other_formats_get_no_json_grammar(name):
+    """<tool_call> around MiniMax's <invoke>, Apriel's list, functionary's <function=...>: no family's grammar
+    fits them, so auto arms none (their calls are still looked for by every parser in turn)."""
+    family = caps_of(template(name)).family
+    assert family == "any" and TOOLSET.auto_grammar(family, lambda t: None) is None

@@ -375,6 +375,9 @@ def caps_of(source: str) -> TemplateCaps:
         plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
         tool_role = "pagedkv_probe_result" in render([*plain, _probe_conversation({})[2]], None)
     system = [{"role": "system", "content": "pagedkv_probe_system"}, {"role": "user", "content": "q"}]
+    family = family_of(source, shows_tools)
+    if family == "hermes" and shows_calls and not _HERMES_CALL.search(out):
+        family = "any"  # <tool_call> around something else (MiniMax's <invoke>, Apriel's list): no JSON grammar
     return TemplateCaps(
         system_role="pagedkv_probe_system" in render(system, None),
         tools=shows_tools,
@@ -382,8 +385,11 @@ def caps_of(source: str) -> TemplateCaps:
         object_arguments=object_arguments,
         tool_role=tool_role,
         nine_char_ids="length != 9" in source,
-        family=family_of(source, shows_tools),
+        family=family,
     )
+
+
+_HERMES_CALL = re.compile(r'<tool_call>\s*\{\s*"name":\s*"pagedkv_probe_call"')
 
 
 def family_of(source: str, shows_tools: bool) -> str:
@@ -400,6 +406,8 @@ def family_of(source: str, shows_tools: bool) -> str:
         return "glm"
     if "<tool_call>" in source:
         return "hermes"
+    if "<function=" in source:
+        return "any"  # functionary's <function=name>{...}</function>, not Llama's JSON
     if "<|python_tag|>" in source or '"parameters": dictionary' in source:
         return "llama3"
     return "any"
