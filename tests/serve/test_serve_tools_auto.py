@@ -208,3 +208,35 @@ def test_auto_with_its_own_output_constraint_keeps_that_constraint(llm_server):
         response_format={"type": "json_object"},
     )
     assert r.choices[0].message.content.startswith("{") and not r.choices[0].message.tool_calls
+
+
+def test_tools_with_their_own_defs_compile_side_by_side(smollm2):
+    """Pydantic's schemas keep nested models in ``$defs``: nested in one grammar, each tool keeps its own."""
+    from pydantic import BaseModel
+
+    class Address(BaseModel):
+        city: str
+
+    class Ship(BaseModel):
+        to: Address
+
+    class Point(BaseModel):  # another "Address" with another shape
+        x: int
+
+    class Move(BaseModel):
+        to: Point
+
+    schema = Move.model_json_schema()
+    schema["$defs"]["Address"] = schema["$defs"].pop("Point")
+    schema["properties"]["to"] = {"$ref": "#/$defs/Address"}
+    tools = ({"name": "ship", "parameters": Ship.model_json_schema()}, {"name": "move", "parameters": schema})
+    g = ToolSet(tools).auto_grammar("hermes", lambda text: None)
+    assert g is not None
+    ship = '<tool_call>\n{"name": "ship", "arguments": {"to": {"city": "Oslo"}}}\n</tool_call>'
+    assert feed(smollm2, g, ship) is None
+    assert feed(smollm2, g, ship.replace('"ship"', '"move"')) is not None  # move's Address has x, not city
+    assert feed(smollm2, g, '<tool_call>\n{"name": "move", "arguments": {"to": {"x": 3}}}\n</tool_call>') is None
+    required = ToolSet(tools, choice="required").constraint()
+    tok, compiler = smollm2
+    m = compiler.compile(StructuredOutputsParams(json=required)).new_matcher()
+    assert all(m.consume_token(t) for t in tok.encode('[{"name": "move", "arguments": {"to": {"x": 3}}}]'))

@@ -179,6 +179,7 @@ class StructuredOutputsParams:
             return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(_json.dumps(c) for c in self.choice))  # type: ignore[union-attr]
         from llguidance.gbnf_to_lark import any_to_lark
 
+        assert self.grammar is not None  # kind "grammar"
         try:
             lark = any_to_lark(self.grammar)  # Lark passes through; GBNF is converted
         except Exception as e:

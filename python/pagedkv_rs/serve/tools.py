@@ -139,18 +139,21 @@ class ToolSet:
     def constraint(self) -> Optional[dict[str, Any]]:
         """The JSON schema that forces ``required`` / a named choice; None for ``auto`` and ``none``."""
         if self.choice == "required":
+            params, defs = _hoist_defs([_params(t) for t in self.tools])
             one = [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": t["name"]}, "arguments": _params(t)},
+                    "properties": {"name": {"const": t["name"]}, "arguments": p},
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
                 }
-                for t in self.tools
+                for t, p in zip(self.tools, params)
             ]
             schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one}}
             if not self.parallel:
                 schema["maxItems"] = 1
+            if defs:
+                schema["$defs"] = defs
             return schema
         if self.named is None:
             return None
@@ -190,8 +193,9 @@ class _Grammar:
     def body(self, args_key: str, array: bool = False, with_id: bool = False) -> str:
         """``%json`` of one call ``{"name": const, args_key: schema}`` (any tool), or of a list of them."""
         one = []
-        for t in self.toolset.tools:
-            props: dict[str, Any] = {"name": {"const": t["name"]}, args_key: _params(t)}
+        params, defs = _hoist_defs([_params(t) for t in self.toolset.tools])
+        for t, p in zip(self.toolset.tools, params):
+            props: dict[str, Any] = {"name": {"const": t["name"]}, args_key: p}
             if with_id:
                 props["id"] = {"type": "string"}
             one.append(
@@ -202,6 +206,8 @@ class _Grammar:
             schema = {"type": "array", "items": schema, "minItems": 1}
             if not self.toolset.parallel:
                 schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         return "%json " + json.dumps({**schema, "x-guidance": _JSON_STYLE})
 
     def build(self, family: Callable[[_Grammar], tuple[str, str, list[str]]]) -> str:
@@ -311,6 +317,27 @@ _AUTO: dict[str, Any] = {
     "mistral-args": _mistral_args_grammar,
     "tool-call": _array_grammar("<|tool_call|>", "<|/tool_call|>"),
 }
+
+
+def _hoist_defs(schemas: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Schemas to nest in one schema: each one's ``$defs`` / ``definitions`` moved to the root (as ``t{i}_name``,
+    its ``#/$defs/...`` references rewritten), where the references of a nested schema resolve."""
+    out, defs = [], {}
+    for i, sch in enumerate(schemas):
+        local = {**(sch.get("definitions") or {}), **(sch.get("$defs") or {})}
+        if not local:
+            out.append(sch)
+            continue
+        names = {f"#/{k}/{n}": f"#/$defs/t{i}_{n}" for k in ("$defs", "definitions") for n in local}
+
+        def fix(v: Any, names: dict[str, str] = names) -> Any:
+            if isinstance(v, dict):
+                return {k: names.get(x, x) if k == "$ref" and isinstance(x, str) else fix(x) for k, x in v.items()}
+            return [fix(x) for x in v] if isinstance(v, list) else v
+
+        out.append(fix({k: v for k, v in sch.items() if k not in ("$defs", "definitions")}))
+        defs.update({f"t{i}_{n}": fix(d) for n, d in local.items()})
+    return out, defs
 
 
 def _params(tool: Mapping[str, Any]) -> dict[str, Any]:
