@@ -19,6 +19,7 @@ from pagedkv_rs.engine.request import RequestOutput, SamplingParams
 from pagedkv_rs.models.gguf_loader import GGUFFile, load_gguf
 from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, eos_ids_from_metadata
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
+from pagedkv_rs.models.tool_calls import RESERVED_TEMPLATE_VARS, chat_messages
 from pagedkv_rs.units import parse_memory
 
 # The `model` extra, checked here so that its absence is named; found, not imported (each is imported
@@ -177,13 +178,11 @@ class LLM:
 
         ``tools``: OpenAI function tools, rendered by the GGUF's chat template (a template without tools gets the
         generic format in its system message); assistant ``tool_calls`` and ``role: "tool"`` messages render
-        the same way. The output is the model's text: ``pagedkv_rs.serve.tools.parse_tool_calls(text, tools,
-        llm.tokenizer.chat_template)`` finds its calls. ``continue_final_message``: the last (assistant) message
-        is left open for the model to continue (then ``add_generation_prompt=False``).
+        the same way. The output is the model's text: ``parse_tool_calls(text, tools, llm.tokenizer.chat_template)``
+        (``pagedkv_rs.models.tool_calls``) finds its calls. ``continue_final_message``: the last (assistant)
+        message is left open for the model to continue (then ``add_generation_prompt=False``).
         ``chat_template_kwargs``: more variables for the template (``{"enable_thinking": False}``).
         """
-        from pagedkv_rs.serve.tools import RESERVED_TEMPLATE_VARS, chat_messages
-
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         kwargs = dict(chat_template_kwargs or {})

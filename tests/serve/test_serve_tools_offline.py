@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pagedkv_rs import SamplingParams
-from pagedkv_rs.serve.tools import parse_tool_calls
+from pagedkv_rs.models.tool_calls import parse_tool_calls
 
 WEATHER = {
     "name": "get_weather",
