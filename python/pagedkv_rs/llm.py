@@ -19,6 +19,7 @@ from pagedkv_rs.engine.request import RequestOutput, SamplingParams
 from pagedkv_rs.models.gguf_loader import GGUFFile, load_gguf
 from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, eos_ids_from_metadata
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
+from pagedkv_rs.models.tool_calls import RESERVED_TEMPLATE_VARS, chat_messages
 from pagedkv_rs.units import parse_memory
 
 # The `model` extra, checked here so that its absence is named; found, not imported (each is imported
@@ -167,12 +168,34 @@ class LLM:
         messages: Union[Conversation, Sequence[Conversation]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
-        add_generation_prompt: bool = True,
         use_tqdm: Optional[bool] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        chat_template_kwargs: Optional[Mapping[str, Any]] = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of messages) or several (a list of such lists)."""
-        convs = self._conversations(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in convs]
+        """Answer one conversation (a list of messages) or several (a list of such lists), as vLLM's ``LLM.chat``.
+
+        ``tools``: OpenAI function tools, rendered by the GGUF's chat template (a template without tools gets the
+        generic format in its system message); assistant ``tool_calls`` and ``role: "tool"`` messages render
+        the same way. The output is the model's text: ``parse_tool_calls(text, tools, llm.tokenizer.chat_template)``
+        (``pagedkv_rs.models.tool_calls``) finds its calls. ``continue_final_message``: the last (assistant)
+        message is left open for the model to continue (then ``add_generation_prompt=False``).
+        ``chat_template_kwargs``: more variables for the template (``{"enable_thinking": False}``).
+        """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        kwargs = dict(chat_template_kwargs or {})
+        clash = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        prompts = []
+        for conv in self._conversations(messages):
+            msgs, shown = chat_messages(conv, tools, self.tokenizer.chat_template)
+            extra = {**kwargs, "tools": shown} if shown is not None else kwargs
+            prompts.append(self.tokenizer.apply_chat_template(msgs, add_generation_prompt, **extra))
         return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None) -> RequestStream:

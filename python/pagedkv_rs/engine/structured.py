@@ -43,6 +43,7 @@ __all__ = [
     "GrammarCompiler",
     "CompiledGrammar",
     "build_lltokenizer",
+    "special_token_id",
     "fill_masks",
     "advance",
     "MAX_CONSTRAINT_BYTES",
@@ -178,6 +179,7 @@ class StructuredOutputsParams:
             return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(_json.dumps(c) for c in self.choice))  # type: ignore[union-attr]
         from llguidance.gbnf_to_lark import any_to_lark
 
+        assert self.grammar is not None  # kind "grammar"
         try:
             lark = any_to_lark(self.grammar)  # Lark passes through; GBNF is converted
         except Exception as e:
@@ -194,18 +196,11 @@ def build_lltokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[i
     vocabulary (a model's padded rows) as empty tokens, which are never allowed; and the EOS id(s).
     """
     llg = _llg()
-    from pagedkv_rs.models.vocab import Attr
-
     pieces = getattr(tokenizer, "_pieces", None)
     vocab = getattr(tokenizer, "vocab", None)
     if pieces is None or vocab is None:
         raise ValueError(f"structured outputs need a GGUF tokenizer, got {type(tokenizer).__name__}")
-    special = Attr.CONTROL | Attr.UNKNOWN
-    tokens: list[bytes] = []
-    for p, a in zip(pieces, vocab.attrs):
-        if a & special or (a & Attr.USER_DEFINED and p.startswith(b"<") and p.endswith(b">")):
-            p = b"\xff" + p
-        tokens.append(p)
+    tokens = [b"\xff" + p if _special(p, a) else p for p, a in zip(pieces, vocab.attrs)]
     tokens = tokens[:vocab_size] + [b""] * max(0, vocab_size - len(tokens))
     eos = sorted({int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size})
     if not eos and tokenizer.eos_token_id is not None:
@@ -223,6 +218,27 @@ def build_lltokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[i
             return tokenizer.encode(text, parse_special=False)
 
     return llg.LLTokenizer(_Wrapper(), n_vocab=vocab_size, eos_token=eos or None)
+
+
+def _special(piece: bytes, attr: int) -> bool:
+    """llguidance sees the token as special (a grammar names it ``<[id]>``; free text never holds it): control and
+    unknown tokens, and user-defined ones that look like markup (Qwen's ``<tool_call>``)."""
+    from pagedkv_rs.models.vocab import Attr
+
+    if attr & (Attr.CONTROL | Attr.UNKNOWN):
+        return True
+    return bool(attr & Attr.USER_DEFINED) and piece.startswith(b"<") and piece.endswith(b">")
+
+
+def special_token_id(tokenizer: Any, text: str) -> Optional[int]:
+    """The id of the one token spelled ``text`` when llguidance sees it as special (see ``build_lltokenizer``),
+    else None: a grammar then names it ``<[id]>``, as a string it would never match."""
+    tok = getattr(tokenizer, "gguf", tokenizer)
+    ids = getattr(tok, "_ids", None)
+    tid = ids.get(text) if ids is not None else None
+    if tid is None:
+        return None
+    return tid if _special(tok._pieces[tid], tok.vocab.attrs[tid]) else None
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from pagedkv_rs.serve.constraints import constraint_of
 from pagedkv_rs.serve.jobs import Job, State, disconnected, watchdog
 from pagedkv_rs.serve.logs import RequestIdMiddleware, current_request_id
 from pagedkv_rs.serve.metrics import CONTENT_TYPE
-from pagedkv_rs.serve.prompts import chat_ids, check_ids, encode_text, force_tool_call
+from pagedkv_rs.serve.prompts import chat_ids, check_ids, encode_text, tool_constraint
 from pagedkv_rs.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -303,8 +303,8 @@ async def _generate(
     params = to_sampling_params(
         req, max_tokens=max_tokens, defaults=state.sampling_defaults, structured_outputs=constraint_of(req)
     )
-    if tools is not None and tools.constrained:
-        params = force_tool_call(params, tools.toolset, req)
+    if tools is not None:
+        params = tool_constraint(state, params, tools, req)
 
     def check() -> list[Any]:
         return [state.engine.check_request(ids, params, cache_salt=req.cache_salt) for ids in prompts]

@@ -8,10 +8,10 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from pagedkv_rs.engine.input import ContextLengthError, check_text_length
-from pagedkv_rs.engine.structured import StructuredOutputsParams
+from pagedkv_rs.engine.structured import StructuredOutputsParams, special_token_id
 from pagedkv_rs.serve.jobs import State
 from pagedkv_rs.serve.protocol import APIError
-from pagedkv_rs.serve.tools import ToolParser, ToolSet, caps_of, prepare_messages
+from pagedkv_rs.serve.tools import RESERVED_TEMPLATE_VARS, ToolParser, ToolSet, caps_of, prepare_messages
 
 __all__ = [
     "RESERVED_TEMPLATE_VARS",
@@ -20,6 +20,7 @@ __all__ = [
     "check_ids",
     "encode_text",
     "force_tool_call",
+    "tool_constraint",
     "message_dicts",
 ]
 
@@ -51,12 +52,6 @@ def encode_text(state: State, text: str, add_special_tokens: bool = False, param
     check_fits(state, text, param)
     enc = tok.encode(text, add_special_tokens=True) if add_special_tokens else tok.encode(text)
     return list(getattr(enc, "ids", enc))
-
-
-# Variables the server itself passes to a chat template: chat_template_kwargs may not set them.
-RESERVED_TEMPLATE_VARS = frozenset(
-    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token"}
-)
 
 
 def chat_ids(state: State, req: Any, toolset: Optional[ToolSet]) -> tuple[list[int], Optional[ToolParser]]:
@@ -127,6 +122,23 @@ def message_dicts(messages: Sequence[Any]) -> list[dict[str, Any]]:
             d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
+
+
+def tool_constraint(state: State, params: Any, parser: ToolParser, req: Any) -> Any:
+    """``params`` with the constraint the request's tools put on the answer: the forced call's JSON
+    (``force_tool_call``), or for ``tool_choice: "auto"`` the family's lazy grammar (free text until the model
+    opens a call, then valid calls: ``ToolSet.auto_grammar``). ``auto`` arms nothing when the request has its
+    own output constraint (which then rules the whole answer) or the template's format has no known opener."""
+    toolset = parser.toolset
+    if parser.constrained:
+        return force_tool_call(params, toolset, req)
+    if toolset.choice != "auto" or getattr(params, "structured_outputs", None) is not None:
+        return params
+    grammar = toolset.auto_grammar(parser.family, lambda text: special_token_id(state.tokenizer, text))
+    if grammar is None:
+        return params
+    parser.guarded = True  # the calls are the grammar's: they may stream as they are written
+    return replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
 
 
 def force_tool_call(params: Any, toolset: ToolSet, req: Any) -> Any:

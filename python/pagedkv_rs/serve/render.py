@@ -194,7 +194,7 @@ class View:
         return msg, self._finish(calls, o.finish_reason)
 
     def _tool_delta(self, k: int, o: Any) -> bytes:
-        """Choice ``k``'s chunks: content up to a call's opening marker, then the calls when the answer ends."""
+        """Choice ``k``'s chunks: content up to a call's opening marker, then the calls' deltas (``ToolStream``)."""
         assert self.tools is not None
         fin = o.finish_reason
         if fin is None and (o.text or "").endswith("\ufffd"):
@@ -202,8 +202,9 @@ class View:
         st = self._tool_streams.get(k)
         if st is None:
             st = self._tool_streams[k] = ToolStream(self.tools)
-        piece, calls = st.push(self._tool_text(o), fin is not None)
-        if not piece and not calls and fin is None:
+        piece, items = st.push(self._tool_text(o), fin is not None)
+        calls = st.calls if fin is not None else []
+        if not piece and not items and fin is None:
             return b""  # held: its logprobs go with the next chunk sent
         lp = self._logprobs(o, self.sent_tokens.get(k, 0))
         self.sent_tokens[k] = len(o.token_ids)
@@ -211,8 +212,8 @@ class View:
         if piece:
             chunks.append(self._chunk({"index": k, "delta": {"content": piece}, "logprobs": lp, "finish_reason": None}))
             lp = None
-        if calls:
-            delta = self._call_fields(calls, stream=True)
+        if items:
+            delta = self._call_fields(calls, stream=True) if self.tools.toolset.legacy else {"tool_calls": items}
             chunks.append(self._chunk({"index": k, "delta": delta, "logprobs": lp, "finish_reason": None}))
             lp = None
         if fin is not None:

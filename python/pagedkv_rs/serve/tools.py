@@ -1,532 +1,143 @@
-"""Tool calling: tool definitions and past calls into the chat template, the model's answer back into ``tool_calls``.
-
-Rendering. A template that shows ``tools`` gets them as Hugging Face passes them (``[{"type": "function",
-"function": {name, description, parameters}}]``), and the conversation's assistant ``tool_calls`` and ``role:
-"tool"`` messages as message dicts (arguments as a dict, or as the JSON string where the template wants that).
-What a template shows is probed once per template by rendering sample conversations (as llama.cpp's template
-capabilities are); what it cannot show falls back to text: a template without tools gets ``GENERIC_PROMPT`` in
-its system message, past calls it cannot render become assistant text in the family's format, and tool results
-it cannot render become user messages inside ``<tool_response>`` tags.
-
-Parsing. One parser per format family, chosen from the template's text:
-
-=============  ==========================================================================  ==========================
-family         what the model writes                                                       templates
-=============  ==========================================================================  ==========================
-hermes         ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (repeated)     Qwen2.5/3, Hermes 2/3,
-                                                                                           Granite 4, SmolLM3
-llama3         ``{"name": ..., "parameters": {...}}`` (after an optional ``<|python_tag|>``)  Llama 3.1/3.2/3.3
-mistral        ``[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]``              Mistral 7B v0.3, Nemo
-mistral-args   ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`` (``[CALL_ID]`` optional)         Mistral Small 3.2,
-                                                                                           Devstral, Ministral 3
-tool-call      ``<|tool_call|>[{"name": ..., "arguments": {...}}]``                        Granite 3.x, Phi-4-mini
-generic        the hermes format, taught by ``GENERIC_PROMPT``                             templates without tools
-any            every parser above in turn                                                  other tool templates
-=============  ==========================================================================  ==========================
-
-A call is returned only when it names one of the request's tools and its arguments are a JSON object (valid
-against the tool's schema when the tool is ``strict``); otherwise the whole answer is content. With
-``tool_choice`` ``required`` or a named function the engine's JSON-schema constraint writes the call as plain
-JSON (``REQUIRED`` below, or the named tool's arguments), which is parsed as such.
-"""
+"""Tool calls on the server: the request's ``tools`` / ``tool_choice`` (or legacy ``functions``) as a ``ToolSet``,
+and a streamed answer's calls as OpenAI's ``delta.tool_calls``. The formats themselves (rendering, parsing,
+the ``auto`` grammar) are ``pagedkv_rs.models.tool_calls``, re-exported here for the server's modules."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
-import re
-import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Optional
+
+from pagedkv_rs.models.tool_calls import (
+    GENERIC_PROMPT,
+    RESERVED_TEMPLATE_VARS,
+    TemplateCaps,
+    ToolCall,
+    ToolParser,
+    ToolSet,
+    caps_of,
+    chat_messages,
+    format_calls,
+    parse_tool_calls,
+    prepare_messages,
+)
 
 __all__ = [
     "GENERIC_PROMPT",
+    "RESERVED_TEMPLATE_VARS",
     "TemplateCaps",
-    "ToolSet",
     "ToolCall",
     "ToolParser",
+    "ToolSet",
     "ToolStream",
     "caps_of",
+    "chat_messages",
+    "format_calls",
+    "parse_tool_calls",
     "prepare_messages",
+    "toolset_from",
 ]
-
-GENERIC_PROMPT = (
-    "You can call the following tools. To call a tool, answer with only a JSON object inside "
-    "<tool_call></tool_call> tags, one block per call:\n"
-    '<tool_call>\n{"name": <tool name>, "arguments": <the arguments as a JSON object>}\n</tool_call>\n'
-    "Tools:\n"
-)
-
-# The format families' opening markers: text from the first of them on is a call (streaming buffers it).
-MARKERS: dict[str, tuple[str, ...]] = {
-    "hermes": ("<tool_call>",),
-    "generic": ("<tool_call>",),
-    "llama3": ("<|python_tag|>",),
-    "mistral": ("[TOOL_CALLS]",),
-    "mistral-args": ("[TOOL_CALLS]",),
-    "tool-call": ("<|tool_call|>",),
-    "any": ("<tool_call>", "[TOOL_CALLS]", "<|tool_call|>", "<|python_tag|>"),
-}
-JSON_START = frozenset({"llama3", "any"})  # families whose call may open with a bare "{" at the answer's start
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def openai(self, index: Optional[int] = None) -> dict[str, Any]:
-        """OpenAI's ``tool_calls`` item (with ``index`` for a stream delta)."""
-        out: dict[str, Any] = {} if index is None else {"index": index}
-        args = json.dumps(self.arguments, ensure_ascii=False)
-        out.update(id=self.id, type="function", function={"name": self.name, "arguments": args})
-        return out
-
-
-@dataclass(frozen=True)
-class ToolSet:
-    """The request's tools: ``tools`` (OpenAI function dicts), ``choice`` (``"none"``, ``"auto"``,
-    ``"required"``, or ``"named"`` with the tool's name in ``named``), ``parallel`` (more than one call allowed),
-    ``legacy`` (asked with ``functions`` / ``function_call``: the answer carries ``function_call``)."""
-
-    tools: tuple[Mapping[str, Any], ...]
-    choice: str = "auto"
-    named: Optional[str] = None
-    parallel: bool = True
-    legacy: bool = False
-
-    def __post_init__(self) -> None:
-        if self.choice not in ("none", "auto", "required", "named") or (self.choice == "named") != (
-            self.named is not None
-        ):
-            raise ValueError(f"bad tool choice {self.choice!r} (named={self.named!r})")
-
-    @property
-    def names(self) -> dict[str, Mapping[str, Any]]:
-        return {t["name"]: t for t in self.tools}
-
-    def template_tools(self) -> list[dict[str, Any]]:
-        """The tools as Hugging Face's ``apply_chat_template(tools=...)`` passes them (a tool without
-        ``parameters`` takes none: an empty object schema, which templates can print)."""
-        return [{"type": "function", "function": {**t, "parameters": _params(t)}} for t in self.tools]
-
-    def constraint(self) -> Optional[dict[str, Any]]:
-        """The JSON schema that forces ``required`` / a named choice; None for ``auto`` and ``none``."""
-        if self.choice == "required":
-            one = [
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": t["name"]}, "arguments": _params(t)},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for t in self.tools
-            ]
-            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one}}
-            if not self.parallel:
-                schema["maxItems"] = 1
-            return schema
-        if self.named is None:
-            return None
-        return _params(self.names[self.named])
-
-
-def _params(tool: Mapping[str, Any]) -> dict[str, Any]:
-    p = tool.get("parameters")
-    return dict(p) if p else {"type": "object", "properties": {}}
-
-
-# ------------------------------------------------------------------------------------------- templates
-@dataclass(frozen=True)
-class TemplateCaps:
-    """What a chat template shows, and its tool-call format family."""
-
-    tools: bool = False  # the tool definitions
-    tool_calls: bool = False  # assistant tool_calls
-    object_arguments: bool = True  # tool_calls[].function.arguments as a dict (else the JSON string)
-    tool_role: bool = False  # role "tool" messages
-    nine_char_ids: bool = False  # call ids must be 9 alphanumerics (Mistral)
-    system_role: bool = True  # a system message (else the generic prompt opens the first user message)
-    family: str = "generic"
-
-
-_PROBE_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "pagedkv_probe_fn",
-        "description": "probe",
-        "parameters": {"type": "object", "properties": {"pagedkv_probe_arg": {"type": "string"}}},
-    },
-}
-
-
-def _probe_conversation(arguments: Any) -> list[dict[str, Any]]:
-    call = {"id": "pagedkv01", "type": "function", "function": {"name": "pagedkv_probe_call", "arguments": arguments}}
-    return [
-        {"role": "user", "content": "pagedkv probe question"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "pagedkv01", "name": "pagedkv_probe_call", "content": "pagedkv_probe_result"},
-    ]
-
-
-@functools.lru_cache(maxsize=32)
-def caps_of(source: str) -> TemplateCaps:
-    """Probe what the template ``source`` shows (rendering sample conversations; a failure means "not shown")."""
-    from pagedkv_rs.models.chat_template import ChatTemplate, ChatTemplateError
-
-    tmpl = ChatTemplate(source)
-
-    def render(messages: list[dict[str, Any]], tools: Any) -> str:
-        try:
-            return tmpl.render(messages, add_generation_prompt=False, tools=tools, bos_token="", eos_token="")
-        except (ChatTemplateError, ValueError):
-            return ""
-
-    shows_tools = "pagedkv_probe_fn" in render([{"role": "user", "content": "q"}], [_PROBE_TOOL])
-    as_object = render(_probe_conversation({"pagedkv_probe_arg": "pagedkv_probe_value"}), [_PROBE_TOOL])
-    as_string = render(_probe_conversation('{"pagedkv_probe_arg": "pagedkv_probe_value"}'), [_PROBE_TOOL])
-    object_arguments = "pagedkv_probe_value" in as_object or "pagedkv_probe_value" not in as_string
-    out = as_object if object_arguments else as_string
-    shows_calls = "pagedkv_probe_call" in out.replace("pagedkv_probe_result", "")
-    tool_role = "pagedkv_probe_result" in out
-    if not out:  # the template refuses tool calls: probe the tool role alone
-        plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-        tool_role = "pagedkv_probe_result" in render([*plain, _probe_conversation({})[2]], None)
-    system = [{"role": "system", "content": "pagedkv_probe_system"}, {"role": "user", "content": "q"}]
-    return TemplateCaps(
-        system_role="pagedkv_probe_system" in render(system, None),
-        tools=shows_tools,
-        tool_calls=shows_calls,
-        object_arguments=object_arguments,
-        tool_role=tool_role,
-        nine_char_ids="length != 9" in source,
-        family=family_of(source, shows_tools),
-    )
-
-
-def family_of(source: str, shows_tools: bool) -> str:
-    """The tool-call format family a template's model writes (see the module's table)."""
-    if not shows_tools:
-        return "generic"
-    if "[TOOL_CALLS]" in source:
-        return "mistral-args" if "[ARGS]" in source else "mistral"
-    if "<|tool_call|>" in source:
-        return "tool-call"
-    if "<tool_call>" in source:
-        return "hermes"
-    if "<|python_tag|>" in source or '"parameters": dictionary' in source:
-        return "llama3"
-    return "any"
-
-
-def format_calls(family: str, calls: Sequence[Mapping[str, Any]]) -> str:
-    """Past calls (``{"id", "name", "arguments"}``) as the text the family's model writes."""
-    if family == "llama3":
-        return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls)
-    if family == "mistral":
-        items = [{"name": c["name"], "arguments": c["arguments"], "id": c["id"]} for c in calls]
-        return "[TOOL_CALLS]" + json.dumps(items)
-    if family == "mistral-args":
-        return "".join(f"[TOOL_CALLS]{c['name']}[ARGS]{json.dumps(c['arguments'])}" for c in calls)
-    if family == "tool-call":
-        return "<|tool_call|>" + json.dumps([{"name": c["name"], "arguments": c["arguments"]} for c in calls])
-    return "\n".join(
-        "<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]}) + "\n</tool_call>" for c in calls
-    )
-
-
-def _nine(call_id: str) -> str:
-    """A call id as Mistral's templates demand it (9 alphanumerics), the same for the same id."""
-    if re.fullmatch(r"[A-Za-z0-9]{9}", call_id):
-        return call_id
-    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
-
-
-def prepare_messages(
-    messages: Sequence[Mapping[str, Any]], toolset: Optional[ToolSet], caps: TemplateCaps
-) -> tuple[list[dict[str, Any]], Optional[list[dict[str, Any]]]]:
-    """The messages and ``tools`` to render: calls, results and tools as the template shows them, or as text.
-
-    ``messages`` are dicts with ``role``, ``content`` (a string), and ``tool_calls`` (``[{"id", "name",
-    "arguments": dict}]``), ``tool_call_id``, ``name`` where given.
-    """
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        role, content = m["role"], m.get("content") or ""
-        calls = m.get("tool_calls") or []
-        if role == "assistant" and calls:
-            if caps.tool_calls:
-                out.append({"role": "assistant", "content": content, "tool_calls": _template_calls(calls, caps)})
-            else:
-                text = format_calls(caps.family, calls)
-                out.append({"role": "assistant", "content": f"{content}\n{text}" if content else text})
-        elif role == "tool":
-            if caps.tool_role:
-                msg = {"role": "tool", "content": content}
-                if m.get("tool_call_id") is not None:
-                    cid = m["tool_call_id"]
-                    msg["tool_call_id"] = _nine(cid) if caps.nine_char_ids else cid
-                if m.get("name") is not None:
-                    msg["name"] = m["name"]
-                out.append(msg)
-            else:
-                block = f"<tool_response>\n{content}\n</tool_response>"
-                if out and out[-1].get("pagedkv_tool_results"):
-                    out[-1]["content"] += "\n" + block
-                else:
-                    out.append({"role": "user", "content": block, "pagedkv_tool_results": True})
-        else:
-            msg = {"role": role, "content": content}
-            if m.get("name") is not None:
-                msg["name"] = m["name"]
-            out.append(msg)
-    for msg in out:
-        msg.pop("pagedkv_tool_results", None)
-    if toolset is None or not toolset.tools:
-        return out, None
-    if caps.tools:
-        return out, toolset.template_tools()
-    prompt = GENERIC_PROMPT + "\n".join(json.dumps(t, ensure_ascii=False) for t in toolset.template_tools())
-    head = out[0] if out else None
-    if head is not None and head["role"] in ("system", "developer"):
-        out[0] = {**head, "content": f"{head['content']}\n\n{prompt}" if head["content"] else prompt}
-    elif caps.system_role or head is None or head["role"] != "user":
-        out.insert(0, {"role": "system", "content": prompt})
-    else:  # a template without a system role (Gemma): the prompt opens the first user message
-        out[0] = {**head, "content": f"{prompt}\n\n{head['content']}"}
-    return out, None
-
-
-def _template_calls(calls: Sequence[Mapping[str, Any]], caps: TemplateCaps) -> list[dict[str, Any]]:
-    out = []
-    for c in calls:
-        cid = _nine(c["id"]) if caps.nine_char_ids else c["id"]
-        args = c["arguments"] if caps.object_arguments else json.dumps(c["arguments"], ensure_ascii=False)
-        out.append({"id": cid, "type": "function", "function": {"name": c["name"], "arguments": args}})
-    return out
-
-
-# --------------------------------------------------------------------------------------------- parsing
-def _json_values(text: str) -> Optional[list[Any]]:
-    """The JSON values ``text`` holds one after another (separated by whitespace, ``,`` or ``;``), or None."""
-    dec, i, n = json.JSONDecoder(), 0, len(text)
-    out: list[Any] = []
-    while True:
-        while i < n and text[i] in " \t\r\n,;":
-            i += 1
-        if i == n:
-            return out
-        try:
-            v, i = dec.raw_decode(text, i)
-        except ValueError:
-            return None
-        out.append(v)
-
-
-def _call_items(values: Sequence[Any], args_keys: tuple[str, ...] = ("arguments", "parameters")) -> Optional[list]:
-    """``(name, arguments, id)`` of each call object among ``values`` (lists are flattened), or None."""
-    items: list[Any] = []
-    for v in values:
-        items.extend(v if isinstance(v, list) else [v])
-    out = []
-    for it in items:
-        if not isinstance(it, dict) or not isinstance(it.get("name"), str):
-            return None
-        args: Any = next((it[k] for k in args_keys if k in it), {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                return None
-        out.append((it["name"], args, it.get("id")))
-    return out
-
-
-def _hermes(text: str) -> Optional[tuple[str, list]]:
-    i = text.find("<tool_call>")
-    if i < 0:
-        return None
-    values: list[Any] = []
-    for block in text[i:].split("<tool_call>")[1:]:
-        body, closed, rest = block.partition("</tool_call>")
-        if closed and rest.strip():
-            return None
-        got = _json_values(body)
-        if not got:
-            return None
-        values.extend(got)
-    calls = _call_items(values)
-    return None if calls is None else (text[:i], calls)
-
-
-def _llama3(text: str) -> Optional[tuple[str, list]]:
-    body = text.lstrip()
-    body = body.removeprefix("<|python_tag|>").lstrip()
-    if not body.startswith("{"):
-        return None
-    values = _json_values(body)
-    calls = _call_items(values, ("parameters", "arguments")) if values else None
-    return None if calls is None else ("", calls)
-
-
-def _after_marker(text: str, marker: str, end: str = "") -> Optional[tuple[str, list]]:
-    i = text.find(marker)
-    if i < 0:
-        return None
-    values: list[Any] = []
-    for part in text[i:].split(marker)[1:]:
-        part = part.strip()
-        if end:
-            part = part.removesuffix(end)
-        got = _json_values(part)
-        if got is None:
-            return None
-        values.extend(got)
-    calls = _call_items(values)
-    return None if calls is None else (text[:i], calls)
-
-
-_ARGS_CALL = re.compile(r"\s*([A-Za-z0-9_.\-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]", re.S)
-
-
-def _mistral_args(text: str) -> Optional[tuple[str, list]]:
-    i = text.find("[TOOL_CALLS]")
-    if i < 0:
-        return None
-    calls = []
-    for part in text[i:].split("[TOOL_CALLS]")[1:]:
-        m = _ARGS_CALL.match(part)
-        if m is None:
-            return None
-        got = _json_values(part[m.end() :])
-        if not got or len(got) != 1:
-            return None
-        items = _call_items([{"name": m.group(1), "arguments": got[0], "id": m.group(2)}])
-        if items is None:
-            return None
-        calls.extend(items)
-    return text[:i], calls
-
-
-PARSERS = {
-    "hermes": _hermes,
-    "generic": _hermes,
-    "llama3": _llama3,
-    "mistral": lambda t: _after_marker(t, "[TOOL_CALLS]"),
-    "mistral-args": _mistral_args,
-    "tool-call": lambda t: _after_marker(t, "<|tool_call|>", "<|/tool_call|>"),
-}
-
-
-class ToolParser:
-    """Turns one request's answers into content and ``ToolCall`` lists (see the module's table)."""
-
-    def __init__(self, toolset: ToolSet, family: str) -> None:
-        self.toolset, self.family = toolset, family
-        self.markers = MARKERS.get(family, MARKERS["any"])
-        self.json_start = family in JSON_START
-        self.constrained = toolset.constraint() is not None
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """``(content, calls)``: calls empty when ``text`` holds no valid call (then the content is ``text``)."""
-        if self.toolset.choice == "none":
-            return text, []
-        found = self._constrained(text) if self.constrained else self._free(text)
-        if found is None:
-            return text, []
-        content, items = found
-        calls = self._check(items)
-        if not calls:
-            return text, []
-        if not self.toolset.parallel:
-            calls = calls[:1]
-        return content, calls
-
-    def _constrained(self, text: str) -> Optional[tuple[str, list]]:
-        try:
-            v = json.loads(text)
-        except ValueError:
-            return None
-        if self.toolset.choice == "required":
-            items = _call_items([v]) if isinstance(v, list) else None
-            return None if items is None else ("", items)
-        return ("", [(self.toolset.named, v, None)]) if isinstance(v, dict) else None
-
-    def _free(self, text: str) -> Optional[tuple[str, list]]:
-        if self.family in PARSERS:
-            return PARSERS[self.family](text)
-        for parse in PARSERS.values():
-            found = parse(text)
-            if found is not None:
-                return found
-        return None
-
-    def _check(self, items: Sequence[tuple[str, Any, Optional[str]]]) -> list[ToolCall]:
-        """The items as calls; none when one names an unknown tool or has arguments its strict schema rejects."""
-        tools = self.toolset.names
-        calls = []
-        for name, args, _ in items:
-            tool = tools.get(name)
-            if tool is None or not isinstance(args, dict):
-                return []
-            if tool.get("strict") and not _valid(args, _params(tool)):
-                return []
-            calls.append(ToolCall(name, args))
-        return calls
-
-
-def _valid(args: dict[str, Any], schema: Mapping[str, Any]) -> bool:
-    import jsonschema  # type: ignore[import-untyped]
-
-    try:
-        jsonschema.validate(args, schema)
-    except jsonschema.ValidationError:
-        return False
-    except jsonschema.SchemaError:
-        return False
-    return True
 
 
 # ------------------------------------------------------------------------------------------- streaming
 class ToolStream:
-    """One streamed choice: content streams until a call's opening marker, the rest is held and parsed at
-    the end. ``push(text, final)`` returns the content to send now and, when ``final``, the calls."""
+    """One streamed choice: content streams until a call's opening marker; then, when a grammar writes the
+    calls (``ToolParser.guarded``) in a JSON-bodied format, each call streams as OpenAI does (a first delta with
+    its index, id, type, name and ``arguments: ""``, then the arguments' text piece by piece as it is written);
+    otherwise the calls are sent whole when the answer ends. ``push(text, final)`` returns the content to send
+    now and the ``tool_calls`` delta items; ``calls`` holds the answer's calls once ``final``."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.sent = 0  # characters of the text already sent as content
         self.holding = parser.constrained  # a constrained answer is all call
+        json_bodied = parser.call_depth is not None or parser.toolset.choice == "named"
+        self.incremental = parser.guarded and json_bodied and not parser.toolset.legacy
+        self.ids: list[str] = []  # the id of each call whose first delta is sent
+        self.args_sent: list[str] = []  # each such call's arguments text sent
+        self.calls: list[ToolCall] = []
 
-    def push(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+    def push(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        piece = self._content(text, final)
+        if final:
+            return piece, self._finish(text)
+        return piece, self._deltas(text) if self.holding and self.incremental else []
+
+    def _content(self, text: str, final: bool) -> str:
         p = self.parser
         if final:
             content, calls = p.parse(text)
-            if calls:
-                return content[self.sent :], calls
+            if calls or self.ids:
+                self.calls = calls
+                piece, self.sent = content[self.sent :], max(self.sent, len(content))
+                return piece
             piece, self.sent = text[self.sent :], len(text)
-            return piece, []
+            return piece
         if self.holding:
-            return "", []
+            return ""
         if p.toolset.choice == "none":
             piece, self.sent = text[self.sent :], len(text)
-            return piece, []
+            return piece
         if p.json_start and self.sent == 0:
             head = text.lstrip()
             if head.startswith(("{", "<|python_tag|>")):
                 self.holding = True
-                return "", []
+                return ""
             if not head or "<|python_tag|>".startswith(head):
-                return "", []  # the answer's start does not tell yet
+                return ""  # the answer's start does not tell yet
         hits = [i for i in (text.find(mk, self.sent) for mk in p.markers) if i >= 0]
         if hits:
             cut, self.holding = min(hits), True
         else:
             cut = len(text) - _partial_marker(text[self.sent :], p.markers)
         piece, self.sent = text[self.sent : cut], max(self.sent, cut)
-        return piece, []
+        return piece
+
+    def _deltas(self, text: str) -> list[dict[str, Any]]:
+        """The delta items for what the calls gained: new calls' first deltas, then arguments' new text."""
+        out: list[dict[str, Any]] = []
+        names = self.parser.toolset.names
+        for j, sp in enumerate(self.parser.spans(text, self.sent)):
+            if sp.name is None or sp.name not in names:
+                break  # calls go in order: a call streams once its name is known
+            if j == len(self.ids):
+                self.ids.append(ToolCall(sp.name, {}).id)
+                self.args_sent.append("")
+                out.append(_head(j, self.ids[j], sp.name))
+            if sp.args is None:
+                break
+            end = sp.args_end if sp.args_end is not None else len(text)
+            new = text[sp.args + len(self.args_sent[j]) : end]
+            if new:
+                self.args_sent[j] += new
+                out.append({"index": j, "function": {"arguments": new}})
+            if sp.args_end is None:
+                break
+        return out
+
+    def _finish(self, text: str) -> list[dict[str, Any]]:
+        """The last deltas: the rest of each streamed call's arguments, the calls not streamed yet whole."""
+        if not self.incremental:
+            return [c.openai(index=j) for j, c in enumerate(self.calls)]
+        out = self._deltas(text) if self.calls else []
+        calls = []
+        for j, c in enumerate(self.calls):
+            if j >= len(self.ids):
+                calls.append(c)
+                out.append(c.openai(index=j))
+                continue
+            c = replace(c, id=self.ids[j])
+            full, sent = c.arguments_text, self.args_sent[j]
+            rest = full[len(sent) :] if full.startswith(sent) else ""  # the same text: sent is always its start
+            if rest:
+                out.append({"index": j, "function": {"arguments": rest}})
+            calls.append(c)
+        self.calls = calls
+        return out
+
+
+def _head(index: int, call_id: str, name: str) -> dict[str, Any]:
+    return {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
 
 
 def _partial_marker(text: str, markers: Sequence[str]) -> int:
