@@ -179,8 +179,7 @@ def bench_args(url: str, metrics: list[str], seed: int, **kw: Any) -> argparse.N
 
 
 def run_workload(url: str, cluster: Cluster, seed: int, **kw: Any) -> dict[str, Any]:
-    """The prefix-repetition workload through ``url``: 3 prefix groups (odd, so round robin splits each group over
-    both replicas), 12 requests, 2 in flight."""
+    """The prefix-repetition workload through ``url``: 3 prefix groups of 4 requests, shuffled, 2 in flight."""
     defaults = dict(
         num_prompts=12,
         prefix_repetition_num_prefixes=3,

@@ -9,8 +9,8 @@ Requests go through aiohttp (its C HTTP parser; what vLLM's benchmark_serving us
 through ``SSEParser`` on the raw bytes: the client shares the machine with the server it measures, so
 its CPU per chunk is kept small (httpx's layers took ~200 us a chunk, about what the server spends).
 
-``--workload prefix-repetition`` (vLLM's ``prefix_repetition`` dataset): G prefixes of P tokens, each request one
-prefix plus its own Q-token question, the groups interleaved (request i takes prefix i mod G). The prompts are
+``--workload prefix-repetition`` (vLLM's ``prefix_repetition`` dataset): G prefixes of P tokens, ``num_prompts // G``
+requests each, every request one prefix plus its own Q-token question, shuffled (fixed seed) as vLLM's. The prompts are
 random token ids made text by the server's ``/detokenize``, so a router that matches on text (sglang-router's
 ``cache_aware``) sees the shared prefixes. Several ``--base-url`` are taken in turn (client-side round robin);
 the prefix-cache hit rate (hit / queried prompt tokens) and the tokens loaded from KV tiers are the increase
@@ -222,8 +222,8 @@ def _root(url: str) -> str:
 
 
 async def make_prefix_prompts(client: Any, base: str, args: argparse.Namespace) -> list[tuple[str, int]]:
-    """vLLM's prefix_repetition: G random P-token prefixes, each request one of them (interleaved) plus its own
-    Q-token question; the ids are made text by the server's ``/detokenize``."""
+    """vLLM's prefix_repetition: G random P-token prefixes, ``num_prompts // G`` requests each (one prefix plus
+    its own Q-token question), shuffled; the ids are made text by the server's ``/detokenize``."""
     g, p, q = (
         args.prefix_repetition_num_prefixes,
         args.prefix_repetition_prefix_len,
@@ -231,6 +231,8 @@ async def make_prefix_prompts(client: Any, base: str, args: argparse.Namespace) 
     )
     if g < 1 or p < 1 or q < 1:
         raise ValueError("--prefix-repetition-num-prefixes, -prefix-len and -suffix-len must be >= 1")
+    if args.num_prompts < g:
+        raise ValueError(f"--num-prompts ({args.num_prompts}) must be >= --prefix-repetition-num-prefixes ({g})")
     lo, hi = (int(x) for x in args.token_range.split(":"))
     rng = np.random.default_rng(args.seed)
 
@@ -240,12 +242,12 @@ async def make_prefix_prompts(client: Any, base: str, args: argparse.Namespace) 
                 raise ValueError(f"POST {base}/detokenize: HTTP {resp.status} (the workload needs it to make text)")
             return str((await resp.json(content_type=None))["prompt"])
 
-    prefixes = [await text(rng.integers(lo, hi, p).tolist()) for _ in range(g)]
     out = []
-    for i in range(args.num_prompts):
-        question = await text(rng.integers(lo, hi, q).tolist())
-        out.append((prefixes[i % g] + question, args.output_len))
-    return out
+    for _ in range(g):
+        prefix = await text(rng.integers(lo, hi, p).tolist())
+        for _ in range(args.num_prompts // g):
+            out.append((prefix + await text(rng.integers(lo, hi, q).tolist()), args.output_len))
+    return [out[i] for i in rng.permutation(len(out))]
 
 
 _COUNTERS = {
