@@ -177,8 +177,9 @@ def test_served_prompt_is_announced_block_by_block(events_engine, backend):
     assert not set(again[before:]) & set(hashes[:3])
 
 
-def test_eviction_is_announced_and_reset_clears(events_engine):
-    eng, pub, sub = events_engine(num_blocks=12)
+@pytest.mark.parametrize("hash_mode", ["native", "vllm"])
+def test_eviction_is_announced_and_reset_clears(events_engine, hash_mode):
+    eng, pub, sub = events_engine(num_blocks=12, hash_mode=hash_mode)
     first = prompt(2, 4 * BS + 1)
     eng.generate({"prompt_token_ids": first}, GREEDY)
     sub.wait_for(lambda: len(stored(sub.events)) >= 1)
@@ -193,7 +194,7 @@ def test_eviction_is_announced_and_reset_clears(events_engine):
     eng.kv_manager.reset_prefix_cache()
     eng.generate({"prompt_token_ids": prompt(9, BS + 1)}, GREEDY)  # the next step publishes the reset
     sub.wait_for(lambda: any(isinstance(e, AllBlocksCleared) for e in sub.events))
-    assert pub.stats["dropped_batches"] == 0
+    assert pub.stats["dropped_batches"] == 0 and pub.stats["unmapped_blocks"] == 0
 
 
 @pytest.mark.parametrize("salt", [None, "tenant-a"])

@@ -175,10 +175,11 @@ class KVEventPublisher:
                 "--prefix-hash vllm without PYTHONHASHSEED: the first block's parent (NONE_HASH) is random, so a "
                 "consumer cannot recompute these hashes; set PYTHONHASHSEED as the consumer's hash seed"
             )
-        # our hash -> vLLM digest, for chaining; bounded: entries outlive an eviction by a while, since a
-        # sequence can register a child whose parent hash was evicted meanwhile
-        self._vllm_of: OrderedDict[int, bytes] = OrderedDict()
-        self._vllm_cap = 4 * int(kv_manager.num_blocks) + 1024
+        # our hash -> vLLM digest: every registered block's, and (bounded) those of recently removed ones, since a
+        # sequence can register a child whose parent's hash left the index meanwhile
+        self._live: dict[int, bytes] = {}
+        self._gone: OrderedDict[int, bytes] = OrderedDict()
+        self._gone_cap = 2 * int(kv_manager.num_blocks) + 1024
         self._loaded: list[set[tuple[int, ...]]] = [set(), set()]  # token tuples tier loads brought (2 windows)
         self._loaded_lock = threading.Lock()
         self._loaded_new: list[tuple[int, ...]] = []
@@ -293,14 +294,20 @@ class KVEventPublisher:
                 chain_tail = h
             elif kind == "removed":
                 ext = self._removed(h)
+                chain_tail = None
+                if ext is None:
+                    self.stats["unmapped_blocks"] += 1
+                    continue
                 last = out[-1] if out else None
                 if isinstance(last, BlockRemoved):
                     last.block_hashes.append(ext)
                 else:
                     out.append(BlockRemoved([ext], MEDIUM_POOL))
-                chain_tail = None
             else:
                 out.append(AllBlocksCleared())
+                for old_h, digest in self._live.items():
+                    self._forget(old_h, digest)
+                self._live.clear()
                 chain_tail = None
         self._loaded = [new, set()]  # a load noted in this window may register in the next one
         return out
@@ -310,7 +317,7 @@ class KVEventPublisher:
         if self.hash_mode == "native":
             return h & LOW64, (parent & LOW64) if parent else None
         if parent:
-            pv = self._vllm_of.get(parent)
+            pv = self._live.get(parent) or self._gone.get(parent)
             if pv is None:
                 return None, None
             extra = None
@@ -318,17 +325,24 @@ class KVEventPublisher:
             pv = self._none_hash
             extra = (_salt_key(salt),) if salt else None
         digest = vllm_block_hash(pv, toks, extra)
-        self._vllm_of[h] = digest
-        self._vllm_of.move_to_end(h)
-        while len(self._vllm_of) > self._vllm_cap:
-            self._vllm_of.popitem(last=False)
+        self._live[h] = digest
+        self._gone.pop(h, None)
         return int.from_bytes(digest, "big") & LOW64, (int.from_bytes(pv, "big") & LOW64) if parent else None
 
-    def _removed(self, h: int) -> int:
+    def _removed(self, h: int) -> Optional[int]:
         if self.hash_mode == "native":
             return h & LOW64
-        digest = self._vllm_of.get(h)
-        return (int.from_bytes(digest, "big") & LOW64) if digest is not None else h & LOW64
+        digest = self._live.pop(h, None)
+        if digest is None:
+            return None
+        self._forget(h, digest)
+        return int.from_bytes(digest, "big") & LOW64
+
+    def _forget(self, h: int, digest: bytes) -> None:
+        self._gone[h] = digest
+        self._gone.move_to_end(h)
+        while len(self._gone) > self._gone_cap:
+            self._gone.popitem(last=False)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self, timeout: float = 1.0) -> None:
