@@ -265,3 +265,11 @@ def test_pythonhashseed_matches_vllm_none_hash():
     assert vllm_block_hash(parent, [0, 23, 24, 255, 256, 65535, 65536], None) == sha256_cbor(
         (parent, (0, 23, 24, 255, 256, 65535, 65536), None)
     )
+
+
+def test_serve_refuses_event_options_without_an_endpoint(capsys):
+    from pagedkv_rs.cli.serve import main
+
+    assert main(["--prefix-hash", "vllm"]) == 2  # before the model loads
+    assert "--kv-events-endpoint" in capsys.readouterr().err
+    assert main(["--kv-events-replay-endpoint", "tcp://*:5558"]) == 2

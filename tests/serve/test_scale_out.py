@@ -81,23 +81,32 @@ class Cluster:
         self.events: list[str] = []  # each replica's KV-events endpoint (vLLM's block hashes, PYTHONHASHSEED=0)
 
     def start_replicas(self, n: int = 2) -> None:
-        cpus = sorted(os.sched_getaffinity(0))
+        for _ in range(n):
+            self.urls.append(f"http://127.0.0.1:{free_port()}")
+            self.events.append(f"tcp://127.0.0.1:{free_port()}")
+            self.procs.append(self._launch(len(self.procs)))
         for i in range(n):
-            port = free_port()
-            cmd = [sys.executable, "-m", "pagedkv_rs.cli.main", "serve", "--port", str(port), "--num-blocks", "512"]
-            cmd += ["--kv-tier", f"redis://127.0.0.1:{self.redis_port}/0", "--kv-tier-secret-file", self.secret]
-            cmd += ["--metrics-compat", "vllm", "--shutdown-grace", "20", "--log-level", "warning"]
-            events = free_port()  # vLLM's rule: an endpoint with * binds, one without connects
-            cmd += ["--kv-events-endpoint", f"tcp://*:{events}", "--prefix-hash", "vllm"]
-            self.events.append(f"tcp://127.0.0.1:{events}")
-            cpu = {cpus[i % len(cpus)]}  # one CPU each: the kernel pool sizes itself from the CPU set
-            with open(os.path.join(self.tmp, f"replica{i}.log"), "w") as log:  # the child keeps its own fd
-                pin = lambda c=cpu: os.sched_setaffinity(0, c)  # noqa: E731
-                env = {**os.environ, "PYTHONHASHSEED": "0"}
-                self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin, env=env))
-            self.urls.append(f"http://127.0.0.1:{port}")
-        for i, (u, p) in enumerate(zip(self.urls, self.procs)):
-            wait_http(f"{u}/health", p, f"replica {i}")
+            wait_http(f"{self.urls[i]}/health", self.procs[i], f"replica {i}")
+
+    def _launch(self, i: int) -> subprocess.Popen:
+        port = self.urls[i].rsplit(":", 1)[1]
+        events = self.events[i].rsplit(":", 1)[1]  # vLLM's rule: an endpoint with * binds, one without connects
+        cmd = [sys.executable, "-m", "pagedkv_rs.cli.main", "serve", "--port", port, "--num-blocks", "512"]
+        cmd += ["--kv-tier", f"redis://127.0.0.1:{self.redis_port}/0", "--kv-tier-secret-file", self.secret]
+        cmd += ["--metrics-compat", "vllm", "--shutdown-grace", "20", "--log-level", "warning"]
+        cmd += ["--kv-events-endpoint", f"tcp://*:{events}", "--prefix-hash", "vllm"]
+        cpus = sorted(os.sched_getaffinity(0))
+        cpu = {cpus[i % len(cpus)]}  # one CPU each: the kernel pool sizes itself from the CPU set
+        with open(os.path.join(self.tmp, f"replica{i}.log"), "a") as log:  # the child keeps its own fd
+            pin = lambda: os.sched_setaffinity(0, cpu)  # noqa: E731
+            env = {**os.environ, "PYTHONHASHSEED": "0"}
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin, env=env)
+
+    def restart(self, i: int) -> None:
+        """Start replica i again on its port (after a test stopped it)."""
+        stop(self.procs[i])
+        self.procs[i] = self._launch(i)
+        wait_http(f"{self.urls[i]}/health", self.procs[i], f"replica {i}")
 
     def counters(self) -> list[dict[str, float]]:
         return [bench._counters(httpx.get(f"{u}/metrics", timeout=10).text) for u in self.urls]
@@ -265,22 +274,39 @@ def finished_requests(url: str) -> float:
     )
 
 
-def test_stopping_a_replica_mid_run_costs_no_request(cluster, router):
-    """Runs last: replica 1 gets SIGTERM while requests flow; it drains (new requests: 503 + Retry-After) and exits,
-    and the router sends the rest to replica 0."""
+def stop_mid_run(cluster: Cluster, router: Any, sig: int, seed: int, **kw: Any) -> tuple[dict[str, Any], float]:
+    """Run the workload through a round-robin router; after 4 requests finished, send ``sig`` to replica 1."""
     r = router("round_robin")
     start = sum(finished_requests(u) for u in cluster.urls)
     out: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: out.update(run_workload(r.url, cluster, seed=300, num_prompts=15)))
+    t = threading.Thread(target=lambda: out.update(run_workload(r.url, cluster, seed=seed, num_prompts=15, **kw)))
     t.start()
     end = time.monotonic() + 300
     while sum(finished_requests(u) for u in cluster.urls) - start < 4 and t.is_alive() and time.monotonic() < end:
         time.sleep(0.1)
     stopped_at = sum(finished_requests(u) for u in cluster.urls) - start
-    cluster.procs[1].send_signal(signal.SIGTERM)
+    cluster.procs[1].send_signal(sig)
     t.join(600)
     assert not t.is_alive()
+    assert stopped_at < 15, "the replica was stopped after the run: nothing was tested"
+    return out, stopped_at
+
+
+def test_killing_a_replica_mid_run_costs_only_its_requests_in_flight(cluster, router):
+    """SIGKILL: what replica 1 was answering is lost (at most the 2 in flight), every other request succeeds:
+    the router retries the refused connections on replica 0."""
+    out, _ = stop_mid_run(cluster, router, signal.SIGKILL, seed=400, no_stream=True)
+    try:
+        assert out["num_failed"] <= 2, out["errors"]
+        assert out["num_requests"] + out["num_failed"] == 15
+    finally:
+        cluster.restart(1)
+
+
+def test_stopping_a_replica_mid_run_costs_no_request(cluster, router):
+    """SIGTERM: replica 1 drains (new requests: 503 + Retry-After, which the router retries on replica 0), finishes
+    what it runs and exits; no request fails."""
+    out, _ = stop_mid_run(cluster, router, signal.SIGTERM, seed=300)
     assert out["num_failed"] == 0, out["errors"]
     assert out["num_requests"] == 15
-    assert stopped_at < 15, "the replica was stopped after the run: nothing was tested"
     assert cluster.procs[1].wait(60) == 0  # it drained and exited cleanly
