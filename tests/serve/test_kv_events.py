@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import time
 from typing import Any, Optional, Union
 
@@ -267,9 +269,9 @@ def test_pythonhashseed_matches_vllm_none_hash():
     )
 
 
-def test_serve_refuses_event_options_without_an_endpoint(capsys):
-    from pagedkv_rs.cli.serve import main
-
-    assert main(["--prefix-hash", "vllm"]) == 2  # before the model loads
-    assert "--kv-events-endpoint" in capsys.readouterr().err
-    assert main(["--kv-events-replay-endpoint", "tcp://*:5558"]) == 2
+def test_serve_refuses_event_options_without_an_endpoint():
+    # a process of its own: serve's main configures the logging of the process it runs in
+    for opts in (["--prefix-hash", "vllm"], ["--kv-events-replay-endpoint", "tcp://*:5558"]):
+        cmd = [sys.executable, "-m", "pagedkv_rs.cli.main", "serve", *opts]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--kv-events-endpoint" in r.stderr, r.stderr  # before the model loads
