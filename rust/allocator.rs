@@ -215,6 +215,22 @@ pub fn prefix_hash(parent: u128, salt: &[u8], toks: &[u32], mask: u128) -> u128 
     u128::from_le_bytes(lo) & mask
 }
 
+/// One change to the prefix-cache index, in the order it happened (the KV-events log).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// A full block was registered under `hash` (parent 0 = first block; the salt is the key's).
+    Stored {
+        hash: u128,
+        parent: u128,
+        salt: Vec<u8>,
+        tokens: Vec<u32>,
+    },
+    /// A cached block was reused for new data: its hash left the index.
+    Removed { hash: u128 },
+    /// `reset_prefix_cache` dropped every hash.
+    Cleared,
+}
+
 #[derive(Debug)]
 pub struct BlockAllocator {
     num_blocks: usize,
@@ -233,6 +249,8 @@ pub struct BlockAllocator {
     num_cached: usize,
     evictions: u64,
     allocations: u64,
+    // None until `enable_events`: the log costs one branch when off.
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl BlockAllocator {
@@ -290,6 +308,7 @@ impl BlockAllocator {
             num_cached: 0,
             evictions: 0,
             allocations: 0,
+            events: None,
         })
     }
 
@@ -381,7 +400,20 @@ impl BlockAllocator {
     fn drop_hash(&mut self, b: u32) {
         if let Some(h) = self.keys.remove(b) {
             self.index.remove(&h);
+            if let Some(log) = &mut self.events {
+                log.push(CacheEvent::Removed { hash: h });
+            }
         }
+    }
+
+    /// Start logging prefix-cache changes (registrations, evictions, resets) for `take_events`.
+    pub fn enable_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The changes logged since the last call, oldest first (empty when events are off).
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// Validate a block id.
@@ -590,6 +622,14 @@ impl BlockAllocator {
         if self.caching && !self.keys.has(b) && !self.index.contains_key(&h) {
             self.index.insert(h, b);
             self.keys.insert(b, h, parent, salt, toks);
+            if let Some(log) = &mut self.events {
+                log.push(CacheEvent::Stored {
+                    hash: h,
+                    parent,
+                    salt: salt.to_vec(),
+                    tokens: toks.to_vec(),
+                });
+            }
         }
         debug_assert!(self.index.len() <= self.num_blocks, "I4 more hashes than blocks");
         h
@@ -618,6 +658,9 @@ impl BlockAllocator {
         let dropped = self.index.len();
         self.keys.clear(self.index.drain().map(|(_, b)| b));
         self.num_cached = 0;
+        if let Some(log) = &mut self.events {
+            log.push(CacheEvent::Cleared);
+        }
         dropped
     }
 
@@ -807,6 +850,34 @@ mod tests {
         assert_eq!(a.keys.count(), 2);
         assert_eq!(a.reset_prefix_cache(), 2);
         assert_eq!((a.keys.count(), a.keys.salts.len()), (0, 0));
+        a.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn events_log_registrations_evictions_and_resets_in_order() {
+        let mut a = pool(2, 2, Policy::Lru, 128);
+        let b = a.allocate(1).unwrap()[0];
+        a.cache_block(b.into(), 0, b"", &[1, 2]).unwrap();
+        assert!(a.take_events().is_empty(), "off until enabled");
+        a.enable_events();
+        let c = a.allocate(1).unwrap()[0];
+        let h = a.cache_block(c.into(), 7, b"s", &[3, 4]).unwrap();
+        a.cache_block(c.into(), 7, b"s", &[3, 4]).unwrap(); // already registered: no event
+        a.free(&[c]).unwrap();
+        a.free(&[b]).unwrap();
+        a.allocate(1).unwrap(); // LRU: evicts c
+        a.reset_prefix_cache();
+        let stored = CacheEvent::Stored {
+            hash: h,
+            parent: 7,
+            salt: b"s".to_vec(),
+            tokens: vec![3, 4],
+        };
+        assert_eq!(
+            a.take_events(),
+            vec![stored, CacheEvent::Removed { hash: h }, CacheEvent::Cleared]
+        );
+        assert!(a.take_events().is_empty());
         a.check_invariants().unwrap();
     }
 

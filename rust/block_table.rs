@@ -136,6 +136,10 @@ impl KVCacheManager {
     pub fn allocator(&self) -> &BlockAllocator {
         &self.alloc
     }
+    /// The pool itself, for its event log (`enable_events` / `take_events`).
+    pub fn allocator_mut(&mut self) -> &mut BlockAllocator {
+        &mut self.alloc
+    }
     pub fn block_size(&self) -> usize {
         self.alloc.block_size()
     }

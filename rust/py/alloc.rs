@@ -11,7 +11,7 @@ use pyo3::sync::{MutexExt, PyOnceLock};
 use pyo3::types::{PyBool, PyDict, PyInt, PyString, PyType};
 
 use super::args::*;
-use crate::allocator::{self, prefix_hash, Policy, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS};
+use crate::allocator::{self, prefix_hash, CacheEvent, Policy, MAX_BLOCK_SIZE, MAX_NUM_BLOCKS};
 use crate::block_table::{self, BatchInputs, MAX_COUNT};
 
 /// Calls touching at least this many tokens (hashing, batch building) release the GIL.
@@ -105,6 +105,25 @@ fn alloc_stats<'py>(py: Python<'py>, s: &allocator::AllocStats) -> PyResult<Boun
     d.set_item("evictions", s.evictions)?;
     d.set_item("block_allocations", s.block_allocations)?;
     Ok(d)
+}
+
+/// One logged prefix-cache change as Python sees it: (kind, hash, parent, token_ids, salt).
+type EventTuple = (&'static str, u128, u128, Vec<u32>, Vec<u8>);
+
+fn event_tuples(events: Vec<CacheEvent>) -> Vec<EventTuple> {
+    events
+        .into_iter()
+        .map(|e| match e {
+            CacheEvent::Stored {
+                hash,
+                parent,
+                salt,
+                tokens,
+            } => ("stored", hash, parent, tokens, salt),
+            CacheEvent::Removed { hash } => ("removed", hash, 0, Vec::new(), Vec::new()),
+            CacheEvent::Cleared => ("cleared", 0, 0, Vec::new(), Vec::new()),
+        })
+        .collect()
 }
 
 fn invariants(r: Result<(), String>) -> PyResult<()> {
@@ -292,6 +311,18 @@ impl BlockAllocator {
     /// Forget every prefix hash (cached blocks become plain free blocks); returns how many.
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.core(py)?.reset_prefix_cache())
+    }
+
+    /// Start logging prefix-cache changes for ``take_events`` (off by default: no cost).
+    fn enable_events(&self, py: Python<'_>) -> PyResult<()> {
+        self.core(py)?.enable_events();
+        Ok(())
+    }
+
+    /// Changes since the last call, oldest first: ``(kind, hash, parent, token_ids, salt)`` with kind
+    /// ``"stored"`` (a full block registered), ``"removed"`` (a cached block evicted) or ``"cleared"``.
+    fn take_events(&self, py: Python<'_>) -> PyResult<Vec<EventTuple>> {
+        Ok(event_tuples(self.core(py)?.take_events()))
     }
 
     /// Block counts and eviction count.
@@ -631,6 +662,18 @@ impl KVCacheManager {
     /// Forget every prefix hash; returns how many were dropped.
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.core(py)?.reset_prefix_cache())
+    }
+
+    /// Start logging prefix-cache changes for ``take_events`` (off by default: no cost).
+    fn enable_events(&self, py: Python<'_>) -> PyResult<()> {
+        self.core(py)?.allocator_mut().enable_events();
+        Ok(())
+    }
+
+    /// Changes since the last call, oldest first: ``(kind, hash, parent, token_ids, salt)`` with kind
+    /// ``"stored"`` (a full block registered), ``"removed"`` (a cached block evicted) or ``"cleared"``.
+    fn take_events(&self, py: Python<'_>) -> PyResult<Vec<EventTuple>> {
+        Ok(event_tuples(self.core(py)?.allocator_mut().take_events()))
     }
 
     /// Build one step's kernel inputs and mark the scheduled tokens computed.

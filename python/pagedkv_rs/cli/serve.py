@@ -159,6 +159,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--access-log", action="store_true", help="log one line per request, with its X-Request-Id (default: off)"
     )
+    g = p.add_argument_group("scale-out (routers, gateways: see docs/scaling-out.md)")
+    g.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="URL",
+        help="publish KV-cache events in vLLM's format (ZMQ PUB, msgpack), e.g. tcp://*:5557 (binds; an address "
+        "without * connects) (default: off)",
+    )
+    g.add_argument("--kv-events-topic", default="", metavar="T", help="ZMQ topic of the events (default: empty)")
+    g.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="URL",
+        help="ROUTER socket from which subscribers re-read missed batches, e.g. tcp://*:5558 (default: off)",
+    )
+    g.add_argument(
+        "--prefix-hash",
+        choices=("native", "vllm"),
+        default="native",
+        help="block hashes in KV events: ours, or vLLM's sha256_cbor recipe a consumer recomputes from the token "
+        "ids (seeded by PYTHONHASHSEED, as vLLM's) (default: native)",
+    )
+    g.add_argument(
+        "--metrics-compat",
+        choices=("none", "vllm"),
+        default="none",
+        help="vllm: /metrics also exports the series under vLLM's names (vllm:num_requests_waiting, "
+        "vllm:kv_cache_usage_perc, vllm:prefix_cache_hits, ...) for gateways and dashboards (default: none)",
+    )
     p.add_argument(
         "--embedding-pooling",
         choices=("last", "mean"),
@@ -207,6 +236,11 @@ def banner(llm: Any, app: Any, args: argparse.Namespace) -> str:
     )
 
 
+def _check_event_options(args: argparse.Namespace) -> None:
+    if args.kv_events_endpoint is None and (args.prefix_hash != "native" or args.kv_events_replay_endpoint):
+        raise ValueError("--prefix-hash and --kv-events-replay-endpoint name the KV events: add --kv-events-endpoint")
+
+
 def _check_connection_options(args: argparse.Namespace) -> None:
     for name in ("header_timeout", "body_timeout", "shutdown_grace"):
         v = getattr(args, name)
@@ -214,6 +248,28 @@ def _check_connection_options(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'shutdown_grace' else '> 0'}")
     if args.max_connections is not None and args.max_connections < 1:
         raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
+
+
+def kv_events(llm: Any, args: argparse.Namespace) -> Any:
+    """The KV-events publisher the options ask for, attached to the engine (None when off)."""
+    if args.kv_events_endpoint is None:
+        return None
+    try:
+        from pagedkv_rs.engine.kv_events import KVEventPublisher
+    except ImportError as e:
+        raise ValueError(f"{e}; install KV events with pip install 'pagedkv-rs[events]'") from None
+    engine = llm.engine
+    tiers = engine.kv_tiers.tiers if engine.kv_tiers is not None else []
+    pub = KVEventPublisher(
+        engine.kv_manager,
+        endpoint=args.kv_events_endpoint,
+        topic=args.kv_events_topic,
+        replay_endpoint=args.kv_events_replay_endpoint,
+        hash_mode=args.prefix_hash,
+        tier_medium=tiers[0].kind.upper() if len(tiers) == 1 else "KV_TIER",
+    )
+    engine.runner.kv_events = pub
+    return pub
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -239,6 +295,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         resolve_tier_secret(args)
         warning = check_shared_tiers(args)
         _check_connection_options(args)
+        _check_event_options(args)
     except (ValueError, OSError) as e:
         print(f"pagedkv serve: {e}", file=sys.stderr)
         return 2
@@ -268,6 +325,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             access_log=args.access_log,
             embedding_pooling=args.embedding_pooling,
         )
+        if args.metrics_compat == "vllm":
+            app.state.pagedkv.metrics.enable_vllm_names(args.block_size, llm.engine.kv_manager.num_blocks)
+        publisher = kv_events(llm, args)
+        if publisher is not None:
+            app.state.pagedkv.metrics.add_kv_events(publisher)
     except (PagedKVError, ValueError, TypeError, OSError) as e:
         print(f"pagedkv serve: {e}", file=sys.stderr)
         return 2
@@ -284,6 +346,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         body_timeout=args.body_timeout,
         max_connections=args.max_connections,
     )
+    if publisher is not None:
+        publisher.shutdown()
     if srv.forced:
         print("pagedkv serve: stopped by a second interrupt; running requests were cut off", file=sys.stderr)
         return 130

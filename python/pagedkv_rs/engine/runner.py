@@ -133,6 +133,7 @@ class ModelRunner:
         self._load_lock = threading.Lock()
         self._load_done = threading.Event()
         self.kv_tiers: Optional[KVTiers] = None
+        self.kv_events: Any = None  # a KVEventPublisher (engine/kv_events.py): drained once per step in store()
         if kv_tiers:
             self.kv_tiers = _make_tiers(model, self.kv_caches, block_size, kv_tiers, kv_tier_secret, kv_tier_deadline)
         try:
@@ -274,6 +275,8 @@ class ModelRunner:
                     elif got:
                         tiers.load_into(self.kv_caches, ld.block_ids[: len(got)], got)
                         n = len(got) * bs
+                        if self.kv_events is not None:
+                            self.kv_events.note_loaded(toks[first * bs : first * bs + n])
                     p.ended = True
         except Exception:
             for m in tiers.metrics:
@@ -291,7 +294,10 @@ class ModelRunner:
                     self._load_done.set()
 
     def store(self, so: SchedulerOutput) -> None:
-        """Write-through: queue the blocks this step completed for the KV tiers (copied out now)."""
+        """Write-through: queue the blocks this step completed for the KV tiers (copied out now); hand the
+        pool's KV events of this step to their publisher."""
+        if self.kv_events is not None:
+            self.kv_events.collect()
         tiers = self.kv_tiers
         if tiers is None or not so.kv_stores:
             return

@@ -25,6 +25,7 @@ MAX_SEQ_ID = (1 << 64) - 1
 POLICIES = ("lru", "mru")
 
 Salt = Optional[Union[str, bytes]]
+Event = tuple[str, int, int, list[int], bytes]  # (kind, hash, parent, token_ids, salt)
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> int:
@@ -99,6 +100,7 @@ class BlockAllocator:
         self._num_cached = 0
         self._evictions = 0
         self._allocations = 0
+        self._events: Optional[list[Event]] = None  # None until enable_events: one branch when off
 
     # ----------------------------------------------------------------- properties
     @property
@@ -172,6 +174,8 @@ class BlockAllocator:
             del self._index[h]
             self._hash[b] = None
             self._key[b] = None
+            if self._events is not None:
+                self._events.append(("removed", h, 0, [], b""))
 
     def _check_block(self, b: object) -> int:
         return _check_int("block id", b, 0, self._num_blocks - 1)
@@ -292,6 +296,8 @@ class BlockAllocator:
             self._index[h] = b
             self._hash[b] = h
             self._key[b] = (parent, salt, tuple(toks))
+            if self._events is not None:
+                self._events.append(("stored", h, parent, list(toks), salt))
         return h
 
     def lookup(self, parent_hash: Optional[int], token_ids: Sequence[int], cache_salt: Salt = None) -> Optional[int]:
@@ -312,10 +318,29 @@ class BlockAllocator:
         """Forget every prefix hash (cached blocks become plain free blocks); returns how many."""
         with self._lock:
             dropped = len(self._index)
+            events, self._events = self._events, None  # a reset logs one "cleared", not each hash
             for b in list(self._index.values()):
                 self._drop_hash(b)
+            self._events = events
+            if events is not None:
+                events.append(("cleared", 0, 0, [], b""))
             self._num_cached = 0
             return dropped
+
+    def enable_events(self) -> None:
+        """Start logging prefix-cache changes for ``take_events`` (off by default: no cost)."""
+        with self._lock:
+            if self._events is None:
+                self._events = []
+
+    def take_events(self) -> list[Event]:
+        """Changes since the last call, oldest first: ``(kind, hash, parent, token_ids, salt)`` with kind
+        ``"stored"`` (a full block registered), ``"removed"`` (a cached block evicted) or ``"cleared"``."""
+        with self._lock:
+            if self._events is None:
+                return []
+            out, self._events = self._events, []
+            return out
 
     def stats(self) -> dict[str, Union[int, float]]:
         """Block counts, eviction and allocation counts."""

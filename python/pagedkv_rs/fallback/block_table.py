@@ -15,6 +15,7 @@ from pagedkv_rs.errors import DuplicateSequenceError, OutOfBlocksError, Sequence
 from pagedkv_rs.fallback.allocator import (
     MAX_SEQ_ID,
     BlockAllocator,
+    Event,
     Salt,
     _blocks_for,
     _check_int,
@@ -312,6 +313,15 @@ class KVCacheManager:
         """Forget every prefix hash; returns how many were dropped."""
         with self._lock:
             return self._alloc.reset_prefix_cache()
+
+    def enable_events(self) -> None:
+        """Start logging prefix-cache changes for ``take_events`` (off by default: no cost)."""
+        self._alloc.enable_events()
+
+    def take_events(self) -> list[Event]:
+        """Changes since the last call, oldest first: ``(kind, hash, parent, token_ids, salt)`` with kind
+        ``"stored"`` (a full block registered), ``"removed"`` (a cached block evicted) or ``"cleared"``."""
+        return self._alloc.take_events()
 
     def prepare_batch(self, seq_ids: Sequence[int], num_new_tokens: Optional[Sequence[int]] = None) -> BatchInputs:
         """Build one step's kernel inputs and mark the scheduled tokens computed.

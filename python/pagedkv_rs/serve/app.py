@@ -170,6 +170,17 @@ def build_app(
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [card]}
 
+    @app.get("/server_info")
+    @app.get("/model_info")
+    async def worker_info() -> dict[str, Any]:
+        """SGLang's worker description: what sglang-router reads to learn the served model's id."""
+        return {
+            "served_model_name": name,
+            "model_path": name,
+            "is_generation": True,
+            "max_model_len": card["max_model_len"],
+        }
+
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> dict[str, Any]:
         _check_model(state, model_id)

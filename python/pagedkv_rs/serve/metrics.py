@@ -5,6 +5,11 @@ time; per-request histograms and counters are fed by the HTTP layer from each re
 output (``RequestMetrics``: arrival, first scheduled, token times, finish). Step times are the
 engine's own histogram (``LLMEngine.metrics.step_time``), read at scrape time, as are the structured-outputs
 mask and compile times (``pagedkv:structured_mask_seconds``, ``pagedkv:structured_compile_seconds{cache}``).
+
+``enable_vllm_names`` (``pagedkv serve --metrics-compat vllm``) also exports the series gateways and
+dashboards read from vLLM under vLLM's names (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:prefix_cache_hits``, ``vllm:cache_config_info{block_size,num_gpu_blocks}``, ...): copies of the same
+samples, renamed at scrape time, so both names always agree.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from prometheus_client.registry import Collector
 
 from pagedkv_rs.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS
 
-__all__ = ["ServerMetrics", "ABORT_CAUSES", "CONTENT_TYPE"]
+__all__ = ["ServerMetrics", "ABORT_CAUSES", "CONTENT_TYPE", "VLLM_NAMES"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ABORT_CAUSES = ("client_disconnect", "lease_expired", "timeout", "rejected", "shutdown", "error")
@@ -96,6 +101,75 @@ def _le(le: float) -> str:
     return "+Inf" if le == float("inf") else repr(float(le))
 
 
+# pagedkv:NAME -> the vLLM names of the same series (v1 engine; a few older aliases dashboards still use)
+VLLM_NAMES = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "num_requests_swapped": ("num_requests_swapped",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "num_preemptions": ("num_preemptions",),
+    "prefix_cache_queries": ("prefix_cache_queries",),
+    "prefix_cache_hits": ("prefix_cache_hits",),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "request_success": ("request_success",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("request_queue_time_seconds",),
+    "request_prompt_tokens": ("request_prompt_tokens",),
+    "request_generation_tokens": ("request_generation_tokens",),
+}
+
+
+def _renamed(m: Metric, name: str) -> Metric:
+    """A copy of a metric family (samples included) under another family name."""
+    out = Metric(name, m.documentation, m.type, m.unit)
+    out.samples = [s._replace(name=name + s.name[len(m.name) :]) for s in m.samples]
+    return out
+
+
+class _VllmNames(Collector):
+    """vLLM's names for the series the sources yield (same snapshot, renamed), and ``vllm:cache_config_info``."""
+
+    def __init__(self, sources: list[Any], model_name: str, cache_info: dict[str, str]) -> None:
+        self._sources = sources
+        self._model = model_name
+        self._cache_info = cache_info
+
+    def collect(self) -> Iterator[Metric]:
+        for src in self._sources:
+            for m in src.collect():
+                for alias in VLLM_NAMES.get(m.name.removeprefix("pagedkv:"), ()):
+                    yield _renamed(m, f"vllm:{alias}")
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the KV cache config", labels=["model_name", *self._cache_info]
+        )
+        info.add_metric([self._model, *self._cache_info.values()], 1.0)
+        yield info
+
+
+class _KVEventsCollector(Collector):
+    """The KV-events publisher's counters (``pagedkv serve --kv-events-endpoint``)."""
+
+    COUNTERS = (
+        ("batches", "KV event batches published"),
+        ("events", "KV events published (BlockStored, BlockRemoved, AllBlocksCleared)"),
+        ("dropped_batches", "KV event batches dropped because the publisher's queue was full"),
+    )
+
+    def __init__(self, publisher: Any, model_name: str) -> None:
+        self._pub = publisher
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = dict(self._pub.stats)
+        for key, doc in self.COUNTERS:
+            c = CounterMetricFamily(f"pagedkv:kv_events_{key}", doc, labels=["model_name"])
+            c.add_metric([self._model], stats[key])
+            yield c
+
+
 class _TierCollector(Collector):
     """Per KV tier (label ``tier``: the spec without options or credentials): counters and lookup latency."""
 
@@ -142,24 +216,29 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*
             self.registry.register(collector)  # prometheus_client's own instances: one gc callback per process
-        self.registry.register(_EngineCollector(engine, model_name))
+        self._engine_collector = _EngineCollector(engine, model_name)
+        self.registry.register(self._engine_collector)
+        self._engine = engine
         if getattr(engine, "kv_tiers", None) is not None:
             self.registry.register(_TierCollector(engine.kv_tiers, model_name))
         r, lab = self.registry, ["model_name"]
         self._name = model_name
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(f"pagedkv:{name}", doc, lab, buckets=buckets, registry=r).labels(model_name)
+        self._families: list[Any] = []  # the request-fed families, for enable_vllm_names
 
-        self.prompt_tokens = Counter("pagedkv:prompt_tokens", "Prefill tokens processed", lab, registry=r).labels(
-            model_name
-        )
-        self.generation_tokens = Counter("pagedkv:generation_tokens", "Generated tokens", lab, registry=r).labels(
-            model_name
-        )
-        self._success = Counter(
-            "pagedkv:request_success", "Requests finished by the engine", [*lab, "finished_reason"], registry=r
-        )
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            h = Histogram(f"pagedkv:{name}", doc, lab, buckets=buckets, registry=r)
+            self._families.append(h)
+            return h.labels(model_name)
+
+        def counter(name: str, doc: str, labels: list[str]) -> Any:
+            c = Counter(f"pagedkv:{name}", doc, labels, registry=r)
+            self._families.append(c)
+            return c
+
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed", lab).labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens", lab).labels(model_name)
+        self._success = counter("request_success", "Requests finished by the engine", [*lab, "finished_reason"])
         self._aborted = Counter("pagedkv:request_aborted", "Requests aborted, by cause", [*lab, "cause"], registry=r)
         for cause in ABORT_CAUSES:
             self._aborted.labels(model_name, cause)
@@ -171,6 +250,17 @@ class ServerMetrics:
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS)
         self.req_prompt = hist("request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
         self.req_generation = hist("request_generation_tokens", "Generated tokens per request", TOKEN_BUCKETS)
+
+    def enable_vllm_names(self, block_size: int, num_blocks: int) -> None:
+        """Also export vLLM's names for the same series (``--metrics-compat vllm``)."""
+        caching = bool(self._engine.kv_manager.enable_prefix_caching)
+        info = {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks), "enable_prefix_caching": str(caching)}
+        sources = [self._engine_collector, *self._families]
+        self.registry.register(_VllmNames(sources, self._name, info))
+
+    def add_kv_events(self, publisher: Any) -> None:
+        """Export the KV-events publisher's counters."""
+        self.registry.register(_KVEventsCollector(publisher, self._name))
 
     def aborted(self, cause: str) -> None:
         self._aborted.labels(self._name, cause).inc()

@@ -400,6 +400,11 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
     "structural_tag": (None,),  # vLLM's chat echo (completions define their own echo field)
+    # SGLang: its router (sglang-router) forwards every request with these set to SGLang's defaults
+    "no_stop_trim": (None, False),
+    "return_hidden_states": (None, False),
+    "separate_reasoning": (None, True, False),  # without a reasoning parser (ours has none) both mean the same
+    "stream_reasoning": (None, True, False),
 }
 # Fields clients send as labels for their own bookkeeping: accepted, not used, not stored.
 METADATA = frozenset({"metadata", "prompt_cache_key", "safety_identifier"})

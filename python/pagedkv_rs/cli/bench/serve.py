@@ -9,6 +9,14 @@ Requests go through aiohttp (its C HTTP parser; what vLLM's benchmark_serving us
 through ``SSEParser`` on the raw bytes: the client shares the machine with the server it measures, so
 its CPU per chunk is kept small (httpx's layers took ~200 us a chunk, about what the server spends).
 
+``--workload prefix-repetition`` (vLLM's ``prefix_repetition`` dataset): G prefixes of P tokens, ``num_prompts // G``
+requests each, every request one prefix plus its own Q-token question, shuffled (fixed seed) as vLLM's. The prompts are
+random token ids made text by the server's ``/detokenize``, so a router that matches on text (sglang-router's
+``cache_aware``) sees the shared prefixes. Several ``--base-url`` are taken in turn (client-side round robin);
+the prefix-cache hit rate (hit / queried prompt tokens) and the tokens loaded from KV tiers are the increase
+of the servers' counters over the run, read from each ``--metrics-url`` (default: the base URLs; behind a
+router, give the replicas'), reported beside TTFT.
+
 ``--structured``: the workload constrained and unconstrained, side by side in one run (``--rounds`` pairs,
 in ABBA order against a drifting load). Constrained: each request carries a
 JSON schema from a mixed set (``response_format`` json_schema; the set is new to the server each run, so
@@ -29,7 +37,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -44,8 +52,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--base-url",
-        default="http://127.0.0.1:8000",
-        help="server root, with or without /v1 (…/v1/completions is posted)",
+        action="append",
+        default=None,
+        help="server root, with or without /v1 (…/v1/completions is posted); repeat it to take several servers "
+        "in turn (default: http://127.0.0.1:8000)",
+    )
+    p.add_argument(
+        "--metrics-url",
+        action="append",
+        default=None,
+        help="server whose /metrics counts prefix-cache and tier hits; repeat it for each replica behind a router "
+        "(default: the base URLs)",
+    )
+    p.add_argument(
+        "--workload",
+        choices=("random", "prefix-repetition"),
+        default="random",
+        help="random: independent prompts; prefix-repetition: vLLM's shared-prefix groups (see below)",
+    )
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256, metavar="P", help="tokens per prefix")
+    p.add_argument(
+        "--prefix-repetition-suffix-len", type=int, default=256, metavar="Q", help="tokens per request's question"
+    )
+    p.add_argument(
+        "--prefix-repetition-num-prefixes", type=int, default=10, metavar="G", help="prefix groups, interleaved"
     )
     p.add_argument(
         "--model", default=None, help="model id to send, checked against GET /v1/models (default: the first listed)"
@@ -145,6 +175,7 @@ async def _one(session: Any, url: str, body: dict[str, Any], stream: bool) -> Re
             if not stream:
                 whole = await resp.json(content_type=None)
                 r.output_tokens = whole["usage"]["completion_tokens"]
+                r.prompt_len = whole["usage"].get("prompt_tokens", r.prompt_len)
                 r.text = whole["choices"][0].get("text") or ""
                 r.finish_reason = whole["choices"][0].get("finish_reason")
                 r.ttft = r.latency = time.perf_counter() - t0
@@ -174,6 +205,7 @@ async def _one(session: Any, url: str, body: dict[str, Any], stream: bool) -> Re
                         last = now
                     if chunk.get("usage"):
                         r.output_tokens = chunk["usage"]["completion_tokens"]
+                        r.prompt_len = chunk["usage"].get("prompt_tokens", r.prompt_len)
                 if done:
                     break
         r.latency = time.perf_counter() - t0
@@ -185,20 +217,93 @@ async def _one(session: Any, url: str, body: dict[str, Any], stream: bool) -> Re
     return r
 
 
+def _root(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")  # the root or the OpenAI client's .../v1
+
+
+async def make_prefix_prompts(client: Any, base: str, args: argparse.Namespace) -> list[tuple[str, int]]:
+    """vLLM's prefix_repetition: G random P-token prefixes, ``num_prompts // G`` requests each (one prefix plus
+    its own Q-token question), shuffled; the ids are made text by the server's ``/detokenize``."""
+    g, p, q = (
+        args.prefix_repetition_num_prefixes,
+        args.prefix_repetition_prefix_len,
+        args.prefix_repetition_suffix_len,
+    )
+    if g < 1 or p < 1 or q < 1:
+        raise ValueError("--prefix-repetition-num-prefixes, -prefix-len and -suffix-len must be >= 1")
+    if args.num_prompts < g:
+        raise ValueError(f"--num-prompts ({args.num_prompts}) must be >= --prefix-repetition-num-prefixes ({g})")
+    lo, hi = (int(x) for x in args.token_range.split(":"))
+    rng = np.random.default_rng(args.seed)
+
+    async def text(ids: list[int]) -> str:
+        async with client.post(f"{base}/detokenize", json={"tokens": ids}) as resp:
+            if resp.status != 200:
+                raise ValueError(f"POST {base}/detokenize: HTTP {resp.status} (the workload needs it to make text)")
+            return str((await resp.json(content_type=None))["prompt"])
+
+    out = []
+    for _ in range(g):
+        prefix = await text(rng.integers(lo, hi, p).tolist())
+        for _ in range(args.num_prompts // g):
+            out.append((prefix + await text(rng.integers(lo, hi, q).tolist()), args.output_len))
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+_COUNTERS = {
+    "queries": "pagedkv:prefix_cache_queries_total",
+    "hits": "pagedkv:prefix_cache_hits_total",
+    "tier_hit_tokens": "pagedkv:kv_tier_hit_tokens_total",
+}
+
+
+def _counters(text: str) -> dict[str, float]:
+    """The prefix-cache and tier counters of one /metrics page (tiers summed)."""
+    out = {}
+    for key, name in _COUNTERS.items():
+        out[key] = sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
+    return out
+
+
+async def _read_counters(client: Any, urls: list[str]) -> list[dict[str, float]]:
+    return [_counters(await _scrape(client, u)) for u in urls]
+
+
+def cache_report(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, Any]:
+    """Prefix-cache hit rate (hit / queried prompt tokens) over the run, summed and per server."""
+    per = [{k: a[k] - b[k] for k in a} for b, a in zip(before, after)]
+    q, h = sum(d["queries"] for d in per), sum(d["hits"] for d in per)
+    return {
+        "prefix_cache_queries": q,
+        "prefix_cache_hits": h,
+        "prefix_hit_rate": h / q if q else float("nan"),
+        "per_server_hit_rate": [d["hits"] / d["queries"] if d["queries"] else float("nan") for d in per],
+        "per_server_queries": [d["queries"] for d in per],
+        "tier_hit_tokens": sum(d["tier_hit_tokens"] for d in per),
+    }
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     """Send the prompts; returns the metrics dict ``format_report`` prints (``--structured``: two of them)."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    base = args.base_url.rstrip("/").removesuffix("/v1")  # the root or the OpenAI client's .../v1
+    bases = [_root(u) for u in (args.base_url or ["http://127.0.0.1:8000"])]
+    metrics = [_root(u) for u in (args.metrics_url or bases)]
+    base = bases[0]
+    if args.structured and (len(bases) > 1 or args.workload != "random"):
+        raise ValueError("--structured runs the random workload against one --base-url")
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or args.num_prompts)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as client:
         model = await served_model(client, base, args.model)
-        url = f"{base}/v1/completions"
+        for other in bases[1:]:
+            await served_model(client, other, model)
+        urls = [f"{b}/v1/completions" for b in bases]
+        url = urls[0]
         stream = not args.no_stream
 
-        def body(prompt: list[int], n_out: int, **extra: Any) -> dict[str, Any]:
+        def body(prompt: Any, n_out: int, **extra: Any) -> dict[str, Any]:
             b = {
                 "model": model,
                 "prompt": prompt,
@@ -212,18 +317,34 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 b["stream_options"] = {"include_usage": True}
             return b
 
-        reqs = make_prompts(args)
-        await _one(client, url, body(reqs[0][0][:16], 4), stream)  # warm-up: connection, server first touch
+        if args.workload == "prefix-repetition":
+            reqs: list[tuple[Any, int]] = await make_prefix_prompts(client, _root(metrics[0]), args)
+        else:
+            reqs = make_prompts(args)
+        for u in urls:  # warm-up: connection, server first touch (no prefix of the workload)
+            await _one(client, u, body(make_prompts(args)[0][0][:16], 4), stream)
         if not args.structured:
-            results, duration = await _send(client, url, [body(p, n) for p, n in reqs], args, stream)
-            return summarize(results, duration)
+            before = await _read_counters(client, metrics)
+            bodies = [body(p, n) for p, n in reqs]
+            targets = [urls[i % len(urls)] for i in range(len(bodies))]
+            results, duration = await _send(client, targets, bodies, args, stream)
+            res = summarize(results, duration)
+            res.update(cache_report(before, await _read_counters(client, metrics)), workload=args.workload)
+            return res
         return await _run_structured(client, base, url, reqs, body, args, stream)
 
 
 async def _send(
-    client: Any, url: str, bodies: list[dict[str, Any]], args: argparse.Namespace, stream: bool, desc: str = ""
+    client: Any,
+    url: Union[str, list[str]],
+    bodies: list[dict[str, Any]],
+    args: argparse.Namespace,
+    stream: bool,
+    desc: str = "",
 ) -> tuple[list[Result], float]:
-    """Send ``bodies`` (at most ``--max-concurrency`` in flight, arrivals per ``--request-rate``)."""
+    """Send ``bodies`` (at most ``--max-concurrency`` in flight, arrivals per ``--request-rate``); ``url``: one for
+    all, or one per body."""
+    urls = url if isinstance(url, list) else [url] * len(bodies)
     sem = asyncio.Semaphore(args.max_concurrency or len(bodies))
     bar = None
     if not args.no_progress:
@@ -231,10 +352,10 @@ async def _send(
 
         bar = tqdm(total=len(bodies), desc=f"bench serve{desc}", unit="req", file=sys.stderr)
 
-    async def limited(b: dict[str, Any]) -> Result:
+    async def limited(u: str, b: dict[str, Any]) -> Result:
         async with sem:
             try:
-                res = await asyncio.wait_for(_one(client, url, b, stream), args.timeout)
+                res = await asyncio.wait_for(_one(client, u, b, stream), args.timeout)
             except asyncio.TimeoutError:
                 res = Result(prompt_len=len(b["prompt"]), error=f"no answer within --timeout {args.timeout} s")
         if bar is not None:
@@ -244,8 +365,8 @@ async def _send(
     rng = np.random.default_rng(args.seed + 1)
     tasks = []
     t0 = time.perf_counter()
-    for b in bodies:
-        tasks.append(asyncio.ensure_future(limited(b)))
+    for u, b in zip(urls, bodies):
+        tasks.append(asyncio.ensure_future(limited(u, b)))
         if args.request_rate != float("inf"):
             await asyncio.sleep(float(rng.exponential(1.0 / args.request_rate)))
     results = await asyncio.gather(*tasks)
@@ -543,6 +664,16 @@ def format_report(r: dict[str, Any]) -> str:
             lines.append(f"{k:<40}{v:<10.2f}")
         else:
             lines.append(f"{k:<40}{v!s:<10}")
+    if "prefix_hit_rate" in r and r["prefix_cache_queries"]:
+        rows2: list[tuple[str, Any]] = [
+            ("-", "Prefix cache (servers' /metrics)"),
+            ("Prefix hit rate (hit/queried tokens):", r["prefix_hit_rate"]),
+            ("Per-server hit rate:", " ".join(f"{x:.3f}" for x in r["per_server_hit_rate"])),
+            ("Per-server queried tokens:", " ".join(f"{x:.0f}" for x in r["per_server_queries"])),
+            ("Tokens loaded from KV tiers:", f"{r['tier_hit_tokens']:.0f}"),
+        ]
+        for k, v in rows2:
+            lines.append(f"{v:-^50}" if k == "-" else (f"{k:<40}{v:<10.3f}" if isinstance(v, float) else f"{k:<40}{v}"))
     lines.append("=" * 50)
     for e in r["errors"]:
         lines.append(f"error: {e}")
