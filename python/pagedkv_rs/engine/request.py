@@ -142,6 +142,10 @@ class LogprobRows:
         self.ids[self.n], self.lps[self.n], self.ranks[self.n] = ids, lps, ranks
         self.n += 1
 
+    def truncate(self, size: int) -> None:
+        """Keep the first ``size`` rows (lead rows included)."""
+        self.n = max(0, min(self.n, size - self.lead))
+
     def view(self, decode: Optional[Callable[[list[int]], str]] = None) -> LogprobsView:
         """The rows so far as vLLM's list of dicts, built on access (later appends do not change it)."""
         return LogprobsView(self, self.n, decode)
@@ -392,6 +396,7 @@ class Request:
         "block_hashes",
         "matcher",
         "pooling",
+        "spec",
     )
 
     def __init__(
@@ -443,6 +448,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (KV tiers; filled lazily)
         self.matcher: Any = None  # structured outputs: this sequence's llguidance matcher
         self.pooling: Optional[PoolingState] = None  # a pooling request's progress (never sampled)
+        self.spec: Any = None  # speculative decoding: its ``SpecState`` once it has drafted
 
     @property
     def num_prompt_tokens(self) -> int:

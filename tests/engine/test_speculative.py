@@ -1,0 +1,298 @@
+"""Speculative decoding (n-gram drafts): the proposer, the KV rollback, and outputs equal to plain decoding.
+
+Greedy: every output (tokens, logprobs, finish reasons) equals the one without speculation, with the allocator
+invariants checked after every step on both backends, through stop tokens and strings, max_tokens, aborts,
+preemptions, n > 1 and prefix caching. Sampling: ``test_speculative_sampling.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pagedkv_rs.engine import LLMEngine
+from pagedkv_rs.engine.request import RequestStatus, SamplingParams
+from pagedkv_rs.engine.speculative import SpeculativeConfig, propose_ngram
+from pagedkv_rs.models import TinyModel
+
+MODEL = TinyModel(num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=1, vocab_size=64, max_model_len=1024)
+SPEC = "ngram:k=4,n=3"
+
+
+def repeating_prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(2, 64, 20).tolist()
+    return [base * 3, base[:7] * 5, rng.integers(2, 64, 30).tolist(), base[:5] * 2 + base]
+
+
+# ------------------------------------------------------------------------------------------ proposer
+def test_ngram_takes_the_longest_suffix_match_and_its_latest_occurrence():
+    t = np.array([1, 2, 3, 9, 9, 2, 3, 7, 8, 5, 2, 3])
+    # suffix [2, 3]: at 1-2 (then 9 9 2) and 5-6 (then 7 8 5); the latest wins
+    assert propose_ngram(t, 3, 2) == [7, 8, 5]
+    # the longer suffix [5, 2, 3] occurs nowhere before: the 2-gram still matches
+    assert propose_ngram(t, 2, 3) == [7, 8]
+    # drafts stop at the end of the history
+    assert propose_ngram(np.array([4, 5, 6, 4, 5]), 4, 2) == [6, 4, 5]
+    assert propose_ngram(np.array([4, 5, 6, 7]), 4, 3) == []
+    # min_n: a 1-token match is not enough
+    assert propose_ngram(np.array([1, 5, 2, 6, 5]), 4, 3, min_n=2) == []
+    assert propose_ngram(np.array([1, 5, 2, 6, 5]), 4, 3, min_n=1) == [2, 6, 5]
+    assert propose_ngram(np.array([3]), 4, 3) == []
+
+
+def test_config_parses_the_flag_and_refuses_what_it_does_not_know():
+    assert SpeculativeConfig.of("ngram") == SpeculativeConfig()
+    assert SpeculativeConfig.of("ngram:k=6,n=2") == SpeculativeConfig(k=6, n=2)
+    assert SpeculativeConfig.of({"k": 2}) == SpeculativeConfig(k=2)
+    assert SpeculativeConfig.of(None) is None
+    with pytest.raises(ValueError, match="not implemented"):
+        SpeculativeConfig.of("draft:/tmp/x.gguf")
+    with pytest.raises(ValueError, match="bad speculative option"):
+        SpeculativeConfig.of("ngram:q=3")
+    with pytest.raises(ValueError, match="k must be"):
+        SpeculativeConfig.of("ngram:k=0")
+    with pytest.raises(ValueError, match="min_n"):
+        SpeculativeConfig(n=2, min_n=3)
+    with pytest.raises(TypeError):
+        SpeculativeConfig.of(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="method"):
+        LLMEngine(MODEL, num_blocks=8, speculative="medusa")
+
+
+def test_a_model_without_logits_indices_is_refused():
+    class LastOnly:
+        def __init__(self) -> None:
+            self.__dict__.update({k: getattr(MODEL, k) for k in ("num_layers", "num_kv_heads", "head_dim")})
+            self.vocab_size, self.max_model_len, self.eos_token_ids = 64, 256, (1,)
+
+        def forward(self, batch, kv_caches):
+            return MODEL.forward(batch, kv_caches)
+
+    with pytest.raises(ValueError, match="logits_indices"):
+        LLMEngine(LastOnly(), num_blocks=8, speculative="ngram")
+    LLMEngine(LastOnly(), num_blocks=8)
+
+
+# ------------------------------------------------------------------------------------------ rollback
+def test_truncate_frees_the_tail_and_unregisters_partial_blocks(backend):
+    m = backend.KVCacheManager(8, 4)
+    m.allocate(1, list(range(5)))
+    m.prepare_batch([1], [5])
+    m.append(1, [50, 51, 52, 53, 54])
+    m.prepare_batch([1], [5])
+    table = m.block_table(1)
+    assert m.block_hash(table[1]) is not None and m.block_hash(table[2]) is None
+    with pytest.raises(ValueError, match="cannot truncate"):
+        m.truncate(1, 0)
+    with pytest.raises(ValueError, match="cannot truncate"):
+        m.truncate(1, 11)
+    assert m.token_ids(1) == [0, 1, 2, 3, 4, 50, 51, 52, 53, 54]  # refused: nothing changed
+    m.truncate(1, 6)
+    assert m.token_ids(1) == [0, 1, 2, 3, 4, 50]
+    assert m.block_table(1) == table[:2] and m.num_computed_tokens(1) == 6
+    assert m.block_hash(table[0]) is not None
+    assert m.block_hash(table[1]) is None  # its slots 6.. will be written again
+    assert m.num_cached_blocks == 0 and m.num_free_blocks == 6
+    m.check_invariants()
+    # a block shared with a fork keeps its hash: the sibling's content is unchanged
+    m.append(1, [60, 61])
+    m.prepare_batch([1], [2])
+    m.fork(1, 2)
+    m.truncate(1, 5)
+    assert m.block_hash(table[1]) is not None and m.ref_count(table[1]) == 2
+    assert m.append(1, [70]) == [(table[1], m.block_table(1)[1])]  # copy-on-write, the shared block intact
+    m.check_invariants()
+
+
+# ------------------------------------------------------------------------------------------ greedy
+def run(prompts, params, backend, spec, *, check=True, abort_at=None, **kw):
+    """Outputs by prompt index (stepping by hand, allocator invariants after every step) and the engine."""
+    kw.setdefault("num_blocks", 96)
+    kw.setdefault("block_size", 4)
+    e = LLMEngine(MODEL, backend=backend, speculative=spec, **kw)
+    ps = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [e.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, ps))]
+    final = {}
+    steps = 0
+    while e.has_unfinished_requests():
+        for o in e.step():
+            if o.finished:
+                final[o.request_id] = o
+        steps += 1
+        if check:
+            e.kv_manager.check_invariants()
+            for r in e.scheduler.running:  # KV holds exactly the tokens before the pending one
+                assert e.kv_manager.token_ids(r.seq_id) == r.all_token_ids[: r.num_kv_tokens]
+        if abort_at is not None and steps == abort_at[0]:
+            final[abort_at[1]] = e.abort_request(abort_at[1])
+    return [final[i] for i in ids], e
+
+
+def summary(outs):
+    return [
+        [(c.token_ids, c.finish_reason, c.stop_reason, c.text if c.text is not None else None) for c in o.outputs]
+        for o in outs
+    ]
+
+
+def test_greedy_outputs_equal_plain_decoding_with_drafts_accepted(backend):
+    prompts = repeating_prompts()
+    sp = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    plain, _ = run(prompts, sp, backend.name, None)
+    spec, e = run(prompts, sp, backend.name, SPEC)
+    assert summary(spec) == summary(plain)
+    s = e.stats()
+    assert s["spec_decode_num_accepted_tokens"] > 60  # the repeating prompts are copied
+    assert s["num_steps"] < 45  # 60 tokens in fewer steps than plain's 60 decode steps
+    assert 1.0 < s["spec_decode_mean_accepted_length"] <= 5.0
+
+
+def test_logprobs_penalties_and_stop_tokens_match(backend):
+    prompts = repeating_prompts(1)
+    stop = plain_outs = None
+    sp = SamplingParams(max_tokens=50, temperature=0, logprobs=3, ignore_eos=True)
+    plain_outs, _ = run(prompts, sp, backend.name, None)
+    # a stop token the greedy output reaches mid-run
+    stop = plain_outs[0].outputs[0].token_ids[17]
+    params = [
+        sp,
+        dataclasses.replace(sp, repetition_penalty=1.3, frequency_penalty=0.2, min_tokens=3),
+        dataclasses.replace(sp, stop_token_ids=(stop,)),
+        dataclasses.replace(sp, max_tokens=7),
+    ]
+    prompts = [prompts[1], prompts[0], prompts[0], prompts[3]]
+    plain, _ = run(prompts, params, backend.name, None)
+    spec, e = run(prompts, params, backend.name, SPEC)
+    assert summary(spec) == summary(plain)
+    assert spec[2].outputs[0].finish_reason == "stop" and len(spec[2].outputs[0].token_ids) <= 18
+    assert len(spec[3].outputs[0].token_ids) == 7
+    for a, b in zip(spec, plain):
+        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert len(la) == len(lb) == len(a.outputs[0].token_ids)
+        for x, y in zip(la, lb):
+            assert x.keys() == y.keys()
+            assert all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-5) for t in x)
+    assert e.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+class Chars:
+    """A tokenizer of one character per token id (id 0..63 -> chr(48 + id)): stop strings over ids."""
+
+    def decode(self, ids):
+        return "".join(chr(48 + i) for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 48 for c in text]
+
+
+def test_a_stop_string_inside_an_accepted_run_stops_where_plain_decoding_does(backend):
+    prompts = repeating_prompts(2)[:2]
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain, _ = run(prompts, sp, backend.name, None)
+    toks = plain[0].outputs[0].token_ids
+    stop_text = Chars().decode(toks[21:23])  # two tokens in the middle of the output
+    sps = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop_text], logprobs=1)
+    res = []
+    for spec in (None, SPEC):
+        e = LLMEngine(MODEL, num_blocks=96, block_size=4, backend=backend.name, speculative=spec, tokenizer=Chars())
+        res.append(e.generate(prompts, sps))
+    assert summary(res[1]) == summary(res[0])
+    c = res[1][0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop_text and len(c.logprobs) == len(c.token_ids)
+    assert e.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_abort_mid_run_and_preemption_leave_no_block(backend):
+    prompts = repeating_prompts(3)
+    sp = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    plain, _ = run(prompts, sp, backend.name, None, num_blocks=40, abort_at=(12, "r1"))
+    spec, e = run(prompts, sp, backend.name, SPEC, num_blocks=40, abort_at=(12, "r1"))
+    assert spec[1].outputs[0].finish_reason == "abort"
+    keep = [0, 2, 3]
+    assert summary([spec[i] for i in keep]) == summary([plain[i] for i in keep])
+    assert e.scheduler.num_preemptions > 0  # the 40-block pool cannot hold all four
+    assert e.kv_manager.num_live_blocks == 0
+    e.kv_manager.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_modes(backend, mode):
+    prompts = repeating_prompts(4)
+    sp = SamplingParams(max_tokens=70, temperature=0, ignore_eos=True)
+    plain, _ = run(prompts, sp, backend.name, None, num_blocks=36, preemption_mode=mode)
+    spec, e = run(prompts, sp, backend.name, SPEC, num_blocks=36, preemption_mode=mode)
+    assert summary(spec) == summary(plain)
+    assert e.scheduler.num_preemptions > 0
+
+
+def test_n_greater_than_one_and_prefix_caching(backend):
+    prompts = repeating_prompts(5)
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, n=3)
+    plain, _ = run(prompts[:2] * 2, sp, backend.name, None)
+    spec, e = run(prompts[:2] * 2, sp, backend.name, SPEC)
+    assert summary(spec) == summary(plain)
+    assert e.stats()["prefix_cache_hits"] > 0
+    # the later copies of the prompts hit only prompt blocks: drafts were never registered
+    assert e.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_seeded_sampling_reproduces_and_greedy_rows_beside_it(backend):
+    prompts = repeating_prompts(6)
+    params = [SamplingParams(max_tokens=40, temperature=0.8, seed=11, ignore_eos=True, top_k=20, top_p=0.9)] * 2
+    params += [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 2
+    a, _ = run(prompts, params, backend.name, SPEC)
+    b, _ = run(prompts, params, backend.name, SPEC, check=False)
+    plain, _ = run(prompts, params, backend.name, None)
+    assert summary(a) == summary(b)
+    assert summary(a)[2:] == summary(plain)[2:]
+
+
+def test_adaptive_pause_when_drafts_are_rejected():
+    """Drafts the target never takes: the sequence pauses, so far fewer drafts than steps."""
+    e = LLMEngine(MODEL, num_blocks=96, block_size=4, backend="python", speculative=SPEC)
+    sp = SamplingParams(max_tokens=80, temperature=1.0, seed=3, ignore_eos=True, top_k=0)
+    rng = np.random.default_rng(9)
+    e.generate([rng.integers(2, 64, 200).tolist()], sp)
+    s = e.stats()
+    assert s["spec_decode_num_drafts"] < 0.6 * s["num_steps"]
+    # compute-bound batches never draft
+    e = LLMEngine(MODEL, num_blocks=200, block_size=4, backend="python", speculative="ngram:max_batch=2")
+    e.generate(repeating_prompts(), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert e.stats()["spec_decode_num_drafts"] == 0
+
+
+def test_structured_requests_do_not_speculate():
+    from pagedkv_rs.engine.speculative import Speculator
+
+    class R:
+        matcher = object()
+        pooling = None
+
+    assert Speculator(SpeculativeConfig()).propose(R(), 10) == []
+
+
+def test_aborted_while_in_flight_keeps_invariants(backend):
+    """An abort between schedule and update (another thread): the update skips it, its blocks are free."""
+    e = LLMEngine(MODEL, num_blocks=96, block_size=4, backend=backend.name, speculative=SPEC)
+    sp = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    for i, p in enumerate(repeating_prompts(7)):
+        e.add_request(f"r{i}", p, sp)
+    for _ in range(8):
+        e.step()
+    so = e.scheduler.schedule()
+    assert so.drafts
+    e.runner.apply_memory_ops(so)
+    inputs = e.runner.prepare(so)
+    result = e.runner.execute(inputs)
+    victim = so.requests[next(iter(so.drafts))]
+    e.abort_request(victim.request_id)
+    e.scheduler.update_from_output(so, result.tokens.tolist(), result.emitted)
+    assert victim.status is RequestStatus.FINISHED_ABORTED
+    e.kv_manager.check_invariants()
+    while e.has_unfinished_requests():
+        e.step()
+        e.kv_manager.check_invariants()
+    assert e.kv_manager.num_live_blocks == 0
