@@ -296,3 +296,48 @@ def test_aborted_while_in_flight_keeps_invariants(backend):
         e.step()
         e.kv_manager.check_invariants()
     assert e.kv_manager.num_live_blocks == 0
+
+
+# ------------------------------------------------------------------------------------------ real models
+def _synthetic(tmp_path_factory, arch: str):
+    from pagedkv_rs.models.synthetic import SyntheticSpec, write_synthetic_gguf
+
+    small = SyntheticSpec(
+        num_layers=3, hidden_size=64, intermediate_size=96, vocab_size=300, weight_type="Q8_0", embed_type="Q8_0"
+    )
+    specs = {
+        "qwen3": dataclasses.replace(small, arch="qwen3", head_dim=32),
+        "gemma3": dataclasses.replace(
+            small, arch="gemma3", num_layers=7, num_heads=2, num_kv_heads=1, head_dim=64, sliding_window=6
+        ),
+    }
+    return str(write_synthetic_gguf(tmp_path_factory.mktemp("spec") / f"{arch}.gguf", specs[arch], seed=3))
+
+
+@pytest.mark.parametrize("arch", ["smollm2", "qwen3", "gemma3"])
+def test_greedy_equality_on_model_files(arch, backend, tmp_path_factory):
+    from pagedkv_rs import LLM
+
+    path = None if arch == "smollm2" else _synthetic(tmp_path_factory, arch)
+    if arch == "smollm2":
+        text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+        prompts = ["Repeat this code, renaming add to plus:\n" + text + "\nAnswer:\n", "The capital of France is"]
+        n = 48
+    else:
+        rng = np.random.default_rng(0)
+        base = rng.integers(3, 300, 12).tolist()
+        prompts = [{"prompt_token_ids": base * 4}, {"prompt_token_ids": rng.integers(3, 300, 20).tolist()}]
+        n = 40
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
+    outs, stats = [], []
+    for spec in (None, SPEC):
+        m = LLM(path, num_blocks=128, backend=backend.name, speculative=spec)
+        outs.append(m.generate(prompts, sp, use_tqdm=False))
+        stats.append(m.stats())
+        m.engine.kv_manager.check_invariants()
+    assert summary(outs[1]) == summary(outs[0])
+    for a, b in zip(*outs):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+    assert stats[1]["spec_decode_num_accepted_tokens"] > 0
+    assert stats[1]["num_steps"] < stats[0]["num_steps"]

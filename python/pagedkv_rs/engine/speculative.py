@@ -203,6 +203,8 @@ def verify(
     penalised as if the first ``j`` drafts were already output.
     """
     ks = [len(d) for d in drafts]
+    if [len(x) for x in logits] != [k + 1 for k in ks]:
+        raise ValueError(f"verify: logits rows {[len(x) for x in logits]} for drafts of lengths {ks} (need k + 1)")
     x = np.concatenate(logits) if len(logits) > 1 else logits[0]  # [sum(k + 1), V]
     row_params = [p for p, k in zip(params, ks) for _ in range(k + 1)]
     if any(p.has_penalties for p in params):
