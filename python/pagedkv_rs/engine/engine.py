@@ -244,7 +244,7 @@ class LLMEngine:
                 raise
             with self._lock:
                 self.runner.store(so)
-                changed = self.scheduler.update_from_output(so, result.tokens.tolist(), result.emitted)
+                changed = self.scheduler.update_from_output(so, result.tokens.tolist(), result.verified)
                 heads, stopped, failed = self.output.process(so.samplers, changed, result)
                 for r in stopped:
                     self.scheduler.finish_request(r, RequestStatus.FINISHED_STOPPED)

@@ -32,7 +32,7 @@ from pagedkv_rs.engine.pooling import PoolSpan, pool_spans, pooled_forward, pool
 from pagedkv_rs.engine.request import Request, RequestStatus, SamplingParams
 from pagedkv_rs.engine.sampling import apply_mask, sample, top_logprobs
 from pagedkv_rs.engine.scheduler import KVLoad, SchedulerConfig, SchedulerOutput
-from pagedkv_rs.engine.speculative import verify
+from pagedkv_rs.engine.speculative import Verified, verify
 from pagedkv_rs.engine.structured import fill_masks
 from pagedkv_rs.tiers import BlockLayout, KVTiers, Tier, chain_hashes, model_fingerprint, parse_tier, salt_digest
 
@@ -95,8 +95,8 @@ class StepResult:
     prompt_logprobs: list[tuple[Request, int, list[LogprobRow]]]  # (request, first position, rows)
     mask_seconds: Optional[float] = None  # time to compute this step's grammar masks (None: no constrained row)
     pooled: list[tuple[PoolSpan, np.ndarray]] = field(default_factory=list)  # (span, its float64 sum or vector)
-    # speculative decoding: sample row -> the tokens it emits (accepted drafts, then the target's), and their rows
-    emitted: Optional[dict[int, list[int]]] = None
+    # speculative decoding: the speculating rows' tokens and the forward's cost; sample row -> their logprob rows
+    verified: Optional[Verified] = None
     emitted_logprobs: Optional[dict[int, list[LogprobRow]]] = None
 
 
@@ -379,6 +379,7 @@ class ModelRunner:
                 self._masks = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-grammar-mask")
             masks = self._masks.submit(_timed_masks, si.matchers, vocab)
         pooled: list[tuple[PoolSpan, np.ndarray]] = []
+        t_fwd = time.perf_counter()
         if si.pool is not None:  # one forward_hidden: the pooling rows and the sampled rows' logits
             logits, extra, pooled = pooled_forward(
                 self.model, so.batch, self.kv_caches, rows, si.prompt_indices, si.pool
@@ -403,6 +404,7 @@ class ModelRunner:
                 logits = logits[rows]
         speculating = {j for j, _ in si.drafts} if si.drafts else ()
         sel = [j for j, p in enumerate(params) if p.logprobs is not None and j not in speculating]
+        t_fwd = time.perf_counter() - t_fwd
         raw = logits[sel] if sel else None  # logprobs: the raw distribution, taken before any mask
         mask_seconds = None
         if masks is not None:
@@ -432,7 +434,8 @@ class ModelRunner:
         if sel:  # top-k logprobs (raw distribution) of the sampled tokens, keyed by sample row
             lp = dict(zip(sel, top_logprobs(raw, tokens[sel], [params[j].logprobs for j in sel])))  # type: ignore[misc]
         prompt_rows = self._prompt_rows(si.prompt_spans, extra)
-        return StepResult(tokens, lp, prompt_rows, mask_seconds, pooled, emitted, emitted_lp)
+        verified = Verified(emitted or {}, t_fwd, so.batch.num_tokens)
+        return StepResult(tokens, lp, prompt_rows, mask_seconds, pooled, verified, emitted_lp)
 
     def _speculate(
         self, si: StepInputs, logits: np.ndarray, draft_logits: np.ndarray, raw: Optional[np.ndarray], sel: list[int]

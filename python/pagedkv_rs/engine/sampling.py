@@ -11,7 +11,7 @@ import numpy as np
 
 from pagedkv_rs.engine.request import SamplingParams
 
-__all__ = ["sample", "probabilities", "apply_mask", "apply_penalties", "top_logprobs"]
+__all__ = ["sample", "probabilities", "sorted_probabilities", "apply_mask", "apply_penalties", "top_logprobs"]
 
 
 def apply_mask(logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarray) -> None:
@@ -125,7 +125,7 @@ def sample(
     rows = np.flatnonzero(~greedy).tolist()
     if not rows:
         return out
-    order, probs = _sorted_probs(logits[rows], [params[i] for i in rows])
+    order, probs = sorted_probabilities(logits[rows], [params[i] for i in rows])
     cdf = np.cumsum(probs, axis=1)
     u = np.empty(len(rows))
     for j, i in enumerate(rows):
@@ -138,7 +138,7 @@ def sample(
     return out
 
 
-def _sorted_probs(logits: np.ndarray, params: Sequence[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
+def sorted_probabilities(logits: np.ndarray, params: Sequence[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
     """Per row of ``logits`` [R, V] (temperature > 0): the token order (most likely first) and the
     unnormalised probabilities in that order after temperature, min-p, top-k and top-p."""
     v = logits.shape[1]
@@ -172,7 +172,7 @@ def probabilities(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.nd
         out[g, logits[g].argmax(axis=1)] = 1.0
     rows = np.flatnonzero(~greedy)
     if len(rows):
-        order, probs = _sorted_probs(logits[rows], [params[i] for i in rows])
+        order, probs = sorted_probabilities(logits[rows], [params[i] for i in rows])
         probs /= probs.sum(axis=1, keepdims=True)
         sub = np.zeros((len(rows), v))
         np.put_along_axis(sub, order, probs, axis=1)

@@ -47,7 +47,7 @@ from pagedkv_rs.engine.request import (
     SamplingParams,
     UnknownRequestError,
 )
-from pagedkv_rs.engine.speculative import SpeculativeConfig, Speculator
+from pagedkv_rs.engine.speculative import SpeculativeConfig, Speculator, Verified
 from pagedkv_rs.errors import OutOfBlocksError
 
 __all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SwapOut", "SwapIn", "KVLoad", "KVStore"]
@@ -534,7 +534,8 @@ class Scheduler:
         return budget
 
     def _add_drafts(self, out: SchedulerOutput, decoding: set[int], budget: int) -> int:
-        """Append draft tokens after the pending token of decoding requests, while budget and free blocks last.
+        """Append draft tokens after the pending token of decoding requests, as many as pay (``Speculator``),
+        while budget and free blocks last.
 
         Drafts only take free blocks above the watermark (never a cached block, never a preemption); the
         KV of the rejected ones is truncated in ``update_from_output``.
@@ -543,6 +544,8 @@ class Scheduler:
         assert spec is not None
         if not spec.batch_speculates(len(decoding)):
             return budget
+        a, b = spec.cost()
+        gain, cost = float(len(out.sample_rows)), a + b * sum(out.num_scheduled_tokens)
         free = self.kv.num_free_blocks - self.watermark_blocks
         for i, req in enumerate(out.requests):
             if budget <= 0:
@@ -552,6 +555,13 @@ class Scheduler:
             drafts = spec.propose(req, budget)
             if not drafts:
                 continue
+            k = spec.choose(req, len(drafts), gain, cost, b)
+            if not k:
+                continue
+            drafts = drafts[:k]
+            alpha = req.spec.alpha
+            gain += alpha * (1 - alpha**k) / (1 - alpha)
+            cost += b * k
             need = self.kv.blocks_needed_to_append(req.seq_id, len(drafts))
             if need > free:
                 continue
@@ -709,12 +719,13 @@ class Scheduler:
 
     # -------------------------------------------------------------------- update
     def update_from_output(
-        self, out: SchedulerOutput, sampled: Sequence[int], emitted: Optional[dict[int, list[int]]] = None
+        self, out: SchedulerOutput, sampled: Sequence[int], verified: Optional[Verified] = None
     ) -> list[Request]:
         """Record the tokens (Python ints) sampled for ``out.sample_rows``; returns the requests that got one.
 
-        ``emitted``: sample row -> every token a speculating row emits (its accepted drafts, then the
-        target's token; ``sampled`` holds the first). Requests aborted since ``schedule()`` are skipped.
+        ``verified``: the step's speculating rows (sample row -> every token it emits: its accepted drafts,
+        then the target's; ``sampled`` holds the first) and the forward's cost, which the speculator's
+        cost model learns from. Requests aborted since ``schedule()`` are skipped.
         Finished requests free their blocks; a speculating one that runs on keeps the KV of its accepted tokens.
         """
         rows = out.sample_rows
@@ -728,8 +739,10 @@ class Scheduler:
         samplers = out.samplers if len(out.samplers) == len(rows) else [out.requests[i] for i in rows]
         changed: list[Request] = []
         add = changed.append
+        if self.spec is not None and verified is not None:
+            self.spec.observe(verified.num_tokens, verified.forward_seconds)
         if out.drafts:
-            return self._update_speculative(out, samplers, sampled, emitted or {}, now)
+            return self._update_speculative(out, samplers, sampled, verified.emitted if verified else {}, now)
         for req, tok in zip(samplers, sampled):
             if req.status is not running:
                 continue

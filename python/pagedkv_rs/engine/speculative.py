@@ -8,18 +8,23 @@ longest run of drafts the target agrees with, then adds the target's own token (
 bonus after ``k`` accepted drafts). The scheduler then truncates the sequence's KV back to its accepted
 tokens (``KVCacheManager.truncate``).
 
-Acceptance is exact. Greedy: a draft is accepted iff it is the argmax (after penalties), so the output is the
-one decoding without speculation gives. Temperature > 0: draft ``t`` (a point mass) is accepted with probability
-``p(t)``, ``p`` the request's own distribution (penalties, temperature, min-p, top-k, top-p: ``sampling``);
-on rejection the token comes from ``p`` with ``t`` removed, renormalised, so every position is distributed as
-``p`` (Leviathan et al. 2023 with a one-hot draft).
+Acceptance is exact. At each position the target's own token is drawn as ``sample`` draws it (the argmax for
+greedy; else one uniform from the request's generator over its distribution ``p`` after penalties, temperature,
+min-p, top-k and top-p), and the draft is accepted iff it equals that token. For a one-hot draft ``t`` this is
+the standard speculative-sampling rule (Leviathan et al. 2023): ``t`` is accepted with probability ``p(t)``, and
+a rejected position's token is distributed as ``p`` without ``t``, renormalised, so every position is
+distributed as ``p``. As the request draws one uniform per emitted token, in order, with or without drafts,
+the outputs equal those of decoding without speculation, seeded sampling included.
 
-When (``Speculator``): a sequence speculates while its drafts pay. Its draft length follows its acceptance
-(the accepted run plus one, growing back to ``k`` while every draft is accepted), and it pauses, for a
-doubling number of steps, when its running acceptance rate falls below ``min_acceptance``. No sequence
-speculates in a step with more than ``max_batch`` decoding sequences (the forward is then compute-bound:
-drafts cost what they save), nor a constrained one (structured outputs: its drafts would need the grammar's
-check at every position).
+When (``Speculator``): drafts are taken only where they pay. The speculator fits the step's forward time as
+``a + b * tokens`` from the steps it sees (decayed least squares: the machine's own cost of one more token
+in the batch, whatever its load), and each sequence's per-token acceptance ``alpha`` (accepted drafts over
+accepted + rejections, decayed). A sequence with ``d`` drafts on offer takes the ``k <= d`` that maximises the
+step's expected tokens per second, ``(G + alpha + ... + alpha^k) / (C + b k)`` with ``G`` the tokens and ``C`` the
+cost of the step so far: none when the batch is large (``G / C`` high: compute-bound) or ``alpha`` low. A sequence
+the rule keeps from drafting probes with one draft after a doubling number of steps, so a changed acceptance is
+seen. No sequence drafts in a step with more than ``max_batch`` decoding sequences, nor a constrained one
+(structured outputs: its drafts would need the grammar's check at every position).
 """
 
 from __future__ import annotations
@@ -32,26 +37,27 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from pagedkv_rs.engine.request import SamplingParams
-from pagedkv_rs.engine.sampling import apply_penalties, probabilities
+from pagedkv_rs.engine.sampling import apply_penalties, sorted_probabilities
 
-__all__ = ["SpeculativeConfig", "SpecState", "Speculator", "propose_ngram", "verify"]
+__all__ = ["SpeculativeConfig", "SpecState", "Speculator", "Verified", "propose_ngram", "verify"]
 
 METHODS = ("ngram",)
-_FIELDS = {"k": "k", "n": "n", "min_n": "min_n", "max_batch": "max_batch"}
+_FIELDS = ("k", "n", "min_n", "max_batch", "adaptive")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``method="ngram"``: up to ``k`` draft tokens per step from the longest match (``n`` .. ``min_n`` tokens)
     of the sequence's suffix in its own prompt + output. ``max_batch``: decoding sequences above which no
-    sequence speculates. ``min_acceptance``: the running acceptance rate under which a sequence pauses."""
+    sequence speculates. ``adaptive``: drafts only where the cost rule says they pay (else every draft on
+    offer is taken)."""
 
     method: str = "ngram"
     k: int = 4
     n: int = 3
     min_n: int = 1
     max_batch: int = 16
-    min_acceptance: float = 0.25
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -63,8 +69,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative {name} must be an int in [{lo}, {hi}], got {v!r}")
         if self.min_n > self.n:
             raise ValueError(f"speculative min_n ({self.min_n}) must be <= n ({self.n})")
-        if not 0.0 <= self.min_acceptance < 1.0:
-            raise ValueError(f"speculative min_acceptance must be in [0, 1), got {self.min_acceptance}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative adaptive must be a bool, got {self.adaptive!r}")
 
     @classmethod
     def of(cls, spec: Union[None, str, Mapping[str, Any], SpeculativeConfig]) -> Optional[SpeculativeConfig]:
@@ -80,11 +86,14 @@ class SpeculativeConfig:
         for item in filter(None, rest.split(",")) if method != "draft" else ():
             m = re.fullmatch(r"\s*([a-z_]+)\s*=\s*(\S+)\s*", item)
             if m is None or m.group(1) not in _FIELDS:
-                raise ValueError(f"bad speculative option {item!r} in {spec!r}: use k=K, n=N, min_n=M, max_batch=B")
+                raise ValueError(
+                    f"bad speculative option {item!r} in {spec!r}: use k=K, n=N, min_n=M, max_batch=B, adaptive=0|1"
+                )
             try:
-                fields[m.group(1)] = int(m.group(2))
+                v = int(m.group(2))
             except ValueError:
                 raise ValueError(f"speculative {m.group(1)} must be an int, got {m.group(2)!r}") from None
+            fields[m.group(1)] = bool(v) if m.group(1) == "adaptive" and v in (0, 1) else v
         return cls(method=method, **fields)
 
 
@@ -114,53 +123,109 @@ def propose_ngram(tokens: np.ndarray, k: int, n: int, min_n: int = 1) -> list[in
     return tokens[e : e + k].tolist()
 
 
+@dataclass(frozen=True)
+class Verified:
+    """What the runner hands the scheduler about a step: the speculating rows' tokens and the forward's cost."""
+
+    emitted: dict[int, list[int]]  # sample row -> its accepted drafts, then the target's token
+    forward_seconds: float
+    num_tokens: int  # tokens the forward computed
+
+
 class SpecState:
-    """One sequence's speculation: its current draft length, acceptance and pause."""
+    """One sequence's speculation: its acceptance, its probing back-off, its counters."""
 
-    __slots__ = ("k", "rate", "pause", "backoff", "drafts", "draft_tokens", "accepted", "new_tokens")
+    __slots__ = ("hits", "misses", "idle", "backoff", "drafts", "draft_tokens", "accepted", "new_tokens")
 
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.rate = 1.0  # running acceptance rate of its drafts
-        self.pause = 0  # steps left without drafting
-        self.backoff = 1
+    def __init__(self) -> None:
+        self.hits = 1.0  # decayed accepted drafts (a prior of alpha = 1/2)
+        self.misses = 1.0  # decayed rejections (a verification stops at its first)
+        self.idle = 0  # steps the cost rule kept it from drafting since its last draft
+        self.backoff = 1  # idle steps after which it probes with one draft
         self.drafts = 0  # verification steps with drafts
         self.draft_tokens = 0
         self.accepted = 0
         self.new_tokens = 1  # tokens its last step appended (stop strings look back over them)
 
+    @property
+    def alpha(self) -> float:
+        """The chance that a draft is accepted, given the previous one was."""
+        return self.hits / (self.hits + self.misses)
+
 
 class Speculator:
-    """The scheduler's side: which sequences draft, how many tokens, and the counters."""
+    """The scheduler's side: which sequences draft, how many tokens, the cost model, and the counters."""
+
+    DECAY = 0.97  # of the cost fit, per step (a window of ~30 steps)
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self._fit = np.zeros(5)  # decayed sums of 1, T, T^2, t, T*t over steps (T tokens, t seconds)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A step's forward: ``num_tokens`` tokens in ``seconds``."""
+        t, s = float(num_tokens), float(seconds)
+        self._fit *= self.DECAY
+        self._fit += (1.0, t, t * t, s, t * s)
+
+    def cost(self) -> tuple[float, float]:
+        """(a, b): the forward's cost ``a + b * tokens`` in units of ``a`` (a prior of b = a/2 until steps of
+        different sizes have been seen)."""
+        n, st, stt, s, sts = self._fit
+        var = n * stt - st * st
+        if n < 4 or var < 0.5 * n * n:  # too few steps, or too few sizes, to tell b from noise
+            return 1.0, 0.5
+        b = (n * sts - st * s) / var
+        a = (s - b * st) / n
+        if a <= 0:
+            return 1.0, 4.0  # noisy fit: tokens cost, the fixed part does not show
+        return 1.0, min(max(b / a, 0.01), 4.0)
 
     def batch_speculates(self, num_decoding: int) -> bool:
-        """Whether a step with this many decoding sequences drafts at all (not compute-bound)."""
+        """Whether a step with this many decoding sequences drafts at all."""
         return num_decoding <= self.config.max_batch
 
     def propose(self, req: Any, budget: int) -> list[int]:
-        """Drafts for a decoding request (its pending token not counted), within ``budget`` tokens."""
+        """The n-gram drafts on offer for a decoding request (its pending token not counted), within ``budget``."""
         if req.matcher is not None or req.pooling is not None:
             return []
-        st = req.spec
-        if st is None:
-            st = req.spec = SpecState(self.config.k)
-        if st.pause:
-            st.pause -= 1
-            return []
-        room = min(st.k, budget, req.max_output - len(req.output_token_ids) - 1)
+        if req.spec is None:
+            req.spec = SpecState()
+        room = min(self.config.k, budget, req.max_output - len(req.output_token_ids) - 1)
         if room < 1:
             return []
         toks = np.fromiter(req.all_token_ids, np.int64, len(req.all_token_ids))
         return propose_ngram(toks, room, self.config.n, self.config.min_n)
 
+    def choose(self, req: Any, offered: int, gain: float, cost: float, b: float) -> int:
+        """How many of ``offered`` drafts the request takes in a step of expected ``gain`` tokens and ``cost``
+        (per-token cost ``b``): the count that maximises gain per cost, or a probe of one after its back-off."""
+        st = req.spec
+        if not self.config.adaptive:
+            return offered
+        alpha = st.alpha
+        best, best_rate, s, p = 0, gain / cost, 0.0, 1.0
+        for k in range(1, offered + 1):
+            p *= alpha
+            s += p
+            rate = (gain + s) / (cost + b * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best:
+            st.idle = 0
+            return best
+        st.idle += 1
+        if st.idle >= st.backoff:
+            st.idle = 0
+            st.backoff = min(2 * st.backoff, 64)
+            return 1
+        return 0
+
     def record(self, req: Any, proposed: int, accepted: int) -> None:
-        """A verification: ``accepted`` of ``proposed`` drafts; adapts the request's draft length and pause."""
+        """A verification: ``accepted`` of ``proposed`` drafts."""
         st = req.spec
         self.num_drafts += 1
         self.num_draft_tokens += proposed
@@ -168,13 +233,9 @@ class Speculator:
         st.drafts += 1
         st.draft_tokens += proposed
         st.accepted += accepted
-        st.rate = 0.7 * st.rate + 0.3 * (accepted / proposed)
-        st.k = min(self.config.k, accepted + 1 + (accepted == proposed))
-        if st.rate < self.config.min_acceptance:
-            st.pause = st.backoff
-            st.backoff = min(2 * st.backoff, 64)
-            st.rate = 0.5  # a fresh start once the pause ends
-        elif accepted:
+        st.hits = 0.8 * st.hits + accepted
+        st.misses = 0.8 * st.misses + (accepted < proposed)
+        if accepted:
             st.backoff = 1
 
     def stats(self) -> dict[str, Any]:
@@ -215,51 +276,34 @@ def verify(
         h_prompt = [p for p, k in zip(prompts, ks) for _ in range(k + 1)]
         h_stop = [s for s, k in zip(stops, ks) for _ in range(k + 1)]
         x = apply_penalties(x, row_params, h_out, h_prompt, h_stop)
+    greedy = x.argmax(axis=1).tolist() if any(p.temperature == 0.0 for p in params) else []
+    sampled = [j for j, p in enumerate(params) if p.temperature != 0.0]
+    sorted_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    if sampled:  # every sampled row's distribution at once, as ``sample`` builds it
+        starts = np.cumsum([0] + [k + 1 for k in ks])
+        idx = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sampled])
+        order, probs = sorted_probabilities(x[idx], [row_params[i] for i in idx])
+        cdf = np.cumsum(probs, axis=1)
+        at = 0
+        for j in sampled:
+            sorted_rows[j] = (order[at : at + ks[j] + 1], cdf[at : at + ks[j] + 1])
+            at += ks[j] + 1
     emitted: list[list[int]] = []
-    if all(p.temperature == 0.0 for p in params):
-        top = x.argmax(axis=1).tolist()
-        lo = 0
-        for d, k in zip(drafts, ks):
-            t = top[lo : lo + k + 1]
-            a = 0
-            while a < k and t[a] == d[a]:
-                a += 1
-            emitted.append(list(d[:a]) + [t[a]])
-            lo += k + 1
-        return emitted
-    p_all = probabilities(x, row_params)
     lo = 0
-    for d, k, p, g in zip(drafts, ks, params, generators):
-        rows = p_all[lo : lo + k + 1]
-        lo += k + 1
-        if p.temperature == 0.0:
-            t = rows.argmax(axis=1).tolist()
-            a = 0
-            while a < k and t[a] == d[a]:
-                a += 1
-            emitted.append(list(d[:a]) + [t[a]])
-            continue
-        if g is None:
-            raise ValueError(f"verify: a row samples with temperature {p.temperature} but has no generator")
+    for s, (d, k, p, g) in enumerate(zip(drafts, ks, params, generators)):
         out: list[int] = []
         for j in range(k + 1):
-            q = rows[j]
-            if j == k:  # every draft accepted: the bonus token
-                out.append(_draw(q, g))
+            if p.temperature == 0.0:
+                t = greedy[lo + j]
+            else:  # one uniform per emitted token, as ``sample`` draws it
+                if g is None:
+                    raise ValueError(f"verify: a row samples with temperature {p.temperature} but has no generator")
+                order, cdf = sorted_rows[s]
+                pick = min(int((cdf[j] < g.random() * cdf[j, -1]).sum()), len(cdf[j]) - 1)
+                t = int(order[j, pick])
+            out.append(t)
+            if j == k or t != d[j]:
                 break
-            t = int(d[j])
-            if g.random() < q[t]:
-                out.append(t)
-                continue
-            r = q.copy()
-            r[t] = 0.0
-            out.append(_draw(r, g) if r.sum() > 0 else t)
-            break
         emitted.append(out)
+        lo += k + 1
     return emitted
-
-
-def _draw(q: np.ndarray, g: np.random.Generator) -> int:
-    """One token from the (unnormalised) distribution ``q`` [V], by inverse CDF."""
-    cdf = np.cumsum(q)
-    return int(min(np.searchsorted(cdf, g.random() * cdf[-1], side="right"), len(q) - 1))
