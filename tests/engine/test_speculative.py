@@ -366,3 +366,17 @@ def test_greedy_equality_on_model_files(arch, backend, tmp_path_factory):
             assert x.keys() == y.keys()
     assert stats[1]["spec_decode_num_accepted_tokens"] > 0
     assert stats[1]["num_steps"] < stats[0]["num_steps"]  # drafts accepted: fewer steps for the same tokens
+
+
+def test_metrics_expose_the_spec_decode_counters():
+    from pagedkv_rs.serve.metrics import ServerMetrics
+
+    e = LLMEngine(MODEL, num_blocks=96, block_size=4, backend="python", speculative=SPEC)
+    e.generate(repeating_prompts()[:1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    text = ServerMetrics(e, "tiny").render().decode()
+    s = e.stats()
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        line = f'pagedkv:spec_decode_{key}_total{{model_name="tiny"}} {float(s[f"spec_decode_{key}"])}'
+        assert line in text, key
+    assert s["spec_decode_num_accepted_tokens"] > 0
+    assert "spec_decode" not in ServerMetrics(LLMEngine(MODEL, num_blocks=8), "tiny").render().decode()
