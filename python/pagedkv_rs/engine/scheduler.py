@@ -739,8 +739,9 @@ class Scheduler:
         samplers = out.samplers if len(out.samplers) == len(rows) else [out.requests[i] for i in rows]
         changed: list[Request] = []
         add = changed.append
-        if self.spec is not None and verified is not None:
-            self.spec.observe(verified.num_tokens, verified.forward_seconds)
+        spec = self.spec
+        if spec is not None and verified is not None and spec.fits(out.num_tokens, len(out.requests), out.drafts):
+            spec.observe(verified.num_tokens, verified.forward_seconds)
         if out.drafts:
             return self._update_speculative(out, samplers, sampled, verified.emitted if verified else {}, now)
         for req, tok in zip(samplers, sampled):

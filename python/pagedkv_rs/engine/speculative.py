@@ -165,6 +165,11 @@ class Speculator:
         self.num_accepted_tokens = 0
         self._fit = np.zeros(5)  # decayed sums of 1, T, T^2, t, T*t over steps (T tokens, t seconds)
 
+    @staticmethod
+    def fits(num_tokens: int, num_seqs: int, drafts: Mapping[int, Sequence[int]]) -> bool:
+        """Whether a step feeds the cost fit: decode steps only (a prefill chunk's cost per token is another)."""
+        return num_tokens == num_seqs + sum(map(len, drafts.values()))
+
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A step's forward: ``num_tokens`` tokens in ``seconds``."""
         t, s = float(num_tokens), float(seconds)
