@@ -380,3 +380,30 @@ def test_metrics_expose_the_spec_decode_counters():
         assert line in text, key
     assert s["spec_decode_num_accepted_tokens"] > 0
     assert "spec_decode" not in ServerMetrics(LLMEngine(MODEL, num_blocks=8), "tiny").render().decode()
+
+
+def test_kv_tiers_get_the_blocks_accepted_drafts_filled(tmp_path, backend):
+    """Write-through stores every full block of accepted tokens (those drafts filled included), never a draft's."""
+    tier = [f"disk:{tmp_path}/kv?size=64MiB"]
+    prompt = repeating_prompts()[0]
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    e = LLMEngine(MODEL, num_blocks=96, block_size=4, backend=backend.name, speculative=SPEC, kv_tiers=tier)
+    (out,) = e.generate([prompt], sp)
+    assert e.stats()["spec_decode_num_accepted_tokens"] > 8
+    e.shutdown()  # flushes the writers
+    full = prompt + out.outputs[0].token_ids  # the last token never had its KV computed
+    fresh = LLMEngine(MODEL, num_blocks=96, block_size=4, backend=backend.name, kv_tiers=tier)
+    (again,) = fresh.generate([full], SamplingParams(max_tokens=1, temperature=0))
+    assert again.num_cached_tokens == (len(full) - 1) // 4 * 4  # every full block, from the tier
+    fresh.shutdown()
+
+
+def test_the_cli_flag_parses_or_names_the_problem(capsys):
+    from pagedkv_rs.cli.bench.e2e import build_parser
+
+    args = build_parser().parse_args(["--speculative", "ngram:k=2,n=5"])
+    assert args.speculative == SpeculativeConfig(k=2, n=5)
+    assert build_parser().parse_args([]).speculative is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--speculative", "ngram:k=x"])
+    assert "k must be an int" in capsys.readouterr().err

@@ -135,7 +135,17 @@ class Verified:
 class SpecState:
     """One sequence's speculation: its acceptance, its probing back-off, its counters."""
 
-    __slots__ = ("hits", "misses", "idle", "backoff", "drafts", "draft_tokens", "accepted", "new_tokens")
+    __slots__ = (
+        "hits",
+        "misses",
+        "idle",
+        "backoff",
+        "drafts",
+        "draft_tokens",
+        "accepted",
+        "new_tokens",
+        "stored_blocks",
+    )
 
     def __init__(self) -> None:
         self.hits = 1.0  # decayed accepted drafts (a prior of alpha = 1/2)
@@ -146,6 +156,7 @@ class SpecState:
         self.draft_tokens = 0
         self.accepted = 0
         self.new_tokens = 1  # tokens its last step appended (stop strings look back over them)
+        self.stored_blocks = 0  # KV tiers: its blocks up to here were written through
 
     @property
     def alpha(self) -> float:
