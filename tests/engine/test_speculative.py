@@ -407,3 +407,21 @@ def test_the_cli_flag_parses_or_names_the_problem(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--speculative", "ngram:k=x"])
     assert "k must be an int" in capsys.readouterr().err
+
+
+def test_pooling_requests_beside_speculating_ones():
+    """A step with a pooling row drafts nothing (one forward_hidden serves it); the tokens are unchanged."""
+    from pagedkv_rs import PoolingParams
+    from pagedkv_rs.llm import LLM
+
+    llm = LLM(num_blocks=128)
+    text = "one two three four one two three four one two three four one two three"
+    gen = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = llm.generate([text], gen, use_tqdm=False)[0]
+    kw = {"num_blocks": 128, "max_num_batched_tokens": 16, "speculative": SPEC}
+    eng = LLMEngine(llm.model, tokenizer=llm.engine.tokenizer, **kw)
+    pooled, together = eng.generate([text * 3, text], [PoolingParams("mean"), gen], use_tqdm=False)
+    assert together.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert pooled.outputs.embedding is not None
+    assert eng.stats()["spec_decode_num_accepted_tokens"] > 0  # drafts once the pooling request is done
+    assert eng.scheduler.stats()["kv_live_blocks"] == 0
