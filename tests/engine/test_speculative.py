@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pagedkv_rs.engine import LLMEngine
-from pagedkv_rs.engine.request import RequestStatus, SamplingParams
+from pagedkv_rs.engine.request import RequestMetrics, RequestStatus, SamplingParams
 from pagedkv_rs.engine.speculative import SpeculativeConfig, propose_ngram
 from pagedkv_rs.models import TinyModel
 
@@ -151,6 +151,9 @@ def test_greedy_outputs_equal_plain_decoding_with_drafts_accepted(backend):
     assert s["spec_decode_num_accepted_tokens"] > 60  # the repeating prompts are copied
     assert s["num_steps"] < 45  # 60 tokens in fewer steps than plain's 60 decode steps
     assert 1.0 < s["spec_decode_mean_accepted_length"] <= 5.0
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):  # per request, adding up
+        assert sum(getattr(o.metrics, key) for o in spec) == s[f"spec_decode_{key}"]
+    assert spec[0].metrics.num_accepted_tokens > 0
 
 
 def test_logprobs_penalties_and_stop_tokens_match(backend):
@@ -269,10 +272,10 @@ def test_the_cost_rule_drafts_only_where_it_pays():
     assert (a, round(b, 6)) == (1.0, 0.2)
 
     class R:
-        spec = SpecState()
+        def __init__(self) -> None:
+            self.spec, self.metrics = SpecState(), RequestMetrics(0.0)
 
     good, bad = R(), R()
-    good.spec, bad.spec = SpecState(), SpecState()
     good.spec.hits, good.spec.misses = 9.0, 1.0  # alpha 0.9
     bad.spec.hits, bad.spec.misses = 1.0, 9.0  # alpha 0.1
     assert sp.choose(good, 4, 1.0, a + b, b) == 4  # one sequence: all four drafts pay

@@ -327,13 +327,20 @@ FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LEN
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times of one request (``time.monotonic()`` seconds); token times are shared, not copied."""
+    """Wall-clock times of one request (``time.monotonic()`` seconds); token times are shared, not copied.
+
+    Speculative decoding: ``num_drafts`` verifications of its drafts, ``num_draft_tokens`` drafted and
+    ``num_accepted_tokens`` accepted.
+    """
 
     arrival_time: float
     first_scheduled_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_preemptions: int = 0
     token_times: list[float] = field(default_factory=list, repr=False)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def first_token_time(self) -> Optional[float]:

@@ -133,28 +133,15 @@ class Verified:
 
 
 class SpecState:
-    """One sequence's speculation: its acceptance, its probing back-off, its counters."""
+    """One sequence's speculation: its acceptance and its probing back-off (its counters: ``req.metrics``)."""
 
-    __slots__ = (
-        "hits",
-        "misses",
-        "idle",
-        "backoff",
-        "drafts",
-        "draft_tokens",
-        "accepted",
-        "new_tokens",
-        "stored_blocks",
-    )
+    __slots__ = ("hits", "misses", "idle", "backoff", "new_tokens", "stored_blocks")
 
     def __init__(self) -> None:
         self.hits = 1.0  # decayed accepted drafts (a prior of alpha = 1/2)
         self.misses = 1.0  # decayed rejections (a verification stops at its first)
         self.idle = 0  # steps the cost rule kept it from drafting since its last draft
         self.backoff = 1  # idle steps after which it probes with one draft
-        self.drafts = 0  # verification steps with drafts
-        self.draft_tokens = 0
-        self.accepted = 0
         self.new_tokens = 1  # tokens its last step appended (stop strings look back over them)
         self.stored_blocks = 0  # KV tiers: its blocks up to here were written through
 
@@ -246,9 +233,10 @@ class Speculator:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
-        st.drafts += 1
-        st.draft_tokens += proposed
-        st.accepted += accepted
+        m = req.metrics
+        m.num_drafts += 1
+        m.num_draft_tokens += proposed
+        m.num_accepted_tokens += accepted
         st.hits = 0.8 * st.hits + accepted
         st.misses = 0.8 * st.misses + (accepted < proposed)
         if accepted:

@@ -185,7 +185,10 @@ def synthetic_requests(
 
 
 def copy_requests(num: int, tokenizer: Any, output_len: int) -> list[tuple[list[int], int]]:
-    """``num`` chat prompts asking for ``COPY_SOURCE`` back with one name changed (a different one per request)."""
+    """``num`` prompts asking for ``COPY_SOURCE`` back with one name changed (a different one per request):
+    through the model's chat template, or as a text to continue when the model has none."""
+    from pagedkv_rs.models.chat_template import ChatTemplateError
+
     out = []
     for i in range(num):
         old, new = COPY_RENAMES[i % len(COPY_RENAMES)]
@@ -193,7 +196,13 @@ def copy_requests(num: int, tokenizer: Any, output_len: int) -> list[tuple[list[
             f"Repeat this Python code exactly, but rename `{old}` to `{new}`. "
             f"Answer with the code only.\n\n```python\n{COPY_SOURCE}```"
         )
-        out.append((tokenizer.apply_chat_template([{"role": "user", "content": text}]), output_len))
+        try:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        except ChatTemplateError:
+            ids = tokenizer.encode(
+                f"{text}\n\nThe code with `{old}` renamed to `{new}`:\n\n```python\n", add_special_tokens=True
+            )
+        out.append((ids, output_len))
     return out
 
 
