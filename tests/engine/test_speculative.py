@@ -428,3 +428,32 @@ def test_pooling_requests_beside_speculating_ones():
     assert pooled.outputs.embedding is not None
     assert eng.stats()["spec_decode_num_accepted_tokens"] > 0  # drafts once the pooling request is done
     assert eng.scheduler.stats()["kv_live_blocks"] == 0
+
+
+def test_prompt_logprobs_in_a_step_with_drafts(backend):
+    """A prompt-logprobs prefill admitted beside a speculating decode: both logits paths in one forward."""
+    both = []
+
+    def outputs(spec):
+        e = LLMEngine(MODEL, num_blocks=96, block_size=4, backend=backend.name, speculative=spec)
+        execute = e.runner.execute
+        e.runner.execute = lambda si: (both.append(bool(si.drafts) and si.prompt_indices is not None), execute(si))[1]
+        e.add_request("a", repeating_prompts()[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        for _ in range(6):
+            e.step()
+        lp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
+        e.add_request("b", repeating_prompts(8)[2], lp)
+        final = {}
+        while e.has_unfinished_requests():
+            final.update((o.request_id, o) for o in e.step() if o.finished)
+            e.kv_manager.check_invariants()
+        return [final["a"], final["b"]]
+
+    plain = outputs(None)
+    spec = outputs(SPEC)
+    assert any(both)  # a step held drafts and prompt-logprob positions
+    assert summary(spec) == summary(plain)
+    a, b = spec[1].prompt_logprobs, plain[1].prompt_logprobs
+    assert len(a) == len(b) == 30
+    for x, y in zip(a[1:], b[1:]):
+        assert x.keys() == y.keys() and all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-5) for t in x)
