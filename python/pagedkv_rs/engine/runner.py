@@ -416,7 +416,7 @@ class ModelRunner:
             mask_seconds += time.perf_counter() - t0
         emitted = emitted_lp = None
         if si.drafts:  # speculating rows: verified here, the others sampled as usual
-            tokens, emitted, emitted_lp = self._speculate(si, logits, draft_logits, raw, sel)
+            tokens, emitted, emitted_lp = self._speculate(si, logits, draft_logits)
         elif rows:
             o, pr, st = si.history if si.history is not None else (None, None, None)
             tokens = sample(
@@ -438,7 +438,7 @@ class ModelRunner:
         return StepResult(tokens, lp, prompt_rows, mask_seconds, pooled, verified, emitted_lp)
 
     def _speculate(
-        self, si: StepInputs, logits: np.ndarray, draft_logits: np.ndarray, raw: Optional[np.ndarray], sel: list[int]
+        self, si: StepInputs, logits: np.ndarray, draft_logits: np.ndarray
     ) -> tuple[np.ndarray, dict[int, list[int]], dict[int, list[LogprobRow]]]:
         """Sample the plain rows and verify the speculating ones: (first token per sample row, sample row ->
         every token it emits, sample row -> their logprob rows when asked for)."""
