@@ -442,7 +442,8 @@ class Scheduler:
             lo, hi = (c - n) // bs, (c - len(out.drafts.get(i, ()))) // bs  # drafts are not stored
             st = req.spec
             if st is not None:  # blocks that accepted drafts filled were not stored in their step
-                lo = min(lo, st.stored_blocks)
+                if st.stored_blocks >= 0:
+                    lo = min(lo, st.stored_blocks)
                 st.stored_blocks = hi
             if hi > lo and not req.computes_whole_prompt:
                 out.kv_stores.append(KVStore(req, lo, self.kv.block_table(req.seq_id)[lo:hi]))

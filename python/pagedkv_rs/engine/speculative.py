@@ -143,7 +143,7 @@ class SpecState:
         self.idle = 0  # steps the cost rule kept it from drafting since its last draft
         self.backoff = 1  # idle steps after which it probes with one draft
         self.new_tokens = 1  # tokens its last step appended (stop strings look back over them)
-        self.stored_blocks = 0  # KV tiers: its blocks up to here were written through
+        self.stored_blocks = -1  # KV tiers: its blocks up to here were written through (-1: not tracked yet)
 
     @property
     def alpha(self) -> float:
