@@ -397,7 +397,7 @@ impl BlockAllocator {
         b
     }
 
-    fn drop_hash(&mut self, b: u32) {
+    pub(crate) fn drop_hash(&mut self, b: u32) {
         if let Some(h) = self.keys.remove(b) {
             self.index.remove(&h);
             if let Some(log) = &mut self.events {

@@ -450,6 +450,41 @@ impl KVCacheManager {
         Ok(())
     }
 
+    /// Shorten a sequence to its first `n` tokens (speculative decoding's rollback of rejected drafts).
+    ///
+    /// Blocks past them are released tail first; a block it alone holds that is no longer full keeps no
+    /// prefix hash (its slots will be written again), so only full blocks of kept tokens stay registered.
+    pub fn truncate(&mut self, id: u64, n: u64) -> Result<()> {
+        let p = self.find(id)?;
+        let len = self.seqs[p].tokens.len() as u64;
+        if n == 0 || n > len {
+            return Err(Error::Invalid(format!(
+                "sequence {id}: cannot truncate {len} tokens to {n} (need 1 <= n <= {len})"
+            )));
+        }
+        let full = self.bs.div(n) as usize;
+        let keep = self.bs.blocks(n) as usize;
+        let seq = &mut self.seqs[p];
+        for j in full..seq.hashes.len() {
+            let b = seq.blocks[j];
+            if self.alloc.ref_of(b) == 1 {
+                self.alloc.drop_hash(b);
+            }
+        }
+        for &b in &seq.blocks[keep..] {
+            if self.alloc.ref_of(b) == 1 {
+                self.alloc.drop_hash(b);
+            }
+        }
+        seq.hashes.truncate(full);
+        seq.tokens.truncate(n as usize);
+        seq.computed = seq.computed.min(n as usize);
+        let dropped = seq.blocks.split_off(keep);
+        self.alloc.release(dropped.iter().rev().copied());
+        debug_assert!(self.seq_ok(p), "I5 after truncate");
+        Ok(())
+    }
+
     /// Forget every prefix hash; returns how many were dropped.
     pub fn reset_prefix_cache(&mut self) -> usize {
         self.alloc.reset_prefix_cache()
@@ -664,6 +699,40 @@ mod tests {
             (again.seq_lens.clone(), again.last_page_len.clone()),
             (vec![1], vec![1])
         );
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn truncate_releases_blocks_and_unregisters_rejected_tokens() {
+        let mut m = mgr(8, 4, 128);
+        m.allocate(1, (0..5).collect(), b"").unwrap();
+        m.prepare_batch(&[1], Some(&[5])).unwrap();
+        m.append(1, &[50, 51, 52, 53, 54]).unwrap(); // 10 tokens, 3 blocks
+        m.prepare_batch(&[1], Some(&[5])).unwrap();
+        let table = m.block_table(1).unwrap().to_vec();
+        assert!(m.allocator().block_hash(table[1].into()).unwrap().is_some());
+        let before = snapshot(&m);
+        assert!(m.truncate(1, 0).is_err());
+        assert!(m.truncate(1, 11).is_err());
+        assert!(m.truncate(9, 3).is_err());
+        assert_eq!(snapshot(&m), before);
+        m.truncate(1, 6).unwrap();
+        assert_eq!(m.token_ids(1).unwrap(), &[0, 1, 2, 3, 4, 50]);
+        assert_eq!(m.block_table(1).unwrap(), &table[..2]);
+        assert_eq!(m.num_computed_tokens(1).unwrap(), 6);
+        // Block 0 stays registered; block 1 (now partial) and the released block 2 hold no hash.
+        assert!(m.allocator().block_hash(table[0].into()).unwrap().is_some());
+        assert_eq!(m.allocator().block_hash(table[1].into()).unwrap(), None);
+        assert_eq!(m.allocator().block_hash(table[2].into()).unwrap(), None);
+        assert_eq!(m.allocator().num_cached_blocks(), 0);
+        assert_eq!(m.allocator().num_free_blocks(), 6);
+        m.check_invariants().unwrap();
+        // A forked sibling keeps the shared block's hash.
+        m.append(1, &[60, 61]).unwrap();
+        m.prepare_batch(&[1], Some(&[2])).unwrap();
+        m.fork(1, 2).unwrap();
+        m.truncate(1, 5).unwrap();
+        assert!(m.allocator().block_hash(table[1].into()).unwrap().is_some());
         m.check_invariants().unwrap();
     }
 

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedkv_rs.engine.structured", "pagedkv_rs.engine.pooling"),
     ("pagedkv_rs.engine.request",),
     ("pagedkv_rs.engine.sampling",),
+    ("pagedkv_rs.engine.speculative",),
     ("pagedkv_rs.engine.input",),
     ("pagedkv_rs.engine.scheduler",),
     ("pagedkv_rs.engine.runner",),

@@ -659,6 +659,13 @@ impl KVCacheManager {
         Ok(self.core(py)?.free(id)?)
     }
 
+    /// Shorten a sequence to its first ``num_tokens`` tokens, releasing the blocks past them (rollback).
+    fn truncate(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>, num_tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = self::seq_id(seq_id)?;
+        let n = check_u64("num_tokens", num_tokens, 0, MAX_COUNT)?;
+        Ok(self.core(py)?.truncate(id, n)?)
+    }
+
     /// Forget every prefix hash; returns how many were dropped.
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<usize> {
         Ok(self.core(py)?.reset_prefix_cache())

@@ -111,12 +111,30 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
         help="allow a Redis tier without a secret in pagedkv serve (anyone who can write to it can inject K/V)",
     )
     p.add_argument(
+        "--speculative",
+        default=None,
+        type=_speculative,
+        metavar="ngram[:k=K,n=N]",
+        help="speculative decoding: up to K draft tokens per step copied from where the sequence's last N..1 "
+        "tokens occurred before in its prompt and output, verified in the same step (greedy outputs unchanged, "
+        "sampling keeps its distribution); also min_n=M, max_batch=B (default: off; ngram means k=4,n=3)",
+    )
+    p.add_argument(
         "--model-impl",
         choices=MODEL_IMPLS,
         default="auto",
         help="fused: the whole decoder stack in one Rust call per step (int8 weights); numpy: one kernel call "
         "per operation from Python (the readable spec); auto: fused when the weights allow",
     )
+
+
+def _speculative(text: str) -> Any:
+    from pagedkv_rs.engine.speculative import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.of(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
@@ -135,5 +153,6 @@ def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
         kv_tiers=args.kv_tiers,
         kv_tier_secret=args.kv_tier_secret,
         model_impl=getattr(args, "model_impl", "auto"),
+        **({"speculative": args.speculative} if getattr(args, "speculative", None) is not None else {}),
         **engine_kwargs,
     )

@@ -30,7 +30,7 @@ from pagedkv_rs.engine.request import (
     SamplingParams,
     UnknownRequestError,
 )
-from pagedkv_rs.engine.runner import Model, ModelRunner, check_model
+from pagedkv_rs.engine.runner import Model, ModelRunner, check_model, check_speculative
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv_rs.engine.stream import RequestStream, check_lease, expire_leases, gather_finals, publish
 from pagedkv_rs.engine.structured import GrammarCompiler
@@ -83,7 +83,7 @@ class LLMEngine:
         self.backend = getattr(backend, "name", backend if isinstance(backend, str) else manager_cls.__module__)
         self.scheduler = Scheduler(
             self.kv_manager,
-            scheduler_config or SchedulerConfig(**scheduler_kwargs),
+            check_speculative(model, scheduler_config or SchedulerConfig(**scheduler_kwargs)),
             eos_token_ids=model.eos_token_ids,
             max_model_len=model.max_model_len,
             vocab_size=int(vocab),
@@ -244,7 +244,7 @@ class LLMEngine:
                 raise
             with self._lock:
                 self.runner.store(so)
-                changed = self.scheduler.update_from_output(so, result.tokens.tolist())
+                changed = self.scheduler.update_from_output(so, result.tokens.tolist(), result.verified)
                 heads, stopped, failed = self.output.process(so.samplers, changed, result)
                 for r in stopped:
                     self.scheduler.finish_request(r, RequestStatus.FINISHED_STOPPED)

@@ -71,6 +71,16 @@ class OutputProcessor:
                 r.logprobs.append(*row)
             except Exception as e:
                 failed.setdefault(r.head.request_id, e)
+        for j, rows in (result.emitted_logprobs or {}).items():  # speculating rows: one per token kept
+            r = samplers[j]
+            new = len(r.output_token_ids) - len(r.logprobs) if r.logprobs is not None else 0
+            if r.logprobs is None or not 0 < new <= len(rows):
+                continue
+            try:
+                for row in rows[:new]:
+                    r.logprobs.append(*row)
+            except Exception as e:
+                failed.setdefault(r.head.request_id, e)
         for r, lo, rows in result.prompt_logprobs:
             # a request that finished in this very step keeps them (max_tokens=1); an aborted one is gone
             plp = r.prompt_logprobs
@@ -92,7 +102,30 @@ class OutputProcessor:
         hits = [(i, s) for s in r.params.stop if (i := text.find(s)) >= 0]
         if not hits:
             return False
+        new = 1 if r.spec is None else r.spec.new_tokens
+        if new > 1:  # several tokens this step (speculation): stop after the first one that completes a stop string
+            text = self._first_stop(r, new)
+            hits = [(i, s) for s in r.params.stop if (i := text.find(s)) >= 0]
         i, stop = min(hits)
         r.stop_text = text[: i + len(stop)] if r.params.include_stop_str_in_output else text[:i]
         r.stop_reason = stop
         return True
+
+    def _first_stop(self, r: Request, new: int) -> str:
+        """Cut ``r``'s tokens of this step after the first at which its text holds a stop string (as one token
+        per step would have stopped it); returns that text."""
+        outs = r.output_token_ids
+        keep = len(outs)
+        for size in range(max(len(outs) - new + 1, r.params.min_tokens, 1), len(outs) + 1):
+            text = self.tokenizer.decode(outs[:size])
+            if any(s in text for s in r.params.stop):
+                keep = size
+                break
+        drop = len(outs) - keep
+        if drop:
+            del outs[keep:]
+            del r.all_token_ids[len(r.all_token_ids) - drop :]
+            del r.token_times[len(r.token_times) - drop :]
+            if r.logprobs is not None:
+                r.logprobs.truncate(keep)
+        return self.tokenizer.decode(outs)

@@ -142,6 +142,10 @@ class LogprobRows:
         self.ids[self.n], self.lps[self.n], self.ranks[self.n] = ids, lps, ranks
         self.n += 1
 
+    def truncate(self, size: int) -> None:
+        """Keep the first ``size`` rows (lead rows included)."""
+        self.n = max(0, min(self.n, size - self.lead))
+
     def view(self, decode: Optional[Callable[[list[int]], str]] = None) -> LogprobsView:
         """The rows so far as vLLM's list of dicts, built on access (later appends do not change it)."""
         return LogprobsView(self, self.n, decode)
@@ -323,13 +327,20 @@ FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LEN
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times of one request (``time.monotonic()`` seconds); token times are shared, not copied."""
+    """Wall-clock times of one request (``time.monotonic()`` seconds); token times are shared, not copied.
+
+    Speculative decoding: ``num_drafts`` verifications of its drafts, ``num_draft_tokens`` drafted and
+    ``num_accepted_tokens`` accepted.
+    """
 
     arrival_time: float
     first_scheduled_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_preemptions: int = 0
     token_times: list[float] = field(default_factory=list, repr=False)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def first_token_time(self) -> Optional[float]:
@@ -392,6 +403,7 @@ class Request:
         "block_hashes",
         "matcher",
         "pooling",
+        "spec",
     )
 
     def __init__(
@@ -443,6 +455,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (KV tiers; filled lazily)
         self.matcher: Any = None  # structured outputs: this sequence's llguidance matcher
         self.pooling: Optional[PoolingState] = None  # a pooling request's progress (never sampled)
+        self.spec: Any = None  # speculative decoding: its ``SpecState`` once it has drafted
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,11 +31,12 @@ from pagedkv_rs.batch import BatchInputs
 from pagedkv_rs.engine.pooling import PoolSpan, pool_spans, pooled_forward, pooling_unavailable
 from pagedkv_rs.engine.request import Request, RequestStatus, SamplingParams
 from pagedkv_rs.engine.sampling import apply_mask, sample, top_logprobs
-from pagedkv_rs.engine.scheduler import KVLoad, SchedulerOutput
+from pagedkv_rs.engine.scheduler import KVLoad, SchedulerConfig, SchedulerOutput
+from pagedkv_rs.engine.speculative import Verified, verify
 from pagedkv_rs.engine.structured import fill_masks
 from pagedkv_rs.tiers import BlockLayout, KVTiers, Tier, chain_hashes, model_fingerprint, parse_tier, salt_digest
 
-__all__ = ["Model", "ModelRunner", "StepInputs", "StepResult", "LogprobRow", "check_model"]
+__all__ = ["Model", "ModelRunner", "StepInputs", "StepResult", "LogprobRow", "check_model", "check_speculative"]
 
 LogprobRow = tuple[list[int], list[float], list[int]]  # token ids, logprobs, ranks
 SHUTDOWN_FLUSH_SECONDS = 30.0  # at shutdown, blocks still queued for a tier after this are not stored
@@ -79,6 +80,10 @@ class StepInputs:
     mask_rows: Optional[np.ndarray] = None
     matchers: Optional[list[Any]] = None
     pool: Optional[list[PoolSpan]] = None  # pooling requests in the step: one forward_hidden serves all rows
+    # speculative decoding: (sample row, draft tokens) of each speculating row, and the token indices of the
+    # positions before each one's last (its pending token and all drafts but the last), in that order
+    drafts: Optional[list[tuple[int, list[int]]]] = None
+    draft_indices: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -90,6 +95,9 @@ class StepResult:
     prompt_logprobs: list[tuple[Request, int, list[LogprobRow]]]  # (request, first position, rows)
     mask_seconds: Optional[float] = None  # time to compute this step's grammar masks (None: no constrained row)
     pooled: list[tuple[PoolSpan, np.ndarray]] = field(default_factory=list)  # (span, its float64 sum or vector)
+    # speculative decoding: the speculating rows' tokens and the forward's cost; sample row -> their logprob rows
+    verified: Optional[Verified] = None
+    emitted_logprobs: Optional[dict[int, list[LogprobRow]]] = None
 
 
 @dataclass(eq=False)
@@ -136,10 +144,7 @@ class ModelRunner:
         self.kv_events: Any = None  # a KVEventPublisher (engine/kv_events.py): drained once per step in store()
         if kv_tiers:
             self.kv_tiers = _make_tiers(model, self.kv_caches, block_size, kv_tiers, kv_tier_secret, kv_tier_deadline)
-        try:
-            self.logits_indices = "logits_indices" in inspect.signature(model.forward).parameters
-        except (TypeError, ValueError):  # pragma: no cover - a builtin forward without a signature
-            self.logits_indices = False
+        self.logits_indices = _takes_logits_indices(model)
         # why prompt_logprobs cannot be served, or None
         self._masks: Optional[ThreadPoolExecutor] = None  # grammar masks, beside the forward; started on first use
         self.no_prompt_logprobs = (
@@ -347,6 +352,13 @@ class ModelRunner:
                 spans.append((r, lo, hi - lo))
                 idx.append(np.arange(int(qsl[i]) + lo - first, int(qsl[i]) + hi - first, dtype=np.int64))
         cons = [j for j, r in enumerate(to_sample) if r.matcher is not None]
+        drafts = dindex = None
+        if so.drafts:
+            if not self.logits_indices:
+                raise ValueError(f"speculative decoding: {self.no_prompt_logprobs}")
+            drafts = [(j, so.drafts[i]) for j, i in enumerate(so.sample_rows) if i in so.drafts]
+            starts = [int(qsl[i]) for i in so.sample_rows if i in so.drafts]
+            dindex = np.concatenate([np.arange(q, q + len(d), dtype=np.int64) for q, (_, d) in zip(starts, drafts)])
         return StepInputs(
             so,
             params,
@@ -357,6 +369,8 @@ class ModelRunner:
             np.asarray(cons, np.int64) if cons else None,
             [to_sample[j].matcher for j in cons] if cons else None,
             pool_spans(so.requests, so.pool_rows, qsl) if so.pool_rows else None,
+            drafts,
+            dindex,
         )
 
     def execute(self, si: StepInputs) -> StepResult:
@@ -371,26 +385,32 @@ class ModelRunner:
                 self._masks = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-grammar-mask")
             masks = self._masks.submit(_timed_masks, si.matchers, vocab)
         pooled: list[tuple[PoolSpan, np.ndarray]] = []
+        t_fwd = time.perf_counter()
         if si.pool is not None:  # one forward_hidden: the pooling rows and the sampled rows' logits
             logits, extra, pooled = pooled_forward(
                 self.model, so.batch, self.kv_caches, rows, si.prompt_indices, si.pool
             )
+            draft_logits = logits[:0]  # a step with pooling requests has no drafts
         else:
-            if si.prompt_indices is None:
+            more = [x for x in (si.prompt_indices, si.draft_indices) if x is not None]
+            if not more:
                 logits = self.model.forward(so.batch, self.kv_caches)
             else:
                 last = so.batch.query_start_loc[1:].astype(np.int64) - 1
-                idx = np.concatenate([last, si.prompt_indices])
+                idx = np.concatenate([last, *more])
                 logits = self.model.forward(so.batch, self.kv_caches, logits_indices=idx)
-            want = b if si.prompt_indices is None else b + len(si.prompt_indices)
+            want = b + sum(len(x) for x in more)
             if not isinstance(logits, np.ndarray) or logits.shape != (want, vocab):
                 raise ValueError(
                     f"model.forward returned {getattr(logits, 'shape', type(logits))}, expected ({want}, {vocab})"
                 )
-            extra = logits[b:]
+            p_end = b + (0 if si.prompt_indices is None else len(si.prompt_indices))
+            extra, draft_logits = logits[b:p_end], logits[p_end:]
             if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
                 logits = logits[rows]
-        sel = [j for j, p in enumerate(params) if p.logprobs is not None]
+        speculating = {j for j, _ in si.drafts} if si.drafts else ()
+        sel = [j for j, p in enumerate(params) if p.logprobs is not None and j not in speculating]
+        t_fwd = time.perf_counter() - t_fwd
         raw = logits[sel] if sel else None  # logprobs: the raw distribution, taken before any mask
         mask_seconds = None
         if masks is not None:
@@ -400,7 +420,10 @@ class ModelRunner:
                 logits = logits.copy()
             apply_mask(logits, si.mask_rows, bitmask)  # type: ignore[arg-type]
             mask_seconds += time.perf_counter() - t0
-        if rows:
+        emitted = emitted_lp = None
+        if si.drafts:  # speculating rows: verified here, the others sampled as usual
+            tokens, emitted, emitted_lp = self._speculate(si, logits, draft_logits)
+        elif rows:
             o, pr, st = si.history if si.history is not None else (None, None, None)
             tokens = sample(
                 logits,
@@ -416,7 +439,57 @@ class ModelRunner:
         lp = None
         if sel:  # top-k logprobs (raw distribution) of the sampled tokens, keyed by sample row
             lp = dict(zip(sel, top_logprobs(raw, tokens[sel], [params[j].logprobs for j in sel])))  # type: ignore[misc]
-        return StepResult(tokens, lp, self._prompt_rows(si.prompt_spans, extra), mask_seconds, pooled)
+        prompt_rows = self._prompt_rows(si.prompt_spans, extra)
+        verified = Verified(emitted or {}, t_fwd, so.batch.num_tokens)
+        return StepResult(tokens, lp, prompt_rows, mask_seconds, pooled, verified, emitted_lp)
+
+    def _speculate(
+        self, si: StepInputs, logits: np.ndarray, draft_logits: np.ndarray
+    ) -> tuple[np.ndarray, dict[int, list[int]], dict[int, list[LogprobRow]]]:
+        """Sample the plain rows and verify the speculating ones: (first token per sample row, sample row ->
+        every token it emits, sample row -> their logprob rows when asked for)."""
+        assert si.drafts is not None
+        params, gens = si.params, si.generators
+        spec_js = [j for j, _ in si.drafts]
+        plain = sorted(set(range(len(params))) - set(spec_js))
+        tokens = np.empty(len(params), np.int64)
+        h = si.history
+        if plain:
+            o, pr, st = (None, None, None) if h is None else ([x[j] for j in plain] for x in h)
+            masked = None
+            if si.mask_rows is not None:  # constrained rows never speculate: they are plain rows
+                masked = np.searchsorted(np.asarray(plain), si.mask_rows)
+            tokens[plain] = sample(
+                logits[plain],
+                [params[j] for j in plain],
+                [gens[j] for j in plain],
+                output_token_ids=o,
+                prompt_token_ids=pr,
+                stop_ids=st,
+                masked_rows=masked,
+            )
+        rows: list[np.ndarray] = []
+        at = 0
+        for j, d in si.drafts:  # [k + 1, V]: the pending token's and every draft's position but the last; the last
+            rows.append(np.concatenate([draft_logits[at : at + len(d)], logits[j : j + 1]]))
+            at += len(d)
+        hist = None if h is None else tuple([x[j] for j in spec_js] for x in h)
+        out = verify(
+            rows,
+            [d for _, d in si.drafts],
+            [params[j] for j in spec_js],
+            [gens[j] for j in spec_js],
+            hist,  # type: ignore[arg-type]
+        )
+        emitted = dict(zip(spec_js, out))
+        for j, toks in emitted.items():
+            tokens[j] = toks[0]
+        lps: dict[int, list[LogprobRow]] = {}
+        for (j, _), r, toks in zip(si.drafts, rows, out):
+            k = params[j].logprobs
+            if k is not None:
+                lps[j] = top_logprobs(r[: len(toks)], np.asarray(toks, np.int64), [k] * len(toks))
+        return tokens, emitted, lps
 
     @staticmethod
     def _prompt_rows(
@@ -458,6 +531,23 @@ class ModelRunner:
 def _timed_masks(matchers: list[Any], vocab: int) -> tuple[np.ndarray, float]:
     t0 = time.perf_counter()
     return fill_masks(matchers, vocab), time.perf_counter() - t0
+
+
+def check_speculative(model: Any, config: SchedulerConfig) -> SchedulerConfig:
+    """``config``, if the model can serve its speculative decoding (logits at every position of a chunk)."""
+    if config.speculative is not None and not _takes_logits_indices(model):
+        raise ValueError(
+            f"speculative decoding needs logits at every draft: model {type(model).__name__}.forward "
+            "takes no logits_indices"
+        )
+    return config
+
+
+def _takes_logits_indices(model: Any) -> bool:
+    try:
+        return "logits_indices" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a builtin forward without a signature
+        return False
 
 
 def check_model(model: Any) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 
 from pagedkv_rs.engine.request import SamplingParams
 
-__all__ = ["sample", "apply_mask", "apply_penalties", "top_logprobs"]
+__all__ = ["sample", "probabilities", "sorted_probabilities", "apply_mask", "apply_penalties", "top_logprobs"]
 
 
 def apply_mask(logits: np.ndarray, rows: np.ndarray, bitmask: np.ndarray) -> None:
@@ -125,21 +125,7 @@ def sample(
     rows = np.flatnonzero(~greedy).tolist()
     if not rows:
         return out
-    x = logits[rows].astype(np.float64) / temps[rows, None]  # [R, V]
-    order = np.argsort(-x, axis=1, kind="stable")
-    xs = np.take_along_axis(x, order, axis=1)
-    min_p = np.array([params[i].min_p for i in rows])
-    if (min_p > 0).any():  # p < min_p * p_max  <=>  x < x_max + log(min_p)
-        with np.errstate(divide="ignore"):
-            xs[xs < xs[:, :1] + np.log(min_p)[:, None]] = -np.inf
-    top_k = np.array([params[i].top_k or v for i in rows])
-    xs[np.arange(v)[None, :] >= top_k[:, None]] = -np.inf
-    probs = np.exp(xs - xs[:, :1])
-    probs /= probs.sum(axis=1, keepdims=True)
-    top_p = np.array([params[i].top_p for i in rows])
-    before = np.cumsum(probs, axis=1) - probs  # mass of strictly more likely tokens
-    probs[before >= top_p[:, None]] = 0.0
-    probs[:, 0] = np.maximum(probs[:, 0], np.finfo(np.float64).tiny)
+    order, probs = sorted_probabilities(logits[rows], [params[i] for i in rows])
     cdf = np.cumsum(probs, axis=1)
     u = np.empty(len(rows))
     for j, i in enumerate(rows):
@@ -149,6 +135,48 @@ def sample(
         u[j] = g.random()
     pick = np.minimum((cdf < (u * cdf[:, -1])[:, None]).sum(axis=1), v - 1)
     out[rows] = order[np.arange(len(rows)), pick]
+    return out
+
+
+def sorted_probabilities(logits: np.ndarray, params: Sequence[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``logits`` [R, V] (temperature > 0): the token order (most likely first) and the
+    unnormalised probabilities in that order after temperature, min-p, top-k and top-p."""
+    v = logits.shape[1]
+    temps = np.array([p.temperature for p in params])
+    x = logits.astype(np.float64) / temps[:, None]  # [R, V]
+    order = np.argsort(-x, axis=1, kind="stable")
+    xs = np.take_along_axis(x, order, axis=1)
+    min_p = np.array([p.min_p for p in params])
+    if (min_p > 0).any():  # p < min_p * p_max  <=>  x < x_max + log(min_p)
+        with np.errstate(divide="ignore"):
+            xs[xs < xs[:, :1] + np.log(min_p)[:, None]] = -np.inf
+    top_k = np.array([p.top_k or v for p in params])
+    xs[np.arange(v)[None, :] >= top_k[:, None]] = -np.inf
+    probs = np.exp(xs - xs[:, :1])
+    probs /= probs.sum(axis=1, keepdims=True)
+    top_p = np.array([p.top_p for p in params])
+    before = np.cumsum(probs, axis=1) - probs  # mass of strictly more likely tokens
+    probs[before >= top_p[:, None]] = 0.0
+    probs[:, 0] = np.maximum(probs[:, 0], np.finfo(np.float64).tiny)
+    return order, probs
+
+
+def probabilities(logits: np.ndarray, params: Sequence[SamplingParams]) -> np.ndarray:
+    """The distribution ``sample`` draws from, per row of (penalised) ``logits`` [R, V]: float64 [R, V]
+    in vocabulary order, summing to 1; a greedy row is one-hot at its argmax (first index on ties)."""
+    r, v = logits.shape
+    out = np.zeros((r, v))
+    greedy = np.array([p.temperature == 0.0 for p in params], bool)
+    if greedy.any():
+        g = np.flatnonzero(greedy)
+        out[g, logits[g].argmax(axis=1)] = 1.0
+    rows = np.flatnonzero(~greedy)
+    if len(rows):
+        order, probs = sorted_probabilities(logits[rows], [params[i] for i in rows])
+        probs /= probs.sum(axis=1, keepdims=True)
+        sub = np.zeros((len(rows), v))
+        np.put_along_axis(sub, order, probs, axis=1)
+        out[rows] = sub
     return out
 
 

@@ -47,6 +47,7 @@ from pagedkv_rs.engine.request import (
     SamplingParams,
     UnknownRequestError,
 )
+from pagedkv_rs.engine.speculative import SpeculativeConfig, Speculator, Verified
 from pagedkv_rs.errors import OutOfBlocksError
 
 __all__ = ["SchedulerConfig", "Scheduler", "SchedulerOutput", "SwapOut", "SwapIn", "KVLoad", "KVStore"]
@@ -67,8 +68,11 @@ class SchedulerConfig:
     max_model_len: Optional[int] = None  # capped by the model's and the pool's limits
     swap_space_blocks: Optional[int] = None  # host blocks for swap (None: unbounded)
     watermark: float = 0.01  # fraction of blocks admission keeps free while others run
+    # speculative decoding: a ``SpeculativeConfig``, "ngram[:k=K,n=N]" or a dict of its fields (None: off)
+    speculative: Any = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -140,6 +144,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)  # admitted requests now WAITING_FOR_KV
     kv_stores: list[KVStore] = field(default_factory=list)
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # batch row -> draft tokens after its pending one
 
     @property
     def num_tokens(self) -> int:
@@ -235,6 +240,8 @@ class Scheduler:
         self.num_swaps = 0
         self.num_steps = 0
         self.num_pooling = 0  # unfinished pooling requests (a step without them pays nothing for pooling)
+        spec = self.config.speculative
+        self.spec: Optional[Speculator] = None if spec is None else Speculator(spec)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -430,9 +437,14 @@ class Scheduler:
     def _plan_stores(self, out: SchedulerOutput) -> None:
         """The blocks each request completes this step, for the tiers' write-through."""
         bs = self.block_size
-        for req, n in zip(out.requests, out.num_scheduled_tokens):
+        for i, (req, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
             c = req.num_computed_tokens
-            lo, hi = (c - n) // bs, c // bs
+            lo, hi = (c - n) // bs, (c - len(out.drafts.get(i, ()))) // bs  # drafts are not stored
+            st = req.spec
+            if st is not None:  # blocks that accepted drafts filled were not stored in their step
+                if st.stored_blocks >= 0:
+                    lo = min(lo, st.stored_blocks)
+                st.stored_blocks = hi
             if hi > lo and not req.computes_whole_prompt:
                 out.kv_stores.append(KVStore(req, lo, self.kv.block_table(req.seq_id)[lo:hi]))
 
@@ -522,6 +534,50 @@ class Scheduler:
             rows.clear()
             return self._schedule_running_slow(out)
         out.seq_ids = app_ids if len(app_ids) == len(reqs) else [r.seq_id for r in reqs]
+        if self.spec is not None and app_ids and not self.num_pooling:
+            budget = self._add_drafts(out, set(app_ids), budget)
+        return budget
+
+    def _add_drafts(self, out: SchedulerOutput, decoding: set[int], budget: int) -> int:
+        """Append draft tokens after the pending token of decoding requests, as many as pay (``Speculator``),
+        while budget and free blocks last.
+
+        Drafts only take free blocks above the watermark (never a cached block, never a preemption); the
+        KV of the rejected ones is truncated in ``update_from_output``.
+        """
+        spec = self.spec
+        assert spec is not None
+        if not spec.batch_speculates(len(decoding)):
+            return budget
+        a, b = spec.cost()
+        gain, cost = float(len(out.sample_rows)), a + b * sum(out.num_scheduled_tokens)
+        free = self.kv.num_free_blocks - self.watermark_blocks
+        for i, req in enumerate(out.requests):
+            if budget <= 0:
+                break
+            if req.seq_id not in decoding:
+                continue
+            drafts = spec.propose(req, budget)
+            if not drafts:
+                continue
+            k = spec.choose(req, len(drafts), gain, cost, b)
+            if not k:
+                continue
+            drafts = drafts[:k]
+            alpha = req.spec.alpha
+            gain += alpha * (1 - alpha**k) / (1 - alpha)
+            cost += b * k
+            need = self.kv.blocks_needed_to_append(req.seq_id, len(drafts))
+            if need > free:
+                continue
+            free -= need
+            out.copy_pairs += self.kv.append(req.seq_id, drafts)
+            k = len(drafts)
+            req.num_kv_tokens += k
+            req.num_computed_tokens += k
+            out.num_scheduled_tokens[i] += k
+            out.drafts[i] = drafts
+            budget -= k
         return budget
 
     def _append_all(self, seq_ids: list[int], tokens: list[int], need: int, out: SchedulerOutput) -> bool:
@@ -667,10 +723,15 @@ class Scheduler:
             budget -= n
 
     # -------------------------------------------------------------------- update
-    def update_from_output(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: Sequence[int], verified: Optional[Verified] = None
+    ) -> list[Request]:
         """Record the tokens (Python ints) sampled for ``out.sample_rows``; returns the requests that got one.
 
-        Requests aborted since ``schedule()`` are skipped. Finished requests free their blocks.
+        ``verified``: the step's speculating rows (sample row -> every token it emits: its accepted drafts,
+        then the target's; ``sampled`` holds the first) and the forward's cost, which the speculator's
+        cost model learns from. Requests aborted since ``schedule()`` are skipped.
+        Finished requests free their blocks; a speculating one that runs on keeps the KV of its accepted tokens.
         """
         rows = out.sample_rows
         if len(sampled) != len(rows):
@@ -683,6 +744,11 @@ class Scheduler:
         samplers = out.samplers if len(out.samplers) == len(rows) else [out.requests[i] for i in rows]
         changed: list[Request] = []
         add = changed.append
+        spec = self.spec
+        if spec is not None and verified is not None and spec.fits(out.num_tokens, len(out.requests), out.drafts):
+            spec.observe(verified.num_tokens, verified.forward_seconds)
+        if out.drafts:
+            return self._update_speculative(out, samplers, sampled, verified.emitted if verified else {}, now)
         for req, tok in zip(samplers, sampled):
             if req.status is not running:
                 continue
@@ -697,6 +763,52 @@ class Scheduler:
                 self._stop(req, RequestStatus.FINISHED_STOPPED)
             elif len(outs) >= req.max_output:
                 self._stop(req, RequestStatus.FINISHED_LENGTH)
+        return changed
+
+    def _update_speculative(
+        self,
+        out: SchedulerOutput,
+        samplers: Sequence[Request],
+        sampled: Sequence[int],
+        emitted: dict[int, list[int]],
+        now: float,
+    ) -> list[Request]:
+        """``update_from_output`` for a step with drafts: each row appends its tokens one by one until one stops
+        it; then the KV of its rejected drafts is truncated."""
+        spec = self.spec
+        assert spec is not None
+        running = RequestStatus.RUNNING
+        changed: list[Request] = []
+        for j, (req, row) in enumerate(zip(samplers, out.sample_rows)):
+            drafts = out.drafts.get(row)
+            toks = emitted[j] if drafts is not None else [sampled[j]]
+            if drafts is not None and (len(toks) < 1 or len(toks) > len(drafts) + 1 or toks[0] != sampled[j]):
+                raise ValueError(f"row {row}: {len(drafts)} drafts but tokens {toks!r} emitted")
+            if req.status is not running:
+                continue
+            if drafts is not None:
+                spec.record(req, len(drafts), len(toks) - 1)
+            outs = req.output_token_ids
+            before = len(outs)
+            for tok in toks:
+                outs.append(tok)
+                req.all_token_ids.append(tok)
+                req.token_times.append(now)
+                if tok in req.stop_ids and len(outs) > req.params.min_tokens:
+                    if tok in req.params.stop_token_ids:
+                        req.stop_reason = tok
+                    self._stop(req, RequestStatus.FINISHED_STOPPED)
+                    break
+                if len(outs) >= req.max_output:
+                    self._stop(req, RequestStatus.FINISHED_LENGTH)
+                    break
+            if req.spec is not None:
+                req.spec.new_tokens = len(outs) - before
+            changed.append(req)
+            if drafts is not None and req.status is running:
+                kept = len(req.all_token_ids) - 1  # the pending token, as after a plain decode step
+                self.kv.truncate(req.seq_id, kept)
+                req.num_kv_tokens = req.num_computed_tokens = kept
         return changed
 
     def _fork(self, head: Request, child: Request) -> None:
@@ -738,6 +850,8 @@ class Scheduler:
             "swap_blocks_used": self.swap_blocks_used,
             "num_steps": self.num_steps,
         }
+        if self.spec is not None:
+            s.update(self.spec.stats())
         if counters:
             s["prefix_cache_queries"] = int(q)
             s["prefix_cache_hits"] = int(kv.get("prefix_hit_tokens", 0))

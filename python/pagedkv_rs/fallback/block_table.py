@@ -309,6 +309,31 @@ class KVCacheManager:
             del self._seqs[seq_id.__index__()]
             self._alloc._free(seq.blocks[::-1])
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Shorten a sequence to its first ``num_tokens`` tokens (speculative decoding's rollback).
+
+        Blocks past them are released tail first; a block it alone holds that is no longer full keeps
+        no prefix hash (its slots will be written again), so only full blocks of kept tokens stay registered.
+        """
+        with self._lock:
+            seq = self._seq(seq_id)
+            n = _check_int("num_tokens", num_tokens, 0, 1 << 40)
+            if not 1 <= n <= len(seq.tokens):
+                raise ValueError(
+                    f"sequence {seq_id}: cannot truncate {len(seq.tokens)} tokens to {n} "
+                    f"(need 1 <= n <= {len(seq.tokens)})"
+                )
+            full, keep = n // self._bs, _blocks_for(n, self._bs)
+            for b in seq.blocks[full : max(len(seq.hashes), full)] + seq.blocks[keep:]:
+                if self._alloc._ref[b] == 1:
+                    self._alloc._drop_hash(b)
+            del seq.hashes[full:]
+            del seq.tokens[n:]
+            seq.computed = min(seq.computed, n)
+            dropped = seq.blocks[keep:]
+            del seq.blocks[keep:]
+            self._alloc._free(dropped[::-1])
+
     def reset_prefix_cache(self) -> int:
         """Forget every prefix hash; returns how many were dropped."""
         with self._lock:

@@ -78,6 +78,12 @@ class _EngineCollector(Collector):
         yield counter("kv_block_evictions", "Cached free blocks reused for new content", kv.get("evictions", 0))
         yield counter("engine_steps", "Engine steps (forward passes)", s["num_steps"])
         yield counter("kv_block_allocations", "Blocks taken off the free list", kv["block_allocations"])
+        if "spec_decode_num_drafts" in s:  # speculative decoding, vLLM's spec_decode counters
+            yield counter("spec_decode_num_drafts", "Verifications of drafts", s["spec_decode_num_drafts"])
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed", s["spec_decode_num_draft_tokens"])
+            yield counter(
+                "spec_decode_num_accepted_tokens", "Draft tokens accepted", s["spec_decode_num_accepted_tokens"]
+            )
         steps = eng.metrics.snapshot_histogram("step_time")
         h = HistogramMetricFamily("pagedkv:engine_step_seconds", "Duration of one engine step", labels=lab)
         h.add_metric(val, [(_le(le), n) for le, n in steps["buckets"]], steps["sum"])

@@ -7,6 +7,12 @@ after an optional shared prefix, outputs of exactly their length (``ignore_eos``
 arrive at t=0. ``--profile`` splits the wall time into weight matmuls, attention, KV writes,
 other model math, sampling and scheduling.
 
+``--workload copy`` asks instead for a ~400-token piece of code (a fixed text in this module) repeated with one
+name changed, through the model's chat template: the case speculative decoding (``--speculative``) is for.
+``--spec-table`` runs each row of ``--spec-rows`` (``WORKLOAD:SEQS`` items) without and with ``--speculative``
+(default ``ngram``), interleaved over ``--rounds``, and prints the medians, their ratio, the acceptance rate
+and the mean accepted length (tokens per verification: accepted drafts + 1).
+
 ``--table`` runs the comparison table instead of one run: rows of 1, 8 and 32 concurrent requests
 (``--table-seqs``) and a 512-token prefill row (``--prefill-len``), one column per model
 implementation (``--table-impls``, default ``numpy,fused``: the numpy path with ``--weights``
@@ -34,7 +40,77 @@ import numpy as np
 
 from pagedkv_rs.cli.formatting import HelpFormatter
 
-__all__ = ["main", "build_parser", "synthetic_requests", "run_benchmark", "format_report"]
+__all__ = ["main", "build_parser", "synthetic_requests", "copy_requests", "run_benchmark", "format_report"]
+
+WORKLOADS = ("random", "copy")
+# The copy workload's text: a small, self-contained module (original to this benchmark).
+COPY_SOURCE = '''\
+import heapq
+from dataclasses import dataclass, field
+
+
+@dataclass(order=True)
+class Job:
+    priority: int
+    name: str = field(compare=False)
+    cost: float = field(compare=False, default=1.0)
+
+
+class JobQueue:
+    """A priority queue of jobs with a budget: pop_ready returns the jobs that fit."""
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self.heap: list[Job] = []
+        self.done: list[str] = []
+
+    def push(self, job: Job) -> None:
+        if job.cost <= 0:
+            raise ValueError(f"job {job.name} has a non-positive cost {job.cost}")
+        heapq.heappush(self.heap, job)
+
+    def pop_ready(self) -> list[Job]:
+        ready = []
+        left = self.budget
+        while self.heap and self.heap[0].cost <= left:
+            job = heapq.heappop(self.heap)
+            left -= job.cost
+            ready.append(job)
+            self.done.append(job.name)
+        return ready
+
+    def pending(self) -> int:
+        return len(self.heap)
+
+
+def schedule(jobs: list[Job], budget: float, rounds: int) -> list[list[str]]:
+    queue = JobQueue(budget)
+    for job in jobs:
+        queue.push(job)
+    plan = []
+    for _ in range(rounds):
+        batch = queue.pop_ready()
+        if not batch:
+            break
+        plan.append([job.name for job in batch])
+    return plan
+
+
+if __name__ == "__main__":
+    jobs = [Job(2, "index", 0.5), Job(1, "fetch", 1.5), Job(3, "report", 2.0), Job(1, "parse", 1.0)]
+    for i, names in enumerate(schedule(jobs, budget=2.0, rounds=4)):
+        print(i, ", ".join(names))
+'''
+COPY_RENAMES = [
+    ("JobQueue", "TaskQueue"),
+    ("pop_ready", "take_ready"),
+    ("schedule", "plan_rounds"),
+    ("pending", "waiting"),
+    ("budget", "capacity"),
+    ("heap", "items"),
+    ("Job", "Task"),
+    ("done", "finished"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len*[1-r, 1+r]")
     p.add_argument("--prefix-len", type=int, default=0, help="tokens of shared prompt prefix")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic requests")
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="random",
+        help="random: random-token prompts; copy: code repeated with one name changed (output: --output-len)",
+    )
     add_llm_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in one engine step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step at most")
@@ -66,7 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--table-seqs", default="1,8,32", help="concurrent requests of the --table rows")
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the --table prefill row (0: none)")
-    p.add_argument("--rounds", type=int, default=1, help="--table rounds (medians reported)")
+    p.add_argument("--rounds", type=int, default=1, help="--table / --spec-table rounds (medians reported)")
+    p.add_argument("--spec-table", action="store_true", help="rows without and with --speculative, side by side")
+    p.add_argument(
+        "--spec-rows",
+        default="copy:1,copy:8,random:1,random:8,random:32",
+        help="WORKLOAD:SEQS rows of --spec-table",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -96,6 +184,37 @@ def synthetic_requests(
     return [(prefix + rng.choice(allowed, int(n)).tolist(), int(m)) for n, m in zip(ins, outs)]
 
 
+def copy_requests(num: int, tokenizer: Any, output_len: int) -> list[tuple[list[int], int]]:
+    """``num`` prompts asking for ``COPY_SOURCE`` back with one name changed (a different one per request):
+    through the model's chat template, or as a text to continue when the model has none."""
+    from pagedkv_rs.models.chat_template import ChatTemplateError
+
+    out = []
+    for i in range(num):
+        old, new = COPY_RENAMES[i % len(COPY_RENAMES)]
+        text = (
+            f"Repeat this Python code exactly, but rename `{old}` to `{new}`. "
+            f"Answer with the code only.\n\n```python\n{COPY_SOURCE}```"
+        )
+        try:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        except ChatTemplateError:
+            ids = tokenizer.encode(
+                f"{text}\n\nThe code with `{old}` renamed to `{new}`:\n\n```python\n", add_special_tokens=True
+            )
+        out.append((ids, output_len))
+    return out
+
+
+def workload_requests(args: argparse.Namespace, llm: Any, workload: str, num: int, seed: int) -> list[Any]:
+    """The requests of one workload for ``llm``."""
+    tok = llm.get_tokenizer()
+    if workload == "copy":
+        return copy_requests(num, tok, args.output_len)
+    v, special = llm.model.vocab_size, sorted(tok.special_ids)
+    return synthetic_requests(num, args.input_len, args.output_len, args.range_ratio, args.prefix_len, v, special, seed)
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -114,6 +233,8 @@ def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: 
 
     engine = llm.engine
     kv0, steps0, pre0 = engine.kv_manager.stats(), engine.scheduler.num_steps, engine.scheduler.num_preemptions
+    spec = engine.scheduler.spec
+    spec0 = spec.stats() if spec is not None else None
     t0 = time.perf_counter()
     ids = []
     for prompt, n_out in requests:
@@ -171,6 +292,22 @@ def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: 
         "weights": getattr(getattr(engine.model, "weights", None), "weight_format", "n/a"),
         "model_impl": getattr(engine.model, "impl", "n/a"),
         "backend": stats["backend"],
+        **(_spec_delta(spec0, spec.stats()) if spec is not None and spec0 is not None else {}),
+    }
+
+
+def _spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Speculative decoding over one run: drafts, draft and accepted tokens, acceptance, mean accepted length."""
+    n, d, a = (
+        after[k] - before[k]
+        for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    )
+    return {
+        "spec_num_drafts": n,
+        "spec_num_draft_tokens": d,
+        "spec_num_accepted_tokens": a,
+        "spec_acceptance_rate": a / d if d else 0.0,
+        "spec_mean_accepted_length": 1.0 + a / n if n else 0.0,
     }
 
 
@@ -206,6 +343,15 @@ def format_report(r: dict[str, Any]) -> str:
         ("Weights:", r.get("weights", "n/a")),
         ("Model implementation:", r.get("model_impl", "n/a")),
     ]
+    if "spec_num_drafts" in r:
+        rows += [
+            ("-", "Speculative decoding"),
+            ("Drafts (verifications):", r["spec_num_drafts"]),
+            ("Draft tokens:", r["spec_num_draft_tokens"]),
+            ("Accepted draft tokens:", r["spec_num_accepted_tokens"]),
+            ("Acceptance rate:", f"{r['spec_acceptance_rate']:.1%}"),
+            ("Mean accepted length:", r["spec_mean_accepted_length"]),
+        ]
     lines = []
     for k, v in rows:
         if k in ("=", "-"):
@@ -346,10 +492,79 @@ def format_table(t: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def run_spec_table(args: argparse.Namespace) -> dict[str, Any]:
+    """Each ``--spec-rows`` row without and with speculation, interleaved over the rounds; medians per cell."""
+    from pagedkv_rs.cli.args import llm_from_args
+    from pagedkv_rs.engine.speculative import SpeculativeConfig
+
+    spec = args.speculative or SpeculativeConfig()
+    rows = []
+    for item in args.spec_rows.split(","):
+        w, _, n = item.strip().partition(":")
+        if w not in WORKLOADS or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"--spec-rows: {item!r} is not WORKLOAD:SEQS with WORKLOAD in {WORKLOADS}")
+        rows.append((w, int(n)))
+    llms = []
+    for s in (None, spec):
+        a = argparse.Namespace(**{**vars(args), "speculative": s})
+        llm = llm_from_args(
+            a,
+            enable_prefix_caching=False,
+            max_num_seqs=max([n for _, n in rows] + [args.max_num_seqs]),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        run_benchmark(llm, [(list(range(100, 116)), 4)], progress=False)  # warm-up
+        llms.append(llm)
+    reqs = [workload_requests(args, llms[0], w, n, args.seed + n) for w, n in rows]
+    cells: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for _ in range(max(1, args.rounds)):
+        for ri in range(len(rows)):
+            for ci, llm in enumerate(llms):
+                cells.setdefault((ri, ci), []).append(run_benchmark(llm, reqs[ri], progress=False))
+    med = statistics.median
+    table = []
+    for ri, (w, n) in enumerate(rows):
+        off, on = cells[(ri, 0)], cells[(ri, 1)]
+        table.append(
+            {
+                "row": f"{w} {n}",
+                "off_tok_s": med(r["output_throughput"] for r in off),
+                "on_tok_s": med(r["output_throughput"] for r in on),
+                # the ratio of each round's side-by-side pair, then the median
+                "ratio": med(b["output_throughput"] / a["output_throughput"] for a, b in zip(off, on)),
+                "acceptance_rate": med(r["spec_acceptance_rate"] for r in on),
+                "mean_accepted_length": med(r["spec_mean_accepted_length"] for r in on),
+                "draft_steps_share": med(r["spec_num_drafts"] / max(1, r["num_steps"]) for r in on),
+            }
+        )
+    return {"speculative": repr(spec), "rows": table, "rounds": max(1, args.rounds)}
+
+
+def format_spec_table(t: dict[str, Any]) -> str:
+    head = f"{'':<12}{'off tok/s':>12}{'on tok/s':>12}{'on / off':>10}{'accepted':>10}{'mean len':>10}"
+    lines = [f"{' bench e2e --spec-table, median of ' + str(t['rounds']) + ' round(s) ':=^{len(head)}}", head]
+    lines.append("-" * len(head))
+    for r in t["rows"]:
+        lines.append(
+            f"{r['row']:<12}{r['off_tok_s']:>12.1f}{r['on_tok_s']:>12.1f}{r['ratio']:>9.2f}x"
+            f"{r['acceptance_rate']:>10.1%}{r['mean_accepted_length']:>10.2f}"
+        )
+    lines.append("=" * len(head))
+    lines.append(f"{t['speculative']}; accepted: draft tokens accepted; mean len: tokens per verification")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from pagedkv_rs.cli.args import llm_from_args
 
+    if args.spec_table:
+        t = run_spec_table(args)
+        print(format_spec_table(t))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**t, "config": {k: repr(v) for k, v in vars(args).items() if k != "json"}}, f, indent=2)
+        return 0
     if args.table:
         t = run_table(args)
         print(format_table(t, args))
@@ -364,17 +579,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    tok = llm.get_tokenizer()
-    reqs = synthetic_requests(
-        args.num_requests,
-        args.input_len,
-        args.output_len,
-        args.range_ratio,
-        args.prefix_len,
-        llm.model.vocab_size,
-        sorted(tok.special_ids),
-        args.seed,
-    )
+    reqs = workload_requests(args, llm, args.workload, args.num_requests, args.seed)
     # warm-up: BLAS threads, kernel dispatch, first-touch of the KV pool
     run_benchmark(llm, [(reqs[0][0][::-1][:16], 4)], progress=False)
     if args.profile:
@@ -392,6 +597,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         res = run_benchmark(llm, reqs, progress=not args.no_progress)
     llm.shutdown()  # flushes what the KV tiers still have to write
     res["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "kv_tier_secret")}
+    if args.speculative is not None:
+        res["config"]["speculative"] = repr(args.speculative)
     if llm.engine.kv_tiers is not None:
         res["kv_tiers"] = llm.engine.kv_tiers.stats()
     print(format_report(res))

@@ -1,0 +1,313 @@
+"""Speculative decoding: n-gram (prompt lookup) drafts, their verification, and when to speculate.
+
+A decoding sequence proposes up to ``k`` tokens by finding its last ``n`` tokens (``n`` down to ``min_n``)
+earlier in its prompt + output and copying what followed the latest such occurrence (vLLM's prompt lookup).
+The scheduler appends the drafts after the sequence's pending token, so the step computes its ``1 + k``
+positions like a small prefill chunk; the runner keeps the logits of all of them and ``verify`` accepts the
+longest run of drafts the target agrees with, then adds the target's own token (the correction, or the
+bonus after ``k`` accepted drafts). The scheduler then truncates the sequence's KV back to its accepted
+tokens (``KVCacheManager.truncate``).
+
+Acceptance is exact. At each position the target's own token is drawn as ``sample`` draws it (the argmax for
+greedy; else one uniform from the request's generator over its distribution ``p`` after penalties, temperature,
+min-p, top-k and top-p), and the draft is accepted iff it equals that token. For a one-hot draft ``t`` this is
+the standard speculative-sampling rule (Leviathan et al. 2023): ``t`` is accepted with probability ``p(t)``, and
+a rejected position's token is distributed as ``p`` without ``t``, renormalised, so every position is
+distributed as ``p``. As the request draws one uniform per emitted token, in order, with or without drafts,
+the outputs equal those of decoding without speculation, seeded sampling included.
+
+When (``Speculator``): drafts are taken only where they pay. The speculator fits the step's forward time as
+``a + b * tokens`` from the steps it sees (decayed least squares: the machine's own cost of one more token
+in the batch, whatever its load), and each sequence's per-token acceptance ``alpha`` (accepted drafts over
+accepted + rejections, decayed). A sequence with ``d`` drafts on offer takes the ``k <= d`` that maximises the
+step's expected tokens per second, ``(G + alpha + ... + alpha^k) / (C + b k)`` with ``G`` the tokens and ``C`` the
+cost of the step so far: none when the batch is large (``G / C`` high: compute-bound) or ``alpha`` low. A sequence
+the rule keeps from drafting probes with one draft after a doubling number of steps, so a changed acceptance is
+seen. No sequence drafts in a step with more than ``max_batch`` decoding sequences, nor a constrained one
+(structured outputs: its drafts would need the grammar's check at every position).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from pagedkv_rs.engine.request import SamplingParams
+from pagedkv_rs.engine.sampling import apply_penalties, sorted_probabilities
+
+__all__ = ["SpeculativeConfig", "SpecState", "Speculator", "Verified", "propose_ngram", "verify"]
+
+METHODS = ("ngram",)
+_FIELDS = ("k", "n", "min_n", "max_batch", "adaptive")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method="ngram"``: up to ``k`` draft tokens per step from the longest match (``n`` .. ``min_n`` tokens)
+    of the sequence's suffix in its own prompt + output. ``max_batch``: decoding sequences above which no
+    sequence speculates. ``adaptive``: drafts only where the cost rule says they pay (else every draft on
+    offer is taken)."""
+
+    method: str = "ngram"
+    k: int = 4
+    n: int = 3
+    min_n: int = 1
+    max_batch: int = 16
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            hint = " (draft models are not implemented yet)" if self.method == "draft" else ""
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}{hint}")
+        for name, lo, hi in (("k", 1, 32), ("n", 1, 64), ("min_n", 1, 64), ("max_batch", 0, 1 << 20)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"speculative {name} must be an int in [{lo}, {hi}], got {v!r}")
+        if self.min_n > self.n:
+            raise ValueError(f"speculative min_n ({self.min_n}) must be <= n ({self.n})")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative adaptive must be a bool, got {self.adaptive!r}")
+
+    @classmethod
+    def of(cls, spec: Union[None, str, Mapping[str, Any], SpeculativeConfig]) -> Optional[SpeculativeConfig]:
+        """A config from ``"ngram"``, ``"ngram:k=5,n=3"``, a dict of fields, a config, or None (no speculation)."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, Mapping):
+            return cls(**spec)
+        if not isinstance(spec, str):
+            raise TypeError(f"speculative must be a str like 'ngram:k=4,n=3', got {type(spec).__name__}")
+        method, _, rest = spec.strip().partition(":")
+        fields: dict[str, Any] = {}
+        for item in filter(None, rest.split(",")) if method != "draft" else ():
+            m = re.fullmatch(r"\s*([a-z_]+)\s*=\s*(\S+)\s*", item)
+            if m is None or m.group(1) not in _FIELDS:
+                raise ValueError(
+                    f"bad speculative option {item!r} in {spec!r}: use k=K, n=N, min_n=M, max_batch=B, adaptive=0|1"
+                )
+            try:
+                v = int(m.group(2))
+            except ValueError:
+                raise ValueError(f"speculative {m.group(1)} must be an int, got {m.group(2)!r}") from None
+            fields[m.group(1)] = bool(v) if m.group(1) == "adaptive" and v in (0, 1) else v
+        return cls(method=method, **fields)
+
+
+def propose_ngram(tokens: np.ndarray, k: int, n: int, min_n: int = 1) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix (``n`` .. ``min_n``
+    tokens) of ``tokens`` (int [L]); [] if none matches.
+
+    Candidates are the positions holding the last token; each further suffix token keeps those preceded by it,
+    so the cost is one comparison over the history plus one per surviving candidate and length.
+    """
+    size = len(tokens)
+    if size < 2 or k < 1:
+        return []
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # occurrences of the 1-token suffix, the last one excluded
+    best, length = (ends if min_n <= 1 else None), 1
+    for j in range(1, min(n, size - 1)):
+        ends = ends[ends >= j]
+        ends = ends[tokens[ends - j] == tokens[size - 1 - j]]
+        if not len(ends):
+            break
+        length = j + 1
+        if length >= min_n:
+            best = ends
+    if best is None or not len(best) or length < min_n:
+        return []
+    e = int(best[-1]) + 1
+    return tokens[e : e + k].tolist()
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What the runner hands the scheduler about a step: the speculating rows' tokens and the forward's cost."""
+
+    emitted: dict[int, list[int]]  # sample row -> its accepted drafts, then the target's token
+    forward_seconds: float
+    num_tokens: int  # tokens the forward computed
+
+
+class SpecState:
+    """One sequence's speculation: its acceptance and its probing back-off (its counters: ``req.metrics``)."""
+
+    __slots__ = ("hits", "misses", "idle", "backoff", "new_tokens", "stored_blocks")
+
+    def __init__(self) -> None:
+        self.hits = 1.0  # decayed accepted drafts (a prior of alpha = 1/2)
+        self.misses = 1.0  # decayed rejections (a verification stops at its first)
+        self.idle = 0  # steps the cost rule kept it from drafting since its last draft
+        self.backoff = 1  # idle steps after which it probes with one draft
+        self.new_tokens = 1  # tokens its last step appended (stop strings look back over them)
+        self.stored_blocks = -1  # KV tiers: its blocks up to here were written through (-1: not tracked yet)
+
+    @property
+    def alpha(self) -> float:
+        """The chance that a draft is accepted, given the previous one was."""
+        return self.hits / (self.hits + self.misses)
+
+
+class Speculator:
+    """The scheduler's side: which sequences draft, how many tokens, the cost model, and the counters."""
+
+    DECAY = 0.97  # of the cost fit, per step (a window of ~30 steps)
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self._fit = np.zeros(5)  # decayed sums of 1, T, T^2, t, T*t over steps (T tokens, t seconds)
+
+    @staticmethod
+    def fits(num_tokens: int, num_seqs: int, drafts: Mapping[int, Sequence[int]]) -> bool:
+        """Whether a step feeds the cost fit: decode steps only (a prefill chunk's cost per token is another)."""
+        return num_tokens == num_seqs + sum(map(len, drafts.values()))
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A step's forward: ``num_tokens`` tokens in ``seconds``."""
+        t, s = float(num_tokens), float(seconds)
+        self._fit *= self.DECAY
+        self._fit += (1.0, t, t * t, s, t * s)
+
+    def cost(self) -> tuple[float, float]:
+        """(a, b): the forward's cost ``a + b * tokens`` in units of ``a`` (a prior of b = a/2 until steps of
+        different sizes have been seen)."""
+        n, st, stt, s, sts = self._fit
+        var = n * stt - st * st
+        if n < 4 or var < 0.5 * n * n:  # too few steps, or too few sizes, to tell b from noise
+            return 1.0, 0.5
+        b = (n * sts - st * s) / var
+        a = (s - b * st) / n
+        if a <= 0:
+            return 1.0, 4.0  # noisy fit: tokens cost, the fixed part does not show
+        return 1.0, min(max(b / a, 0.01), 4.0)
+
+    def batch_speculates(self, num_decoding: int) -> bool:
+        """Whether a step with this many decoding sequences drafts at all."""
+        return num_decoding <= self.config.max_batch
+
+    def propose(self, req: Any, budget: int) -> list[int]:
+        """The n-gram drafts on offer for a decoding request (its pending token not counted), within ``budget``."""
+        if req.matcher is not None or req.pooling is not None:
+            return []
+        if req.spec is None:
+            req.spec = SpecState()
+        room = min(self.config.k, budget, req.max_output - len(req.output_token_ids) - 1)
+        if room < 1:
+            return []
+        toks = np.fromiter(req.all_token_ids, np.int64, len(req.all_token_ids))
+        return propose_ngram(toks, room, self.config.n, self.config.min_n)
+
+    def choose(self, req: Any, offered: int, gain: float, cost: float, b: float) -> int:
+        """How many of ``offered`` drafts the request takes in a step of expected ``gain`` tokens and ``cost``
+        (per-token cost ``b``): the count that maximises gain per cost, or a probe of one after its back-off."""
+        st = req.spec
+        if not self.config.adaptive:
+            return offered
+        alpha = st.alpha
+        best, best_rate, s, p = 0, gain / cost, 0.0, 1.0
+        for k in range(1, offered + 1):
+            p *= alpha
+            s += p
+            rate = (gain + s) / (cost + b * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best:
+            st.idle = 0
+            return best
+        st.idle += 1
+        if st.idle >= st.backoff:
+            st.idle = 0
+            st.backoff = min(2 * st.backoff, 64)
+            return 1
+        return 0
+
+    def record(self, req: Any, proposed: int, accepted: int) -> None:
+        """A verification: ``accepted`` of ``proposed`` drafts."""
+        st = req.spec
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        m = req.metrics
+        m.num_drafts += 1
+        m.num_draft_tokens += proposed
+        m.num_accepted_tokens += accepted
+        st.hits = 0.8 * st.hits + accepted
+        st.misses = 0.8 * st.misses + (accepted < proposed)
+        if accepted:
+            st.backoff = 1
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (vLLM's spec_decode names): verification steps with drafts, draft tokens, accepted ones."""
+        n, d, a = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+        return {
+            "spec_decode_num_drafts": n,
+            "spec_decode_num_draft_tokens": d,
+            "spec_decode_num_accepted_tokens": a,
+            "spec_decode_acceptance_rate": a / d if d else 0.0,
+            "spec_decode_mean_accepted_length": 1.0 + a / n if n else 0.0,
+        }
+
+
+def verify(
+    logits: Sequence[np.ndarray],
+    drafts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+    generators: Sequence[Optional[np.random.Generator]],
+    history: Optional[tuple[Sequence[Sequence[int]], Sequence[Sequence[int]], Sequence[Any]]] = None,
+) -> list[list[int]]:
+    """The tokens each speculating sequence emits: its accepted drafts, then the target's token.
+
+    ``logits[s]`` [k_s + 1, V]: the raw logits at the sequence's pending token and at each of its ``k_s``
+    ``drafts[s]``. ``history`` (outputs, prompts, stop ids; needed with penalties): position ``j`` is
+    penalised as if the first ``j`` drafts were already output.
+    """
+    ks = [len(d) for d in drafts]
+    if [len(x) for x in logits] != [k + 1 for k in ks]:
+        raise ValueError(f"verify: logits rows {[len(x) for x in logits]} for drafts of lengths {ks} (need k + 1)")
+    x = np.concatenate(logits) if len(logits) > 1 else logits[0]  # [sum(k + 1), V]
+    row_params = [p for p, k in zip(params, ks) for _ in range(k + 1)]
+    if any(p.has_penalties for p in params):
+        if history is None:
+            raise ValueError("verify: penalties and min_tokens need the sequences' history")
+        outs, prompts, stops = history
+        h_out = [list(o) + list(d[:j]) for o, d, k in zip(outs, drafts, ks) for j in range(k + 1)]
+        h_prompt = [p for p, k in zip(prompts, ks) for _ in range(k + 1)]
+        h_stop = [s for s, k in zip(stops, ks) for _ in range(k + 1)]
+        x = apply_penalties(x, row_params, h_out, h_prompt, h_stop)
+    greedy = x.argmax(axis=1).tolist() if any(p.temperature == 0.0 for p in params) else []
+    sampled = [j for j, p in enumerate(params) if p.temperature != 0.0]
+    sorted_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    if sampled:  # every sampled row's distribution at once, as ``sample`` builds it
+        starts = np.cumsum([0] + [k + 1 for k in ks])
+        idx = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sampled])
+        order, probs = sorted_probabilities(x[idx], [row_params[i] for i in idx])
+        cdf = np.cumsum(probs, axis=1)
+        at = 0
+        for j in sampled:
+            sorted_rows[j] = (order[at : at + ks[j] + 1], cdf[at : at + ks[j] + 1])
+            at += ks[j] + 1
+    emitted: list[list[int]] = []
+    lo = 0
+    for s, (d, k, p, g) in enumerate(zip(drafts, ks, params, generators)):
+        out: list[int] = []
+        for j in range(k + 1):
+            if p.temperature == 0.0:
+                t = greedy[lo + j]
+            else:  # one uniform per emitted token, as ``sample`` draws it
+                if g is None:
+                    raise ValueError(f"verify: a row samples with temperature {p.temperature} but has no generator")
+                order, cdf = sorted_rows[s]
+                pick = min(int((cdf[j] < g.random() * cdf[j, -1]).sum()), len(cdf[j]) - 1)
+                t = int(order[j, pick])
+            out.append(t)
+            if j == k or t != d[j]:
+                break
+        emitted.append(out)
+        lo += k + 1
+    return emitted

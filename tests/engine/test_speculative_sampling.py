@@ -1,0 +1,102 @@
+"""Speculative sampling keeps the output distribution: the acceptance rule, and the engine both ways.
+
+The rule (a one-hot draft ``t``: accept with probability ``p(t)``, else draw from ``p`` without ``t``) must make
+every emitted position distributed as ``p``. ``verify`` is sampled many times against the exact ``p``
+(with the request's temperature, top-k and top-p applied), and the same bound is shown to catch two wrong rules.
+Then the engine itself: token histograms with and without speculation agree.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedkv_rs.engine import LLMEngine
+from pagedkv_rs.engine.request import SamplingParams
+from pagedkv_rs.engine.sampling import probabilities
+from pagedkv_rs.engine.speculative import verify
+from pagedkv_rs.models import TinyModel
+
+N = 20000
+BOUND = 0.02  # total variation distance; the sampling noise at N draws over 8 tokens is ~0.005
+
+
+def tv(counts: np.ndarray, p: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - p).sum())
+
+
+def logits_and_params():
+    x = np.log(
+        np.array([[0.30, 0.25, 0.15, 0.1, 0.08, 0.06, 0.04, 0.02], [0.05, 0.4, 0.2, 0.15, 0.1, 0.05, 0.03, 0.02]])
+    )
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.95)
+    return x.astype(np.float32), params
+
+
+def emitted_histograms(rule, x, params, drafts):
+    g = np.random.default_rng(1)
+    first = np.zeros(x.shape[1])
+    second = np.zeros(x.shape[1])  # the position after an accepted first draft
+    for _ in range(N):
+        out = rule([x], [drafts], [params], [g])[0]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    return first, second
+
+
+def test_verify_keeps_each_position_distributed_as_p():
+    x, params = logits_and_params()
+    p = probabilities(x, [params, params])
+    assert abs(p[0, 6]) < 1e-12 and p[1].sum() == 1.0  # top-k cut token 6, the rows are distributions
+    drafts = [1]  # p(1) = 0.25-ish at position 0: accepted about a quarter of the time, then the bonus
+    first, second = emitted_histograms(verify, x, params, drafts)
+    assert tv(first, p[0]) < BOUND
+    assert second.sum() > 0.2 * N and tv(second, p[1]) < BOUND
+
+
+def test_the_bound_catches_wrong_rules():
+    x, params = logits_and_params()
+    p = probabilities(x, [params, params])
+
+    def accept_always(logits, drafts, params_, gens):
+        return [[drafts[0][0]]]
+
+    def resample_without_removing(logits, drafts, params_, gens):
+        q, g, t = p[0], gens[0], drafts[0][0]
+        if g.random() < q[t]:
+            return [[t]]
+        return [[int(np.searchsorted(np.cumsum(q), g.random() * q.sum(), side="right"))]]
+
+    for wrong in (accept_always, resample_without_removing):
+        first, _ = emitted_histograms(wrong, x, params, [0])
+        assert tv(first, p[0]) > 2 * BOUND, wrong.__name__
+
+
+def test_greedy_rows_in_verify_take_the_argmax_run():
+    x = np.log(np.array([[0.1, 0.6, 0.3], [0.7, 0.2, 0.1], [0.2, 0.2, 0.6]]))
+    greedy = SamplingParams(temperature=0)
+    assert verify([x], [[1, 0]], [greedy], [None]) == [[1, 0, 2]]  # both accepted, then the bonus
+    assert verify([x], [[1, 2]], [greedy], [None]) == [[1, 0]]  # the second rejected: the argmax instead
+    assert verify([x], [[2, 0]], [greedy], [None]) == [[1]]
+
+
+def test_the_engine_samples_the_same_distribution_with_and_without_speculation():
+    model = TinyModel(
+        num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1, vocab_size=8, max_model_len=256, seed=4
+    )
+    prompt = [2, 3, 4, 5, 2, 3, 4, 5, 2, 3, 4, 5, 2, 3]
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    runs = 1200
+    hists = []
+    for spec in (None, "ngram:k=3,n=2,max_batch=1000"):
+        e = LLMEngine(
+            model, num_blocks=4000, block_size=4, backend="python", speculative=spec, seed=7, max_num_seqs=256
+        )
+        outs = e.generate([prompt] * runs, params, use_tqdm=False)
+        toks = np.array([o.outputs[0].token_ids for o in outs])  # [runs, 4]
+        hists.append(np.stack([np.bincount(toks[:, j], minlength=8) for j in range(4)]))
+        if spec:
+            assert e.stats()["spec_decode_num_accepted_tokens"] > 200
+    for j in range(4):  # two samples of 1200 over 8 tokens: the noise is ~0.04
+        a, b = hists[0][j] / runs, hists[1][j] / runs
+        assert 0.5 * np.abs(a - b).sum() < 0.08, j
