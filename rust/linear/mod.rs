@@ -88,7 +88,7 @@ mod weight;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use acts::{quantize_acts, QActs};
+pub use acts::{quantize_acts, quantize_one, QActs};
 pub use product::Product;
 pub use weight::{Muls, QWeight, Scales};
 
@@ -165,6 +165,7 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
     let out_ptr = SendPtr(out.as_mut_ptr());
     pool.install(|| {
         let acts = match variant(isa) {
+            v if w.act_digits() == 1 => quantize_one(x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
             Isa::Scalar => quantize_acts(x, m, k),
             v => quantize_par(v, x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
         };
