@@ -3,6 +3,7 @@
 //! | quantizer        | variant       | layout it writes                                        |
 //! |------------------|---------------|---------------------------------------------------------|
 //! | `quantize_acts`  | scalar (spec) | `hi`, `lo` rows; `pack_tiled` makes the tiled one of it |
+//! | `quantize_one`   | every variant | the first digit alone (`lo` 0), rows or tiled           |
 //! | `avx2::quantize` | avx2          | `hi`, `lo` rows                                         |
 //! | `x86::quantize`  | avx512vnni    | `hi`, `lo` rows, or `tiled` (`x86::Digits`)             |
 //!

@@ -53,6 +53,12 @@
 //! digits in integers: a multiply, an add and two FMAs a row, panel and block where a scale a
 //! digit took a conversion, a product and an FMA each, plus the third FMA.
 //!
+//! One digit (`QWeight::set_act_digits(1)`, chosen per matrix by the KL divergence it costs the
+//! model): `quantize_one` keeps `h` alone, with `R = 1`, `l = 0` and `s = a/127` (llama.cpp's Q8
+//! activations). The formula above then gives the one-digit product exactly, so every tile computes
+//! it bit for bit alike; the VNNI tile skips the `l` dots (half its `vpdpbusd`), which halves a
+//! compute-bound product such as a batched decode step's 262,144-row output head.
+//!
 //! Packed layout (what the SIMD kernel streams): output rows in panels of 16 (the last padded
 //! with zero rows); a panel's codes are K/4 groups of 64 bytes = 16 rows × 4 consecutive k, so
 //! one 64-byte load feeds one `vpdpbusd` for 16 outputs (or, split in two, two `vpmaddubsw` for 8

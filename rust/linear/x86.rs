@@ -15,6 +15,9 @@
 //!
 //! All fit the 32 zmm with the block's scales (`TILE_ROWS` says why 8 rows).
 //!
+//! One-digit activations (`QActs::digits` 1, every `l` 0 and `R` 1): the same tiles without the `l`
+//! broadcasts and `vpdpbusd`, and the block's sum taken as `Σc·h` (`ONE`): the same integers.
+//!
 //! The tile reads the activations from `QActs::tiled` (`pack_tiled` in acts.rs): rows in groups of
 //! 8, each 4-wide k step of a group holding its 8 rows' two digits side by side (64 bytes), so every
 //! broadcast of a block sits at a constant offset from one pointer. Reading `hi` and `lo` row by
