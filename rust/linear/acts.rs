@@ -169,30 +169,38 @@ pub fn quantize_acts(x: &[f32], m: usize, k: usize) -> QActs {
 /// Quantize `x [m, k]` into the first digit only: per block `h = Q(x · (127/a))`, `s = a/127`,
 /// `R = 1`, `l = 0`, `qs = s·Σh` (llama.cpp's Q8 activations; the first digit is `quantize_acts`'s).
 /// In the two-digit layout, so every tile computes it; `tiled` too when `tiled` (the VNNI tile's
-/// layout from `TILED_MIN_ROWS` rows). Rows in chunks of 64 on the rayon pool.
+/// layout from `TILED_MIN_ROWS` rows). Up to 64 rows on this thread, more in chunks of 64 on the pool.
 pub fn quantize_one(x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
     use rayon::prelude::*;
     let mut a = QActs::zeroed(m, k);
     a.digits = 1;
     let nb = k / QBLOCK;
     const ROWS: usize = 64;
-    x[..m * k]
-        .par_chunks(ROWS * k)
-        .zip(a.hi.par_chunks_mut(ROWS * k))
-        .zip(a.s.par_chunks_mut(ROWS * nb).zip(a.base.par_chunks_mut(ROWS * nb)))
-        .zip(a.qs.par_chunks_mut(ROWS * nb))
-        .for_each(|(((xc, hc), (sc, bc)), qc)| {
-            for (i, blk) in xc.chunks_exact(QBLOCK).enumerate() {
-                let (s, base, qs) = quantize_block_one(blk, &mut hc[i * QBLOCK..][..QBLOCK]);
-                (sc[i], bc[i], qc[i]) = (s, base, qs);
-            }
-        });
+    if m <= ROWS {
+        // On this thread: a decode step's few rows cost less than handing them to the pool (the step
+        // team's products are quantized by the thread that starts them).
+        first_digits(&x[..m * k], &mut a.hi, &mut a.s, &mut a.base, &mut a.qs);
+    } else {
+        x[..m * k]
+            .par_chunks(ROWS * k)
+            .zip(a.hi.par_chunks_mut(ROWS * k))
+            .zip(a.s.par_chunks_mut(ROWS * nb).zip(a.base.par_chunks_mut(ROWS * nb)))
+            .zip(a.qs.par_chunks_mut(ROWS * nb))
+            .for_each(|(((xc, hc), (sc, bc)), qc)| first_digits(xc, hc, sc, bc, qc));
+    }
     if tiled {
         a.pack_tiled(m, k);
         a.hi = Vec::new();
         a.lo = Vec::new();
     }
     a
+}
+
+/// `quantize_block_one` over whole blocks of `x`: digits into `h`, each block's `(s, R, qs)` into `s`, `base`, `qs`.
+fn first_digits(x: &[f32], h: &mut [i8], s: &mut [f32], base: &mut [i32], qs: &mut [f32]) {
+    for (i, blk) in x.chunks_exact(QBLOCK).enumerate() {
+        (s[i], base[i], qs[i]) = quantize_block_one(blk, &mut h[i * QBLOCK..][..QBLOCK]);
+    }
 }
 
 /// The first digit of one block into `h` (`l` stays 0): `(s, R, qs)` as `quantize_block` gives them

@@ -875,11 +875,18 @@ fn digit_ratio_caps_keep_the_dots_exact() {
     }
 }
 
-/// One activation digit: the first digit of `quantize_acts`, `l` = 0 and `R` = 1, in either layout.
+/// One activation digit: the first digit of `quantize_acts`, `l` = 0 and `R` = 1, in either layout,
+/// on this thread (19 rows) or in chunks on the pool (131).
 #[test]
 fn one_digit_is_the_first_of_the_two() {
-    let mut r = Rng(0x0d16);
-    let (m, k) = (19, 32 * 5);
+    for m in [19, 131] {
+        one_digit_rows(m);
+    }
+}
+
+fn one_digit_rows(m: usize) {
+    let mut r = Rng(0x0d16 + m as u64);
+    let k = 32 * 5;
     let mut x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 4.0).collect();
     x[3] = f32::NAN;
     x[64..96].fill(0.0);
