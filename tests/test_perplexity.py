@@ -87,3 +87,68 @@ def test_bad_arguments(smollm2, tmp_path, capsys):
     assert e.value.code == 2 and "cannot read" in capsys.readouterr().err
     assert cli.main(["perplexity", str(TEXT), "--model", str(tmp_path / "none.gguf"), "--no-progress"]) == 1
     assert "no such GGUF file" in capsys.readouterr().err
+
+
+def test_choose_act_digits_keeps_two_where_one_breaks_the_budget():
+    """Greedy: each candidate gets one digit only when the KL measured with it (and the ones kept before) fits."""
+    from pagedkv_rs.cli.perplexity import choose_act_digits
+
+    cost = {"head": 5e-4, "wdown": 4e-4, "wgu": 1e-4, "wqkv": 3e-4, "wo": 5e-5}
+    state: dict[str, int] = {}
+
+    def kl() -> float:
+        return 1e-4 + sum(cost[k] for k, d in state.items() if d == 1)
+
+    choice = choose_act_digits(state.update, kl, budget=7.2e-4)
+    # head (6e-4) fits; wdown on top (1e-3) does not; wgu (7e-4) fits; wqkv does not; wo does not (7.5e-4)
+    assert choice == {"head": 1, "wdown": 2, "wgu": 1, "wqkv": 2, "wo": 2}
+    assert state == choice
+    assert choose_act_digits(state.update, kl, budget=0.0) == dict.fromkeys(choice, 2)
+
+
+def test_kl_divergence_of_one_digit_heads(smollm2):
+    """Against float32 activations (dequantized weights, numpy): two digits stay closer than one."""
+    from pagedkv_rs.cli.perplexity import kl_divergence
+
+    model, tok = smollm2
+    assert model.weights.act_digits_spec() == "none"  # SmolLM2 keeps two digits everywhere (its HF answers)
+    reference = LlamaModel.load(load_gguf(None), weights="float32", impl="numpy")
+    ids, bos = token_ids(tok), tok.bos_token_id if tok.add_bos_token else None
+    cache: list = []
+    two = kl_divergence(model, reference, ids, 128, bos_id=bos, max_chunks=2, reference_logits=cache)
+    try:
+        model.weights.set_act_digits({"head": 1})
+        one = kl_divergence(model, reference, ids, 128, bos_id=bos, max_chunks=2, reference_logits=cache)
+    finally:
+        model.weights.set_act_digits({"head": 2})
+    assert two.count == one.count == 2 * 63
+    assert 0 <= two.kl < one.kl < 0.01 and two.top1 >= one.top1 > 0.9
+    assert two.dlogp < one.dlogp
+    self_kl = kl_divergence(reference, reference, ids, 128, bos_id=bos, max_chunks=2, reference_logits=cache)
+    assert self_kl.kl == 0 and self_kl.top1 == 1
+
+
+def test_cli_kl_divergence_and_act_digits(capsys):
+    args = ["perplexity", str(TEXT), "--ctx", "128", "--chunks", "1", "--no-progress", "--kl-divergence"]
+    assert cli.main([*args, "--act-digits", "head=1,wo=1"]) == 0
+    out = capsys.readouterr().out
+    assert "one activation digit: head,wo" in out and "Mean    KLD: " in out and "Same top p: " in out
+    assert cli.main([*args, "--act-digits", "head=3"]) == 1
+    assert "is not KEY=1 or KEY=2" in capsys.readouterr().err
+    assert cli.main([*args, "--act-digits", "lm=1"]) == 1
+    assert "no int8 matrix 'lm'" in capsys.readouterr().err
+
+
+def test_set_act_digits_checks_everything_first(smollm2):
+    w = smollm2[0].weights
+    before = w.act_digits
+    with pytest.raises(ValueError, match="no int8 matrix 'wo.99'"):
+        w.set_act_digits({"head": 1, "wo.99": 1})
+    with pytest.raises(ValueError, match="must be 1 or 2"):
+        w.set_act_digits({"head": 1, "wo": 0})
+    assert w.act_digits == before
+    w.set_act_digits({"wo": 1, "wo.3": 2})  # a role, then one layer's own
+    try:
+        assert [w.act_digits[f"wo.{i}"] for i in range(4)] == [1, 1, 1, 2]
+    finally:
+        w.set_act_digits({"wo": 2})

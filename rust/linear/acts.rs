@@ -3,6 +3,7 @@
 //! | quantizer        | variant       | layout it writes                                        |
 //! |------------------|---------------|---------------------------------------------------------|
 //! | `quantize_acts`  | scalar (spec) | `hi`, `lo` rows; `pack_tiled` makes the tiled one of it |
+//! | `quantize_one`   | every variant | the first digit alone (`lo` 0), rows or tiled           |
 //! | `avx2::quantize` | avx2          | `hi`, `lo` rows                                         |
 //! | `x86::quantize`  | avx512vnni    | `hi`, `lo` rows, or `tiled` (`x86::Digits`)             |
 //!
@@ -33,6 +34,9 @@ pub struct QActs {
     /// Both digits in the VNNI tile's order (`pack_tiled`): that tile's activations of at least
     /// `TILED_MIN_ROWS` rows hold only these (`hi` and `lo` then empty); empty otherwise.
     pub tiled: Vec<i8>,
+    /// 2, or 1 when only the first digit was taken (`quantize_one`: every `l` 0 and `R` 1, so the
+    /// two-digit formula gives the one-digit product exactly and a tile may skip the `l` dots).
+    pub digits: usize,
 }
 
 impl QActs {
@@ -45,6 +49,7 @@ impl QActs {
             base: vec![0; m * nb],
             qs: vec![0.0; m * nb],
             tiled: Vec::new(),
+            digits: 2,
         }
     }
 
@@ -161,6 +166,64 @@ pub fn quantize_acts(x: &[f32], m: usize, k: usize) -> QActs {
     a
 }
 
+/// Quantize `x [m, k]` into the first digit only: per block `h = Q(x · (127/a))`, `s = a/127`,
+/// `R = 1`, `l = 0`, `qs = s·Σh` (llama.cpp's Q8 activations; the first digit is `quantize_acts`'s).
+/// In the two-digit layout, so every tile computes it; `tiled` too when `tiled` (the VNNI tile's
+/// layout from `TILED_MIN_ROWS` rows). Up to 64 rows on this thread, more in chunks of 64 on the pool.
+pub fn quantize_one(x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
+    use rayon::prelude::*;
+    let mut a = QActs::zeroed(m, k);
+    a.digits = 1;
+    let nb = k / QBLOCK;
+    const ROWS: usize = 64;
+    if m <= ROWS {
+        // On this thread: a decode step's few rows cost less than handing them to the pool (the step
+        // team's products are quantized by the thread that starts them).
+        first_digits(&x[..m * k], &mut a.hi, &mut a.s, &mut a.base, &mut a.qs);
+    } else {
+        x[..m * k]
+            .par_chunks(ROWS * k)
+            .zip(a.hi.par_chunks_mut(ROWS * k))
+            .zip(a.s.par_chunks_mut(ROWS * nb).zip(a.base.par_chunks_mut(ROWS * nb)))
+            .zip(a.qs.par_chunks_mut(ROWS * nb))
+            .for_each(|(((xc, hc), (sc, bc)), qc)| first_digits(xc, hc, sc, bc, qc));
+    }
+    if tiled {
+        a.pack_tiled(m, k);
+        a.hi = Vec::new();
+        a.lo = Vec::new();
+    }
+    a
+}
+
+/// `quantize_block_one` over whole blocks of `x`: digits into `h`, each block's `(s, R, qs)` into `s`, `base`, `qs`.
+fn first_digits(x: &[f32], h: &mut [i8], s: &mut [f32], base: &mut [i32], qs: &mut [f32]) {
+    for (i, blk) in x.chunks_exact(QBLOCK).enumerate() {
+        (s[i], base[i], qs[i]) = quantize_block_one(blk, &mut h[i * QBLOCK..][..QBLOCK]);
+    }
+}
+
+/// The first digit of one block into `h` (`l` stays 0): `(s, R, qs)` as `quantize_block` gives them
+/// with `R = 1` (0 for a NaN, infinite or all-zero block, as there).
+fn quantize_block_one(x: &[f32], h: &mut [i8]) -> (f32, i32, f32) {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let bad = x.iter().any(|v| v.is_nan()) || amax.is_infinite();
+    if bad || amax < f32::MIN_POSITIVE {
+        h.fill(0);
+        let s = if bad { f32::NAN } else { 0.0 };
+        return (s, 0, s);
+    }
+    let inv_h = 127.0 / amax;
+    let mut sum = 0i32;
+    for (&v, oh) in x.iter().zip(h.iter_mut()) {
+        let q = round_half_even(v * inv_h).clamp(-127.0, 127.0);
+        *oh = q as i8;
+        sum += q as i32;
+    }
+    let s = amax / 127.0;
+    (s, 1, s * sum as f32)
+}
+
 /// The ratio `R` between a block's two activation digits (module docs): `⌊a / max|e|⌋` capped so
 /// that `R·Σ|h| <= 8·10⁶` (every dot `R·Σc·h + Σc·l` fits i32) and `R` fits i16 (the AVX2 tile's
 /// `vpmaddwd` weight). The SIMD quantizers compute the same three correctly rounded quotients.
@@ -253,6 +316,7 @@ pub(super) fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize) -> QAc
             base: vec![0; m * nb],
             qs: vec![0.0; m * nb],
             tiled: vec![0; 2 * m * k],
+            digits: 2,
         };
         let chunk = chunk.max(1).next_multiple_of(TILED_ROWS);
         let mut parts = Vec::with_capacity(m.div_ceil(chunk));
@@ -303,6 +367,7 @@ pub(super) fn quantize_par(v: Isa, x: &[f32], m: usize, k: usize, tiled: bool) -
         base: Vec::new(),
         qs: Vec::new(),
         tiled: Vec::new(),
+        digits: 2,
     };
     for p in parts {
         a.hi.extend_from_slice(&p.hi);

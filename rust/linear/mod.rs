@@ -53,6 +53,12 @@
 //! digits in integers: a multiply, an add and two FMAs a row, panel and block where a scale a
 //! digit took a conversion, a product and an FMA each, plus the third FMA.
 //!
+//! One digit (`QWeight::set_act_digits(1)`, chosen per matrix by the KL divergence it costs the
+//! model): `quantize_one` keeps `h` alone, with `R = 1`, `l = 0` and `s = a/127` (llama.cpp's Q8
+//! activations). The formula above then gives the one-digit product exactly, so every tile computes
+//! it bit for bit alike; the VNNI tile skips the `l` dots (half its `vpdpbusd`), which halves a
+//! compute-bound product such as a batched decode step's 262,144-row output head.
+//!
 //! Packed layout (what the SIMD kernel streams): output rows in panels of 16 (the last padded
 //! with zero rows); a panel's codes are K/4 groups of 64 bytes = 16 rows × 4 consecutive k, so
 //! one 64-byte load feeds one `vpdpbusd` for 16 outputs (or, split in two, two `vpmaddubsw` for 8
@@ -88,7 +94,7 @@ mod weight;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use acts::{quantize_acts, QActs};
+pub use acts::{quantize_acts, quantize_one, QActs};
 pub use product::Product;
 pub use weight::{Muls, QWeight, Scales};
 
@@ -165,6 +171,7 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
     let out_ptr = SendPtr(out.as_mut_ptr());
     pool.install(|| {
         let acts = match variant(isa) {
+            v if w.act_digits() == 1 => quantize_one(x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
             Isa::Scalar => quantize_acts(x, m, k),
             v => quantize_par(v, x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
         };

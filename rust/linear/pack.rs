@@ -79,6 +79,7 @@ impl QWeight {
             codes: pc,
             code_at,
             scales: Scales::compact(ps),
+            act_digits: 2.into(),
         }
     }
 
@@ -285,6 +286,7 @@ impl QWeight {
                 codes: pc,
                 code_at: code_at.clone(),
                 scales,
+                act_digits: 2.into(),
             };
             Ok((w, small, exact))
         };

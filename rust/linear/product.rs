@@ -12,7 +12,7 @@
 //! Work is split over output columns only, never over K: each output is computed by one tile,
 //! alone, so the bits do not depend on the job size, the order or the thread (tests.rs).
 
-use super::acts::{quantize_acts, quantize_fast, quantize_tiled, QActs, TILED_MIN_ROWS};
+use super::acts::{quantize_acts, quantize_fast, quantize_one, quantize_tiled, QActs, TILED_MIN_ROWS};
 use super::scalar::tile_scalar;
 use super::variant;
 use super::weight::QWeight;
@@ -129,6 +129,7 @@ impl<'a> Product<'a> {
         let k = w.k;
         check_shapes(x, m, w, out)?;
         let acts = match variant(isa) {
+            v if w.act_digits() == 1 => quantize_one(x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
             Isa::Scalar => quantize_acts(x, m, k),
             // Rows in chunks a thread from TEAM_QUANTIZE_ROWS on: the team's idle helpers take
             // the other chunks from rayon (`Team::help`).

@@ -10,12 +10,17 @@ fn random_weight(r: &mut Rng, n: usize, k: usize) -> QWeight {
     QWeight::from_f32(&w, n, k).unwrap()
 }
 
-/// y[r, n] in float64 from the unpacked weights and the quantized activations.
+/// y[r, n] in float64 from the unpacked weights and the quantized activations (of as many digits as
+/// the weight's products take).
 fn reference(x: &[f32], m: usize, w: &QWeight) -> Vec<f64> {
     let (n, k) = (w.n(), w.k());
     let nb = k / QBLOCK;
     let (codes, d, mm) = w.unpack();
-    let a = quantize_acts(x, m, k);
+    let a = if w.act_digits() == 1 {
+        quantize_one(x, m, k, false)
+    } else {
+        quantize_acts(x, m, k)
+    };
     let mut y = vec![0f64; m * n];
     for r in 0..m {
         for c in 0..n {
@@ -868,4 +873,123 @@ fn digit_ratio_caps_keep_the_dots_exact() {
             );
         }
     }
+}
+
+/// One activation digit: the first digit of `quantize_acts`, `l` = 0 and `R` = 1, in either layout,
+/// on this thread (19 rows) or in chunks on the pool (131).
+#[test]
+fn one_digit_is_the_first_of_the_two() {
+    for m in [19, 131] {
+        one_digit_rows(m);
+    }
+}
+
+fn one_digit_rows(m: usize) {
+    let mut r = Rng(0x0d16 + m as u64);
+    let k = 32 * 5;
+    let mut x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 4.0).collect();
+    x[3] = f32::NAN;
+    x[64..96].fill(0.0);
+    let (two, one) = (quantize_acts(&x, m, k), quantize_one(&x, m, k, false));
+    assert_eq!((one.digits, two.digits), (1, 2));
+    assert_eq!(one.hi, two.hi);
+    assert!(one.lo.iter().all(|&l| l == 0));
+    for (i, &b) in one.base.iter().enumerate() {
+        let special = i == 0 || i == 2; // the NaN and the zero block of row 0
+        assert_eq!(b, if special { 0 } else { 1 }, "block {i}");
+    }
+    let mut tiled = quantize_one(&x, m, k, true);
+    assert!(tiled.hi.is_empty() && tiled.lo.is_empty());
+    let t = std::mem::take(&mut tiled.tiled);
+    let mut packed = quantize_one(&x, m, k, false);
+    packed.pack_tiled(m, k);
+    assert_eq!(t, packed.tiled);
+}
+
+/// A one-digit weight: every ISA, by `linear` and by `Product`, gives the scalar bits, and the
+/// scalar tile the f64 sum over the one-digit activations, in both code layouts and row layouts.
+#[test]
+fn one_digit_products_equal_across_isas_and_match_reference() {
+    let mut r = Rng(0x1d1_9175);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for case in 0..16 {
+        let n = [1, 16, 17, 40, 100][r.below(5)];
+        let k = 32 * (1 + r.below(6));
+        let m = [1, 2, 3, 5, 8, 9, 16, 33][r.below(8)];
+        let nb = k / QBLOCK;
+        let top = if case % 2 == 0 { 16 } else { 256 };
+        let codes: Vec<u8> = (0..n * k).map(|_| r.below(top) as u8).collect();
+        let d: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.01).collect();
+        let mm: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.05).collect();
+        let w = QWeight::from_parts(n, k, &codes, &d, &mm).unwrap();
+        w.set_act_digits(1).unwrap();
+        let x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 2.0).collect();
+        let mut want = vec![f32::NAN; m * n];
+        linear_with(Isa::Scalar, &x, m, &w, &mut want).unwrap();
+        for (i, (&a, &b)) in want.iter().zip(&reference(&x, m, &w)).enumerate() {
+            assert!(
+                (a as f64 - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "case {case} elem {i}: {a} vs {b}"
+            );
+        }
+        for isa in crate::runtime::available_isas() {
+            let mut got = vec![f32::NAN; m * n];
+            linear_with(isa, &x, m, &w, &mut got).unwrap();
+            assert_eq!(bits(&got), bits(&want), "linear {isa:?} case {case} [{m},{n},{k}]");
+            let mut got = vec![f32::NAN; m * n];
+            let p = Product::new(isa, &x, m, &w, &mut got, 2).unwrap();
+            for j in 0..p.jobs() {
+                // SAFETY: each job index once, on this thread alone.
+                unsafe { p.run(j) };
+            }
+            drop(p);
+            assert_eq!(bits(&got), bits(&want), "Product {isa:?} case {case} [{m},{n},{k}]");
+        }
+    }
+}
+
+/// Where an outlier sets a block's scale, one digit loses the small values that two keep: the
+/// error the digit choice (per matrix, by measured KL divergence) weighs.
+#[test]
+fn one_digit_loses_what_two_keep_beside_an_outlier() {
+    let mut r = Rng(5);
+    let (n, k, m) = (24, 128, 3);
+    let w = random_weight(&mut r, n, k);
+    let mut x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 0.05).collect();
+    for row in 0..m {
+        x[row * k + 7] = 40.0;
+    }
+    let err = |digits: usize| {
+        w.set_act_digits(digits).unwrap();
+        let mut y = vec![0f32; m * n];
+        linear(&x, m, &w, &mut y).unwrap();
+        let (codes, d, mm) = w.unpack();
+        let mut worst = 0f64;
+        for row in 0..m {
+            for c in 0..n {
+                let exact: f64 = (0..k)
+                    .map(|j| {
+                        let b = c * (k / QBLOCK) + j / QBLOCK;
+                        x[row * k + j] as f64 * (d[b] as f64 * codes[c * k + j] as f64 + mm[b] as f64)
+                    })
+                    .sum();
+                worst = worst.max((y[row * n + c] as f64 - exact).abs() / (1.0 + exact.abs()));
+            }
+        }
+        worst
+    };
+    let (one, two) = (err(1), err(2));
+    assert!(two <= 1e-4 && one > 10.0 * two, "one digit {one}, two digits {two}");
+}
+
+#[test]
+fn act_digits_are_one_or_two() {
+    let w = random_weight(&mut Rng(3), 16, 32);
+    assert_eq!(w.act_digits(), 2);
+    for bad in [0, 3] {
+        assert!(w.set_act_digits(bad).is_err());
+        assert_eq!(w.act_digits(), 2);
+    }
+    w.set_act_digits(1).unwrap();
+    assert_eq!((w.act_digits(), w.clone().act_digits()), (1, 1));
 }

@@ -9,10 +9,13 @@
 //!
 //! Building one: pack.rs. The tiles read the fields and the `Scales` accessors here directly.
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use super::{PANEL, QBLOCK};
+use crate::error::{Error, Result};
 
 /// A weight matrix `[n, k]` in the packed block-quantized layout.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct QWeight {
     pub(super) n: usize,
     pub(super) k: usize,
@@ -23,6 +26,23 @@ pub struct QWeight {
     pub(super) code_at: Vec<usize>,
     /// `panels * (k / QBLOCK) * 2 * PANEL` scales.
     pub(super) scales: Scales,
+    /// Activation digits its products quantize `x` into (1 or 2; module docs, "Activations"):
+    /// chosen per matrix by the model's measured error, changed in place (`set_act_digits`) by
+    /// whoever holds the weight, a decoder included (it shares the `Arc`).
+    pub(super) act_digits: AtomicU8,
+}
+
+impl Clone for QWeight {
+    fn clone(&self) -> Self {
+        QWeight {
+            n: self.n,
+            k: self.k,
+            codes: self.codes.clone(),
+            code_at: self.code_at.clone(),
+            scales: self.scales.clone(),
+            act_digits: AtomicU8::new(self.act_digits.load(Ordering::Relaxed)),
+        }
+    }
 }
 
 /// The `d`, `m` of a weight: f16 when every one of them is exactly an f16 (GGUF Q4_0/Q4_1/Q5_x/Q8_0
@@ -191,6 +211,18 @@ impl QWeight {
     }
     pub fn nbytes(&self) -> usize {
         self.codes.len() + self.scales.nbytes()
+    }
+    /// Activation digits of this weight's products: 2 (the default) or 1.
+    pub fn act_digits(&self) -> usize {
+        self.act_digits.load(Ordering::Relaxed) as usize
+    }
+    /// Set the activation digits (1 or 2) of the products that start from now on.
+    pub fn set_act_digits(&self, digits: usize) -> Result<()> {
+        if !(1..=2).contains(&digits) {
+            return Err(Error::Invalid(format!("act_digits must be 1 or 2, got {digits}")));
+        }
+        self.act_digits.store(digits as u8, Ordering::Relaxed);
+        Ok(())
     }
     /// True when the scales are held as f16 (see `Scales`).
     pub fn half_scales(&self) -> bool {

@@ -15,6 +15,9 @@
 //!
 //! All fit the 32 zmm with the block's scales (`TILE_ROWS` says why 8 rows).
 //!
+//! One-digit activations (`QActs::digits` 1, every `l` 0 and `R` 1): the same tiles without the `l`
+//! broadcasts and `vpdpbusd`, and the block's sum taken as `Σc·h` (`ONE`): the same integers.
+//!
 //! The tile reads the activations from `QActs::tiled` (`pack_tiled` in acts.rs): rows in groups of
 //! 8, each 4-wide k step of a group holding its 8 rows' two digits side by side (64 bytes), so every
 //! broadcast of a block sits at a constant offset from one pointer. Reading `hi` and `lo` row by
@@ -80,10 +83,11 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
             // activations (so r..r+take too) and panels ps..ps+pn (pn <= PASS_PANELS = 2)
             // inside p0..p0+np, all of them 4-bit exactly when `nib`.
             unsafe {
-                if nib {
-                    rows_tile::<true>(a, m, r, take, ps, pn, first)
-                } else {
-                    rows_tile::<false>(a, m, r, take, ps, pn, first)
+                match (nib, a.acts.digits == 1) {
+                    (true, false) => rows_tile::<true, false>(a, m, r, take, ps, pn, first),
+                    (false, false) => rows_tile::<false, false>(a, m, r, take, ps, pn, first),
+                    (true, true) => rows_tile::<true, true>(a, m, r, take, ps, pn, first),
+                    (false, true) => rows_tile::<false, true>(a, m, r, take, ps, pn, first),
                 }
             }
             r += take;
@@ -99,7 +103,15 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
 /// # Safety
 /// As for `tile`, for each panel of the range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn rows_tile<const NIB: bool>(a: &Args, m: usize, r: usize, take: usize, ps: usize, pn: usize, first: bool) {
+unsafe fn rows_tile<const NIB: bool, const ONE: bool>(
+    a: &Args,
+    m: usize,
+    r: usize,
+    take: usize,
+    ps: usize,
+    pn: usize,
+    first: bool,
+) {
     let g0 = r / TILED_ROWS * TILED_ROWS;
     let gstep = if a.acts.tiled.is_empty() {
         ROW_DIGITS
@@ -109,10 +121,10 @@ unsafe fn rows_tile<const NIB: bool>(a: &Args, m: usize, r: usize, take: usize, 
     // SAFETY: forwarded from the caller.
     unsafe {
         match gstep {
-            ROW_DIGITS => rows_tile_gs::<NIB, ROW_DIGITS>(a, r, take, ps, pn, first, gstep),
-            64 => rows_tile_gs::<NIB, 64>(a, r, take, ps, pn, first, gstep),
-            8 => rows_tile_gs::<NIB, 8>(a, r, take, ps, pn, first, gstep),
-            _ => rows_tile_gs::<NIB, 0>(a, r, take, ps, pn, first, gstep),
+            ROW_DIGITS => rows_tile_gs::<NIB, ONE, ROW_DIGITS>(a, r, take, ps, pn, first, gstep),
+            64 => rows_tile_gs::<NIB, ONE, 64>(a, r, take, ps, pn, first, gstep),
+            8 => rows_tile_gs::<NIB, ONE, 8>(a, r, take, ps, pn, first, gstep),
+            _ => rows_tile_gs::<NIB, ONE, 0>(a, r, take, ps, pn, first, gstep),
         }
     }
 }
@@ -128,7 +140,7 @@ const ROW_DIGITS: usize = 1;
 /// As for `rows_tile`; `gstep` is the rows' group step, and `GS` is 0, `gstep`, or `ROW_DIGITS` when
 /// `tiled` is empty.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn rows_tile_gs<const NIB: bool, const GS: usize>(
+unsafe fn rows_tile_gs<const NIB: bool, const ONE: bool, const GS: usize>(
     a: &Args,
     r: usize,
     take: usize,
@@ -140,13 +152,13 @@ unsafe fn rows_tile_gs<const NIB: bool, const GS: usize>(
     // SAFETY: forwarded from the caller.
     unsafe {
         match (take, pn) {
-            (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, NIB, GS>(a, r, p, first, gstep)),
-            (4, 2) => tile::<4, 2, NIB, GS>(a, r, ps, first, gstep),
-            (4, _) => tile::<4, 1, NIB, GS>(a, r, ps, first, gstep),
-            (2, 2) => tile::<2, 2, NIB, GS>(a, r, ps, first, gstep),
-            (2, _) => tile::<2, 1, NIB, GS>(a, r, ps, first, gstep),
-            (_, 2) => tile::<1, 2, NIB, GS>(a, r, ps, first, gstep),
-            (_, _) => tile::<1, 1, NIB, GS>(a, r, ps, first, gstep),
+            (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, NIB, GS, ONE>(a, r, p, first, gstep)),
+            (4, 2) => tile::<4, 2, NIB, GS, ONE>(a, r, ps, first, gstep),
+            (4, _) => tile::<4, 1, NIB, GS, ONE>(a, r, ps, first, gstep),
+            (2, 2) => tile::<2, 2, NIB, GS, ONE>(a, r, ps, first, gstep),
+            (2, _) => tile::<2, 1, NIB, GS, ONE>(a, r, ps, first, gstep),
+            (_, 2) => tile::<1, 2, NIB, GS, ONE>(a, r, ps, first, gstep),
+            (_, _) => tile::<1, 1, NIB, GS, ONE>(a, r, ps, first, gstep),
         }
     }
 }
@@ -159,7 +171,7 @@ unsafe fn rows_tile_gs<const NIB: bool, const GS: usize>(
 /// As for `job`; rows `r0..r0+R` are inside the activations and `p0 + NP <= panels`; the group
 /// step is that of the rows' group of `tiled` (unless `ROW_DIGITS`, when `tiled` is empty).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize>(
+unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize, const ONE: bool>(
     a: &Args,
     r0: usize,
     p0: usize,
@@ -248,7 +260,8 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize
                 });
                 let sums = if R == 1 && $g % 2 == 1 { &mut ib } else { &mut ia };
                 for (r, row) in sums.iter_mut().enumerate() {
-                    for (d, digit) in row.iter_mut().enumerate() {
+                    // One digit (`ONE`): every `l` is 0, its dots too; skipped.
+                    for (d, digit) in row.iter_mut().enumerate().take(if ONE { 1 } else { 2 }) {
                         let at = if rows {
                             [xh, xl][d].wrapping_add(r * k + b * QBLOCK + $g * 4)
                         } else {
@@ -324,8 +337,12 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize
                 let s = _mm512_set1_ps(a.acts.s[rb]);
                 let qs = _mm512_set1_ps(a.acts.qs[rb]);
                 // R·Σc·h + Σc·l: exact in i32 (mod.rs).
-                let base = _mm512_set1_epi32(a.acts.base[rb]);
-                let dot = _mm512_add_epi32(_mm512_mullo_epi32(ia[r][0][p], base), ia[r][1][p]);
+                let dot = if ONE {
+                    ia[r][0][p] // R = 1, Σc·l = 0: the same integer
+                } else {
+                    let base = _mm512_set1_epi32(a.acts.base[rb]);
+                    _mm512_add_epi32(_mm512_mullo_epi32(ia[r][0][p], base), ia[r][1][p])
+                };
                 acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, s), acc[r][p]);
                 acc[r][p] = _mm512_fmadd_ps(mv, qs, acc[r][p]);
             }

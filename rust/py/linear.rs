@@ -128,6 +128,21 @@ impl QLinear {
         self.w.nbytes()
     }
 
+    /// Activation digits of this weight's products: 2 (default), or 1 (llama.cpp's Q8 activations:
+    /// half the integer work of a compute-bound product, ~2 significant digits less).
+    #[getter]
+    fn act_digits(&self) -> usize {
+        self.w.act_digits()
+    }
+
+    /// Set the activation digits (1 or 2) for the products from now on; shared with every holder
+    /// of this weight (a fused decoder built from it too). Anything else: ValueError, unchanged.
+    fn set_act_digits(&self, digits: i64) -> PyResult<()> {
+        let d = usize::try_from(digits)
+            .map_err(|_| PyValueError::new_err(format!("act_digits must be 1 or 2, got {digits}")))?;
+        self.w.set_act_digits(d).map_err(PyErr::from)
+    }
+
     /// `(codes uint8 [n, k], d float32 [n, k/32], m float32 [n, k/32])`.
     fn unpack<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let (n, nb) = (self.w.n(), self.w.k() / lin::QBLOCK);

@@ -305,3 +305,47 @@ def test_gguf_q4_1_and_q8_0_weights_take_about_their_file_size():
         np.testing.assert_array_equal(m, m.astype(np.float16).astype(np.float32))
     q = QLinear.from_float(rng.standard_normal((n, k)).astype(np.float32))
     assert q.nbytes == n * k + n * k // 32 * 2 * 4  # 8-bit codes, f32 scales
+
+
+def _one_digit_spec(x, codes, d, m):
+    """y = x @ W.T with x in one int8 digit per 32-wide block (h = Q(x * 127/a), s = a/127), float64."""
+    xb = x.reshape(x.shape[0], -1, 32).astype(np.float64)
+    a = np.abs(x.reshape(x.shape[0], -1, 32)).max(-1).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = np.clip(np.round(xb * (np.float32(127) / a)[..., None].astype(np.float32)), -127, 127)
+    h = np.where(a[..., None] > 0, h, 0)
+    s = (a / np.float32(127)).astype(np.float64)  # [M, B]
+    cb = codes.reshape(codes.shape[0], -1, 32).astype(np.float64)  # [N, B, 32]
+    dots = np.einsum("mbj,nbj->mnb", h, cb)
+    return (dots * d[None] * s[:, None] + m[None] * (s * h.sum(-1))[:, None]).sum(-1)
+
+
+# 1 row (row digits), 15 and 37 (tiled: 8-row tiles and the 4/2/1-row remainders), 4- and 8-bit panels.
+@pytest.mark.parametrize("m", [1, 15, 37])
+@pytest.mark.parametrize("kind", ["float", "q4"])
+def test_one_activation_digit_matches_its_spec_on_every_build(kind, m):
+    rng = np.random.default_rng(31 + m)
+    q = QLinear.from_float(_weights(rng, 70, 192)) if kind == "float" else _q4(rng, 70, 192)
+    x = rng.standard_normal((m, 192)).astype(np.float32)
+    x[0, 10] = 500.0  # an outlier block
+    two = q(x)
+    q.set_act_digits(1)
+    assert q.act_digits == 1
+    with forced_isa("scalar"):
+        want = q(x)
+    np.testing.assert_allclose(want, _one_digit_spec(x, *q.unpack()), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    for isa in ISAS:
+        with forced_isa(isa):
+            np.testing.assert_array_equal(q(x).view(np.uint32), want.view(np.uint32), err_msg=isa)
+    assert not np.array_equal(want, two)  # one digit is a different (coarser) product
+    q.set_act_digits(2)
+    np.testing.assert_array_equal(q(x), two)
+
+
+def test_act_digits_are_one_or_two():
+    q = QLinear.from_float(_weights(np.random.default_rng(1), 16, 32))
+    assert q.act_digits == 2
+    for bad in (0, 3, -1):
+        with pytest.raises(ValueError, match="act_digits must be 1 or 2"):
+            q.set_act_digits(bad)
+        assert q.act_digits == 2

@@ -146,3 +146,13 @@ def test_llm_stops_at_the_vocabularys_end_of_generation_ids(gemma_path):
     end_of_turn = tok.encode("<end_of_turn>")
     assert len(end_of_turn) == 1 and end_of_turn[0] in llm.model.eos_token_ids
     assert tok.eos_token_id in llm.model.eos_token_ids
+
+
+def test_one_activation_digit_on_the_head_only(gemma):
+    """Gemma 3's measured choice (ArchSpec.act_digits): the 262,144-row head takes one activation digit, every
+    layer's matrices two (one on the attention output as well took the KL past the budget)."""
+    _, w = gemma
+    digits = w.act_digits
+    assert digits["head"] == 1 and w.act_digits_spec() == "head"
+    assert {d for name, d in digits.items() if name != "head"} == {2}
+    assert len(digits) == 1 + 4 * 18

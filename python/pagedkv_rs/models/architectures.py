@@ -52,6 +52,10 @@ class ArchSpec:
     # Tensor names of the optional per-layer norms.
     post_attn_norm: str = "post_attention_norm"
     post_ffn_norm: str = "post_ffw_norm"
+    # Activation digits of int8 matrices where one digit (llama.cpp's Q8 activations) was measured to keep the
+    # logits within the float32-activation ones (``pagedkv perplexity --kl-divergence``; docs/performance.md):
+    # (key, digits) pairs for ``LlamaWeights.set_act_digits``; every other matrix takes two.
+    act_digits: tuple[tuple[str, int], ...] = ()
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {
@@ -69,5 +73,6 @@ ARCH_SPECS: dict[str, ArchSpec] = {
         swa_period=6,
         swa_rope_base=10000.0,
         hidden_scale_layer_counts=(62,),
+        act_digits=(("head", 1),),  # the 262,144-row head: ~60% of a decode step with two digits
     ),
 }

@@ -197,6 +197,23 @@ class ChunkedLinear:
         return out
 
 
+# The int8 matrices whose activation digits are chosen (``LlamaWeights.set_act_digits``): the output head and
+# each layer's fused QKV, attention output, fused gate/up and down projections.
+ACT_DIGIT_ROLES = ("head", "wqkv", "wo", "wgu", "wdown")
+
+
+def parse_act_digits(spec: str) -> dict[str, int]:
+    """``"head=1,wdown=2"`` -> ``{"head": 1, "wdown": 2}``: keys a role of ``ACT_DIGIT_ROLES`` (every layer's) or
+    ``ROLE.I`` (layer I's), values 1 or 2. The keys are checked against a model by ``set_act_digits``."""
+    out: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, eq, val = item.partition("=")
+        if not eq or val.strip() not in ("1", "2"):
+            raise ValueError(f"act_digits: {item!r} is not KEY=1 or KEY=2")
+        out[key.strip()] = int(val)
+    return out
+
+
 class Embedding:
     """The token-embedding table ``[V, H]``, read per step from the file's own (quantized) rows.
 
@@ -269,9 +286,58 @@ class LlamaWeights:
             _trim_heap()
         factors = self._vector("rope_freqs.weight") if cfg.rope_freq_factors else None
         del self._gguf
+        if self.weight_format == "int8":  # the architecture's measured choice (``ArchSpec.act_digits``)
+            self.set_act_digits(dict(cfg.spec.act_digits))
         # One float64 [D/2] frequency vector per distinct RoPE base; ``layer["rope_table"]`` indexes them.
         self._inv_freqs = [rope_inv_freq(cfg, factors, theta) for theta in sorted(theta_of, key=theta_of.__getitem__)]
         self._rope_tables: Optional[list[tuple[np.ndarray, np.ndarray]]] = None
+
+    def act_matrices(self) -> dict[str, list[Any]]:
+        """The int8 matrices by name (``head``, ``ROLE.I``), each a list of ``QLinear`` (the head: its row chunks);
+        empty for float32 weights."""
+        if self.weight_format != "int8":
+            return {}
+        head = self.lm_head
+        out: dict[str, list[Any]] = {}
+        if isinstance(head, (Int8Linear, ChunkedLinear)):
+            out["head"] = head.q if isinstance(head, ChunkedLinear) else [head.q]
+        for i, layer in enumerate(self.layers):
+            for role in ACT_DIGIT_ROLES[1:]:
+                out[f"{role}.{i}"] = [layer[role].q]
+        return out
+
+    @property
+    def act_digits(self) -> dict[str, int]:
+        """Activation digits (1 or 2) of each int8 matrix, by ``act_matrices`` name."""
+        return {name: qs[0].act_digits for name, qs in self.act_matrices().items()}
+
+    def act_digits_spec(self) -> str:
+        """The matrices of one activation digit, roles where every layer's has one: ``"head,wo"``, or ``"none"``."""
+        ones = {name for name, d in self.act_digits.items() if d == 1}
+        roles = [
+            r for r in ACT_DIGIT_ROLES[1:] if self.layers and all(f"{r}.{i}" in ones for i in range(len(self.layers)))
+        ]
+        single = sorted(n for n in ones if n != "head" and n.split(".")[0] not in roles)
+        return ",".join((["head"] if "head" in ones else []) + roles + single) or "none"
+
+    def set_act_digits(self, choice: dict[str, int]) -> None:
+        """Set activation digits: keys ``head``, a role (every layer's) or ``ROLE.I``, values 1 or 2; a role then its
+        layers' own keys apply. Shared with a fused decoder built from these weights. Checked whole first: a bad key
+        or value is a ValueError and nothing changes."""
+        mats = self.act_matrices()
+        if choice and not mats:
+            raise ValueError(f"act_digits apply to int8 weights, these are {self.weight_format}")
+        plan: dict[str, int] = {}
+        for key, d in sorted(choice.items(), key=lambda kv: "." in kv[0]):  # roles first, then single layers
+            if d not in (1, 2) or isinstance(d, bool):
+                raise ValueError(f"act_digits[{key!r}] must be 1 or 2, got {d!r}")
+            names = [n for n in mats if n == key or n.split(".")[0] == key] if "." not in key else [key]
+            if not names or any(n not in mats for n in names):
+                raise ValueError(f"act_digits: no int8 matrix {key!r} (keys: {', '.join(ACT_DIGIT_ROLES)} or ROLE.I)")
+            plan.update(dict.fromkeys(names, d))
+        for name, d in plan.items():
+            for q in mats[name]:
+                q.set_act_digits(d)
 
     @property
     def num_rope_tables(self) -> int:
@@ -558,6 +624,9 @@ class LlamaModel:
                 f"gguf-sha256={h.hexdigest()};config={self.config!r};weights={self.weights.weight_format};"
                 f"rope={self._mode}"
             )
+        ones = sorted(name for name, d in self.weights.act_digits.items() if d == 1)
+        if ones:  # the K/V of later layers depend on the activation digits
+            return f"{self._fingerprint};act1={','.join(ones)}"
         return self._fingerprint
 
     @classmethod
