@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from tool_util import TIME, WEATHER
 
 from pagedkv_rs.serve.protocol import METADATA, UNSUPPORTED
 from pagedkv_rs.serve.tools import ToolCall, ToolParser, ToolSet, ToolStream
@@ -25,12 +26,6 @@ try:
 except ImportError as e:  # fail, never skip
     raise ImportError(f"{e}: the tool tests need the test extra: pip install '.[test,model,serve]'") from e
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
-TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}
 TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

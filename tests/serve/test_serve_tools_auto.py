@@ -13,16 +13,12 @@ from typing import Any, Optional
 import jsonschema
 import openai
 import pytest
+from tool_util import SHOT, WEATHER
 
 from pagedkv_rs.engine.structured import GrammarCompiler, StructuredOutputsParams, special_token_id
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
 from pagedkv_rs.serve.tools import ToolParser, ToolSet
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
 TIME = {
     "name": "get_time",
     "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
@@ -146,20 +142,6 @@ def test_families_without_a_known_opener_arm_nothing():
 
 
 # ------------------------------------------------------------------------------------------------ SmolLM2
-# One past call in the conversation teaches the 135M model the format: it then opens a call of its own.
-SHOT = [
-    {"role": "user", "content": "What is the weather in Rome?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
-    {"role": "assistant", "content": "It is 18 C in Rome."},
-    {"role": "user", "content": "What is the weather in Paris?"},
-]
 
 
 def client(url: str) -> openai.OpenAI:

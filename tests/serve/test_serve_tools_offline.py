@@ -8,29 +8,12 @@ from typing import Any
 
 import httpx
 import pytest
+from tool_util import SHOT, WEATHER
 
 from pagedkv_rs import SamplingParams
 from pagedkv_rs.models.tool_calls import parse_tool_calls
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
 TOOLS = [{"type": "function", "function": WEATHER}]
-SHOT = [
-    {"role": "user", "content": "What is the weather in Rome?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
-    {"role": "assistant", "content": "It is 18 C in Rome."},
-    {"role": "user", "content": "What is the weather in Paris?"},
-]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 
 

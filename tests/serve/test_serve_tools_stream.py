@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 import pytest
+from tool_util import SHOT, TIME, WEATHER
 
 from pagedkv_rs.serve.tools import ToolParser, ToolSet, ToolStream
 
@@ -19,12 +20,6 @@ try:
 except ImportError as e:  # fail, never skip
     raise ImportError(f"{e}: the tool tests need the test extra: pip install '.[test,model,serve]'") from e
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
-TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}
 TOOLS = [{"type": "function", "function": WEATHER}]
 
 
@@ -88,19 +83,6 @@ def test_without_a_grammar_the_calls_come_whole_at_the_end():
 
 
 # ------------------------------------------------------------------------------------------------ SmolLM2
-SHOT = [
-    {"role": "user", "content": "What is the weather in Rome?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
-    {"role": "assistant", "content": "It is 18 C in Rome."},
-    {"role": "user", "content": "What is the weather in Paris?"},
-]
 
 
 def test_smollm2_streamed_call_equals_the_whole_answer(llm_server):
