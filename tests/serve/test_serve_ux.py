@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import httpx
 import openai
@@ -48,6 +49,14 @@ def test_a_plain_request_samples_with_the_servers_defaults(serve_tiny):
         assert sampled - {greedy}, "an explicit top_k=0 must sample, not take the server's top_k=1"
 
 
+def wait_for(find, seconds: float = 10.0):
+    """``find()`` once it is non-empty (the server thread writes after answering), or its last value."""
+    deadline = time.monotonic() + seconds
+    while not (found := find()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
+
+
 def test_request_ids_are_kept_when_sane_and_made_otherwise(serve_tiny, llm, monkeypatch):
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
@@ -61,7 +70,8 @@ def test_request_ids_are_kept_when_sane_and_made_otherwise(serve_tiny, llm, monk
         with serve_tiny(access_log=True) as (url, _, _srv), httpx.Client(base_url=url) as c:
             r = c.post("/v1/completions", json=GREEDY_BODY, headers={"X-Request-Id": "job-7.a:b_c"})
             assert r.status_code == 200 and r.headers["x-request-id"] == "job-7.a:b_c"
-            access = [x for x in records if x.name == "pagedkv_rs.serve.access"]
+            # The access line is written once the response has gone out: the client may read it first.
+            access = wait_for(lambda: [x for x in records if x.name == "pagedkv_rs.serve.access"])
             assert len(access) == 1 and access[0].request_id == "job-7.a:b_c"
             assert '"POST /v1/completions HTTP/1.1" 200' in access[0].getMessage()
             made = set()

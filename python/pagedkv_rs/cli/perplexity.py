@@ -257,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="BUDGET",
         help=f"with --kl-divergence: choose each matrix's activation digits greedily ({', '.join(DIGIT_CANDIDATES)}: "
-        f"one digit while the mean KL stays within BUDGET, default {KL_BUDGET:g}) and print the choice",
+        f"one digit while the mean KL stays within BUDGET, {KL_BUDGET:g} when given alone) and print the choice "
+        "(default: off, the model's own digits)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
