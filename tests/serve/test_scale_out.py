@@ -277,13 +277,14 @@ def finished_requests(url: str) -> float:
 def stop_mid_run(cluster: Cluster, router: Any, sig: int, seed: int, **kw: Any) -> tuple[dict[str, Any], float]:
     """Run the workload through a round-robin router; after 4 requests finished, send ``sig`` to replica 1."""
     r = router("round_robin")
+    kw.setdefault("output_len", 24)  # requests long enough that the run is still going when 4 have finished
     start = sum(finished_requests(u) for u in cluster.urls)
     out: dict[str, Any] = {}
     t = threading.Thread(target=lambda: out.update(run_workload(r.url, cluster, seed=seed, num_prompts=15, **kw)))
     t.start()
     end = time.monotonic() + 300
     while sum(finished_requests(u) for u in cluster.urls) - start < 4 and t.is_alive() and time.monotonic() < end:
-        time.sleep(0.1)
+        time.sleep(0.02)
     stopped_at = sum(finished_requests(u) for u in cluster.urls) - start
     cluster.procs[1].send_signal(sig)
     t.join(600)
