@@ -260,7 +260,7 @@ unsafe fn tile<const R: usize, const WIDE: bool>(
         }
         // SAFETY: row r0+r < m, columns col..col+valid < n of the [m, n] output; this job alone
         // writes these columns.
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a.out.add((r0 + r) * n + col), valid) };
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a.out.add((r0 + r) * a.ld + col), valid) };
     }
 }
 
@@ -346,7 +346,7 @@ unsafe fn wide_half<const R: usize>(a: &Args, sc: &Scales, sp: usize, r0: usize,
         unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), *row) };
         // SAFETY: row r0+r < m, columns col..col+valid <= n of the [m, n] output; this job alone
         // writes these columns.
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a.out.add((r0 + r) * n + col), valid) };
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a.out.add((r0 + r) * a.ld + col), valid) };
     }
 }
 

@@ -161,9 +161,20 @@ pub fn linear(x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
 
 /// `linear` with an explicit variant (tests compare them).
 pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
+    linear_ld(isa, x, m, w, out, None)
+}
+
+/// `linear` into rows `ld` floats apart: `out` starts at the first row's first column of a wider
+/// matrix (see `Product::strided`).
+pub fn linear_strided(x: &[f32], m: usize, w: &QWeight, out: &mut [f32], ld: usize) -> Result<()> {
+    linear_ld(active_isa()?, x, m, w, out, Some(ld))
+}
+
+fn linear_ld(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32], ld: Option<usize>) -> Result<()> {
     use rayon::prelude::*;
     let k = w.k;
-    check_shapes(x, m, w, out)?;
+    check_shapes(x, m, w, out, ld)?;
+    let ld = ld.unwrap_or(w.n);
     if m == 0 {
         return Ok(());
     }
@@ -181,6 +192,7 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
                 acts: &acts,
                 w,
                 out: out_ptr.get(),
+                ld,
             };
             let p0 = j * JOB_PANELS;
             let np = JOB_PANELS.min(w.panels() - p0);

@@ -26,6 +26,8 @@ pub(super) struct Args<'a> {
     pub(super) acts: &'a QActs,
     pub(super) w: &'a QWeight,
     pub(super) out: *mut f32,
+    /// Floats between two output rows (`n` for a contiguous `[m, n]` output).
+    pub(super) ld: usize,
 }
 
 /// Rows per tile of the SIMD tiles (each row is two digit streams).
@@ -86,19 +88,28 @@ impl SendPtr {
     }
 }
 
-/// `x` is `[m, k]` and `out` `[m, n]` for the weight `w` `[n, k]`.
-pub(super) fn check_shapes(x: &[f32], m: usize, w: &QWeight, out: &[f32]) -> Result<()> {
+/// `x` is `[m, k]` and `out` `[m, n]` for the weight `w` `[n, k]`; with `ld` (`Some`), `out` holds
+/// `m` rows of `n` values `ld` apart (the columns of a wider matrix, from its first row's start).
+pub(super) fn check_shapes(x: &[f32], m: usize, w: &QWeight, out: &[f32], ld: Option<usize>) -> Result<()> {
     let (n, k) = (w.n, w.k);
     if x.len() != m * k {
         return Err(Error::Invalid(format!("x must be [{m}, {k}], got {} values", x.len())));
     }
-    if out.len() != m * n {
-        return Err(Error::Invalid(format!(
+    match ld {
+        None if out.len() != m * n => Err(Error::Invalid(format!(
             "out must be [{m}, {n}], got {} values",
             out.len()
-        )));
+        ))),
+        Some(ld) if ld < n => Err(Error::Invalid(format!(
+            "out's row stride {ld} is shorter than its {n} columns"
+        ))),
+        Some(ld) if m > 0 && out.len() < (m - 1) * ld + n => Err(Error::Invalid(format!(
+            "out must hold {m} rows of {n} values {ld} apart ({} values), got {}",
+            (m - 1) * ld + n,
+            out.len()
+        ))),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// One product `out[m, n] = x[m, k] · Wᵀ` cut into column jobs that the caller schedules on
@@ -111,6 +122,7 @@ pub struct Product<'a> {
     w: &'a QWeight,
     m: usize,
     out: SendPtr,
+    ld: usize,
     panels_per_job: usize,
     _out: std::marker::PhantomData<&'a mut [f32]>,
 }
@@ -126,8 +138,34 @@ impl<'a> Product<'a> {
     /// decode by about an eighth and gained nothing at 8 or 32 sequences; 2 a thread lost at 8
     /// sequences (one job a thread leaves the faster thread idle).
     pub fn new(isa: Isa, x: &[f32], m: usize, w: &'a QWeight, out: &'a mut [f32], threads: usize) -> Result<Self> {
+        Self::build(isa, x, m, w, out, None, threads)
+    }
+
+    /// `new` with the output rows `ld` floats apart: `out` starts at the first row's first column
+    /// of a wider matrix (a vocabulary chunk of the logits), so no scratch copy is needed.
+    pub fn strided(
+        isa: Isa,
+        x: &[f32],
+        m: usize,
+        w: &'a QWeight,
+        out: &'a mut [f32],
+        ld: usize,
+        threads: usize,
+    ) -> Result<Self> {
+        Self::build(isa, x, m, w, out, Some(ld), threads)
+    }
+
+    fn build(
+        isa: Isa,
+        x: &[f32],
+        m: usize,
+        w: &'a QWeight,
+        out: &'a mut [f32],
+        ld: Option<usize>,
+        threads: usize,
+    ) -> Result<Self> {
         let k = w.k;
-        check_shapes(x, m, w, out)?;
+        check_shapes(x, m, w, out, ld)?;
         let acts = match variant(isa) {
             v if w.act_digits() == 1 => quantize_one(x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
             Isa::Scalar => quantize_acts(x, m, k),
@@ -144,6 +182,7 @@ impl<'a> Product<'a> {
             w,
             m,
             out: SendPtr(out.as_mut_ptr()),
+            ld: ld.unwrap_or(w.n),
             panels_per_job,
             _out: std::marker::PhantomData,
         })
@@ -168,6 +207,7 @@ impl<'a> Product<'a> {
             acts: &self.acts,
             w: self.w,
             out: self.out.get(),
+            ld: self.ld,
         };
         let p0 = j * self.panels_per_job;
         run_job(self.isa, &a, self.m, p0, self.panels_per_job.min(self.w.panels() - p0));

@@ -60,9 +60,9 @@ pub(super) fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
             }
         }
         for (i, v) in acc.iter().enumerate().take(PANEL.min(n - p * PANEL)) {
-            // SAFETY: r < m rows and column p*PANEL + i < n of the [m, n] output the caller
-            // sized; jobs write disjoint column ranges.
-            unsafe { *a.out.add(r * n + p * PANEL + i) = *v };
+            // SAFETY: r < m rows and column p*PANEL + i < n of the output (rows `a.ld` apart) the
+            // caller sized; jobs write disjoint column ranges.
+            unsafe { *a.out.add(r * a.ld + p * PANEL + i) = *v };
         }
     }
 }

@@ -777,6 +777,61 @@ fn product_jobs_in_any_order_equal_linear() {
     assert!(Product::new(Isa::Scalar, &[0.0; 32], 1, &w, &mut out[..7], 2).is_err());
 }
 
+/// A product into the columns of a wider matrix (rows `ld` apart: a vocabulary chunk of the
+/// logits) writes the contiguous product's bits there and leaves every other value alone (they are
+/// NaN before and after), on every ISA, through `linear_strided`'s rayon jobs and `Product`'s.
+#[test]
+fn strided_outputs_equal_contiguous_ones_and_touch_nothing_else() {
+    let mut r = Rng(0x5eed_1d00);
+    for isa in crate::runtime::available_isas() {
+        for &(n, k, m, at, ld) in &[
+            (40, 64, 3, 5, 100),
+            (17, 32, 9, 0, 17),
+            (33, 96, 8, 60, 93),
+            (16, 32, 1, 3, 19),
+        ] {
+            for digits in [1, 2] {
+                let w = random_weight(&mut r, n, k);
+                w.set_act_digits(digits).unwrap();
+                let x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 3.0).collect();
+                let mut want = vec![f32::NAN; m * n];
+                linear_with(isa, &x, m, &w, &mut want).unwrap();
+                let check = |wide: &[f32], how: &str| {
+                    for (i, v) in wide.iter().enumerate() {
+                        let (row, col) = (i / ld, i % ld);
+                        let label = format!("{how} {isa:?} digits={digits} n={n} m={m} at={at} ld={ld} [{row}, {col}]");
+                        if row < m && (at..at + n).contains(&col) {
+                            assert_eq!(v.to_bits(), want[row * n + col - at].to_bits(), "{label}");
+                        } else {
+                            assert!(v.is_nan(), "{label} was written");
+                        }
+                    }
+                };
+                let mut wide = vec![f32::NAN; m * ld];
+                if isa == crate::runtime::isa().unwrap() {
+                    linear_strided(&x, m, &w, &mut wide[at..], ld).unwrap();
+                    check(&wide, "linear_strided");
+                }
+                let mut wide = vec![f32::NAN; m * ld];
+                let p = Product::strided(isa, &x, m, &w, &mut wide[at..], ld, 2).unwrap();
+                for j in 0..p.jobs() {
+                    // SAFETY: each job index once, on this thread alone.
+                    unsafe { p.run(j) };
+                }
+                drop(p);
+                check(&wide, "Product::strided");
+            }
+        }
+    }
+    let w = random_weight(&mut r, 8, 32);
+    let mut out = vec![0f32; 30];
+    // A stride shorter than a row, and an output too short for the last row.
+    assert!(Product::strided(Isa::Scalar, &[0.0; 64], 2, &w, &mut out, 7, 2).is_err());
+    assert!(Product::strided(Isa::Scalar, &[0.0; 64], 2, &w, &mut out[..17], 10, 2).is_err());
+    assert!(linear_strided(&[0.0; 64], 2, &w, &mut out[..17], 10).is_err());
+    assert!(Product::strided(Isa::Scalar, &[0.0; 64], 2, &w, &mut out[..18], 10, 2).is_ok());
+}
+
 /// Jobs of many panels (the decoder's `Product` hands a thread up to ~100) and row counts past a
 /// row block (`ROW_BLOCK_BYTES`) give every ISA's tiles the scalar bits, in both code layouts.
 #[test]

@@ -353,9 +353,9 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize
         let valid = PANEL.min(n - col);
         let mask: __mmask16 = if valid == PANEL { 0xffff } else { (1u16 << valid) - 1 };
         for (r, row) in acc.iter().enumerate() {
-            // SAFETY: row r0+r < m, columns col..col+valid < n of the [m, n] output; this job
-            // alone writes these columns.
-            unsafe { _mm512_mask_storeu_ps(a.out.add((r0 + r) * n + col), mask, row[p]) };
+            // SAFETY: row r0+r < m, columns col..col+valid < n of the output (rows `a.ld` apart); this
+            // job alone writes these columns.
+            unsafe { _mm512_mask_storeu_ps(a.out.add((r0 + r) * a.ld + col), mask, row[p]) };
         }
     }
 }

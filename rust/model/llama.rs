@@ -342,16 +342,11 @@ impl Decoder {
             if let [w] = head.lm_head.as_slice() {
                 return mm.linear(&hn, rows.len(), w, logits);
             }
-            // Chunk by chunk into a scratch [N, Vc], then into its columns of the logits.
+            // Chunk by chunk straight into its columns of the logits (rows `v` apart).
             let mut at = 0;
             for w in &head.lm_head {
-                let vc = w.n();
-                let mut part = vec![0f32; rows.len() * vc];
-                mm.linear(&hn, rows.len(), w, &mut part)?;
-                for (dst, src) in logits.chunks_exact_mut(v).zip(part.chunks_exact(vc)) {
-                    dst[at..at + vc].copy_from_slice(src);
-                }
-                at += vc;
+                mm.linear_strided(&hn, rows.len(), w, &mut logits[at..], v)?;
+                at += w.n();
             }
             Ok(())
         })
@@ -593,6 +588,14 @@ impl Mm<'_> {
         match self {
             Mm::Rayon => linear::linear(x, m, w, out),
             Mm::Team(team, isa) => team.run(&Product::new(isa, x, m, w, out, team.threads())?),
+        }
+    }
+
+    /// `linear` into rows `ld` floats apart (`Product::strided`).
+    fn linear_strided(self, x: &[f32], m: usize, w: &QWeight, out: &mut [f32], ld: usize) -> Result<()> {
+        match self {
+            Mm::Rayon => linear::linear_strided(x, m, w, out, ld),
+            Mm::Team(team, isa) => team.run(&Product::strided(isa, x, m, w, out, ld, team.threads())?),
         }
     }
 }

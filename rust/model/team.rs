@@ -26,8 +26,11 @@ use crate::linear::Product;
 const MAX_JOBS: usize = u16::MAX as usize;
 /// Busy turns of an idle helper before it starts yielding its core.
 const SPIN_TURNS: u32 = 256;
-/// An idle helper leaves the team after this long without work.
-const IDLE_LEAVE: Duration = Duration::from_millis(2);
+/// An idle helper leaves the team after this long without work. A helper that left cannot rejoin
+/// the call, so this outlasts any serial stretch of the leader inside a step (a few milliseconds
+/// of norms, copies and page faults at 32 rows of a large vocabulary): shorter, the rest of the
+/// step's products ran on the leader alone.
+const IDLE_LEAVE: Duration = Duration::from_millis(20);
 
 /// The state a step's threads share (see the module docs).
 pub struct Team {
