@@ -195,9 +195,9 @@ def kl_divergence(
 
 
 # Mean KL (nats) from the float32-activation logits that one-digit matrices may bring a model to, together
-# (``choose_act_digits``). On the Apache-2.0 text at ctx 256 a one-digit head takes Gemma 3 270M to ~5.4e-4 (two
-# digits everywhere: ~1.2e-4) and SmolLM2-135M to ~7.2e-4, where greedy answers start to flip: Gemma's head gets
-# one digit, SmolLM2's keeps two.
+# (``choose_act_digits``). On the Apache-2.0 text at ctx 256 a one-digit head takes SmolLM2-135M to ~7.2e-4, where
+# its greedy answers start to flip; a model without such answers to keep may take more (Gemma 3's architecture
+# default, every matrix at one digit, costs its 270M file ~2.8e-3, below llama.cpp's own ~6.7e-3: docs/models.md).
 KL_BUDGET = 6e-4
 # The order matrices are tried in: the largest product of a decode step first.
 DIGIT_CANDIDATES = ("head", "wdown", "wgu", "wqkv", "wo")
