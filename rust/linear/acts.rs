@@ -283,28 +283,36 @@ fn quantize_block(x: &[f32], h: &mut [i8], l: &mut [i8]) -> (f32, i32, f32) {
 
 /// `quantize_acts` with the quantizer of the tile build `v` (`variant`): AVX-512 beside the VNNI
 /// tile, AVX2 beside the AVX2 tile (so `PAGEDKV_ISA=avx2` runs what a CPU without AVX-512 runs),
-/// the scalar one otherwise; identical results.
-pub(super) fn quantize_fast(v: Isa, x: &[f32], m: usize, k: usize) -> QActs {
+/// the scalar one otherwise; identical results. `one`: `quantize_one`'s first digit only (AVX-512
+/// or scalar).
+pub(super) fn quantize_fast(v: Isa, x: &[f32], m: usize, k: usize, one: bool) -> QActs {
     #[cfg(target_arch = "x86_64")]
     if v == Isa::Avx512 && Isa::Avx512.available() {
         let mut a = QActs::zeroed(m, k);
+        a.digits = if one { 1 } else { 2 };
         // SAFETY: AVX-512 F/BW detected (`Isa::Avx512` includes them); x[..m*k] and the buffers are sized for m rows.
-        unsafe { x86::quantize(&x[..m * k], &mut a.rows_mut(), x86::Digits::Rows) };
+        unsafe { x86::quantize(&x[..m * k], &mut a.rows_mut(), x86::Digits::Rows, one) };
         return a;
+    } else if one {
+        return quantize_one(x, m, k, false);
     } else if v == Isa::Avx2 && Isa::Avx2.available() {
         let mut a = QActs::zeroed(m, k);
         // SAFETY: AVX2 and FMA detected (`Isa::Avx2` includes them); x[..m*k] and the buffers are sized for m rows.
         unsafe { avx2::quantize(&x[..m * k], &mut a) };
         return a;
     }
-    quantize_acts(x, m, k)
+    if one {
+        quantize_one(x, m, k, false)
+    } else {
+        quantize_acts(x, m, k)
+    }
 }
 
 /// The VNNI tile's activations: the digits in `tiled` only (`hi` and `lo` empty), straight from
 /// the AVX-512 quantizer (the same bytes `pack_tiled` makes of `quantize_acts`; cargo tests), in
 /// chunks of `chunk` rows (rounded up to a multiple of `TILED_ROWS`) on the rayon pool when there
-/// is more than one, each written in place.
-pub(super) fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize) -> QActs {
+/// is more than one, each written in place. `one`: the first digit only (`quantize_one`'s).
+pub(super) fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize, one: bool) -> QActs {
     #[cfg(target_arch = "x86_64")]
     if Isa::Avx512.available() {
         use rayon::prelude::*;
@@ -316,7 +324,7 @@ pub(super) fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize) -> QAc
             base: vec![0; m * nb],
             qs: vec![0.0; m * nb],
             tiled: vec![0; 2 * m * k],
-            digits: 2,
+            digits: if one { 1 } else { 2 },
         };
         let chunk = chunk.max(1).next_multiple_of(TILED_ROWS);
         let mut parts = Vec::with_capacity(m.div_ceil(chunk));
@@ -330,7 +338,7 @@ pub(super) fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize) -> QAc
         let run = |(xc, mut v): (&[f32], ActsMut)| {
             // SAFETY: AVX-512 F/BW detected; xc holds whole rows, and v is those rows' `tiled` and
             // scale buffers (`split` at multiples of TILED_ROWS rows: their own groups).
-            unsafe { x86::quantize(xc, &mut v, x86::Digits::Tiled { k }) }
+            unsafe { x86::quantize(xc, &mut v, x86::Digits::Tiled { k }, one) }
         };
         if parts.len() > 1 {
             parts.into_par_iter().for_each(run);
@@ -340,25 +348,28 @@ pub(super) fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize) -> QAc
         return a;
     }
     let _ = chunk;
+    if one {
+        return quantize_one(x, m, k, true);
+    }
     let mut a = quantize_acts(x, m, k);
     a.pack_tiled(m, k);
     a
 }
 
 /// `quantize_fast` for build `v` over chunks of 64 rows in parallel (`quantize_tiled` in such
-/// chunks when `tiled`).
-pub(super) fn quantize_par(v: Isa, x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
+/// chunks when `tiled`); `one`: the first digit only.
+pub(super) fn quantize_par(v: Isa, x: &[f32], m: usize, k: usize, tiled: bool, one: bool) -> QActs {
     use rayon::prelude::*;
     const ROWS: usize = 64;
     if tiled {
-        return quantize_tiled(x, m, k, ROWS);
+        return quantize_tiled(x, m, k, ROWS, one);
     }
     if m <= ROWS {
-        return quantize_fast(v, x, m, k);
+        return quantize_fast(v, x, m, k, one);
     }
     let parts: Vec<QActs> = x[..m * k]
         .par_chunks(ROWS * k)
-        .map(|c| quantize_fast(v, c, c.len() / k, k))
+        .map(|c| quantize_fast(v, c, c.len() / k, k, one))
         .collect();
     let mut a = QActs {
         hi: Vec::with_capacity(m * k),
@@ -367,7 +378,7 @@ pub(super) fn quantize_par(v: Isa, x: &[f32], m: usize, k: usize, tiled: bool) -
         base: Vec::new(),
         qs: Vec::new(),
         tiled: Vec::new(),
-        digits: 2,
+        digits: if one { 1 } else { 2 },
     };
     for p in parts {
         a.hi.extend_from_slice(&p.hi);

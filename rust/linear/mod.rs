@@ -181,10 +181,11 @@ fn linear_ld(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32], ld: Op
     let pool = runtime::pool()?;
     let out_ptr = SendPtr(out.as_mut_ptr());
     pool.install(|| {
+        let one = w.act_digits() == 1;
         let acts = match variant(isa) {
-            v if w.act_digits() == 1 => quantize_one(x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
+            Isa::Scalar if one => quantize_one(x, m, k, false),
             Isa::Scalar => quantize_acts(x, m, k),
-            v => quantize_par(v, x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
+            v => quantize_par(v, x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS, one),
         };
         let jobs = w.panels().div_ceil(JOB_PANELS);
         (0..jobs).into_par_iter().for_each(|j| {

@@ -166,14 +166,15 @@ impl<'a> Product<'a> {
     ) -> Result<Self> {
         let k = w.k;
         check_shapes(x, m, w, out, ld)?;
+        let one = w.act_digits() == 1;
         let acts = match variant(isa) {
-            v if w.act_digits() == 1 => quantize_one(x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS),
+            Isa::Scalar if one => quantize_one(x, m, k, false),
             Isa::Scalar => quantize_acts(x, m, k),
             // Rows in chunks a thread from TEAM_QUANTIZE_ROWS on: the team's idle helpers take
             // the other chunks from rayon (`Team::help`).
-            Isa::Avx512 if m >= TEAM_QUANTIZE_ROWS => quantize_tiled(x, m, k, m.div_ceil(threads.max(1))),
-            Isa::Avx512 if m >= TILED_MIN_ROWS => quantize_tiled(x, m, k, m),
-            v => quantize_fast(v, x, m, k),
+            Isa::Avx512 if m >= TEAM_QUANTIZE_ROWS => quantize_tiled(x, m, k, m.div_ceil(threads.max(1)), one),
+            Isa::Avx512 if m >= TILED_MIN_ROWS => quantize_tiled(x, m, k, m, one),
+            v => quantize_fast(v, x, m, k, one),
         };
         let panels_per_job = JOB_PANELS.max(w.panels().div_ceil(4 * threads.max(1)));
         Ok(Product {

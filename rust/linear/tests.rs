@@ -129,8 +129,8 @@ fn simd_quantization_equals_scalar() {
     }
     let a = quantize_acts(&x, 4, k);
     let mut simd = vec![
-        ("fast avx512", quantize_fast(Isa::Avx512, &x, 4, k)),
-        ("fast avx2", quantize_fast(Isa::Avx2, &x, 4, k)),
+        ("fast avx512", quantize_fast(Isa::Avx512, &x, 4, k, false)),
+        ("fast avx2", quantize_fast(Isa::Avx2, &x, 4, k, false)),
     ];
     #[cfg(target_arch = "x86_64")]
     if Isa::Avx2.available() {
@@ -203,7 +203,7 @@ fn simd_quantization_equals_scalar_over_block_groups() {
     let a = quantize_acts(&x, m, k);
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for v in [Isa::Avx512, Isa::Avx2] {
-        let b = quantize_fast(v, &x, m, k);
+        let b = quantize_fast(v, &x, m, k, false);
         assert_eq!(a.hi, b.hi, "{v:?}");
         assert_eq!(a.lo, b.lo, "{v:?}");
         assert_eq!(bits(&a.s), bits(&b.s), "{v:?}");
@@ -234,10 +234,10 @@ fn tiled_quantization_equals_packed_scalar_digits() {
         want.pack_tiled(m, k);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         let chunked = [
-            ("one", quantize_tiled(&x, m, k, m)),
-            ("par", quantize_par(Isa::Avx512, &x, m, k, true)),
-            ("8-row chunks", quantize_tiled(&x, m, k, 8)),
-            ("uneven chunks", quantize_tiled(&x, m, k, m.div_ceil(3))),
+            ("one", quantize_tiled(&x, m, k, m, false)),
+            ("par", quantize_par(Isa::Avx512, &x, m, k, true, false)),
+            ("8-row chunks", quantize_tiled(&x, m, k, 8, false)),
+            ("uneven chunks", quantize_tiled(&x, m, k, m.div_ceil(3), false)),
         ];
         for (name, got) in chunked {
             assert_eq!(got.tiled, want.tiled, "{name} m={m} k={k}");
@@ -247,8 +247,68 @@ fn tiled_quantization_equals_packed_scalar_digits() {
             assert_eq!(bits(&got.qs), bits(&want.qs), "{name} m={m} k={k}");
         }
         for v in [Isa::Avx512, Isa::Avx2] {
-            let rows = quantize_par(v, &x, m, k, false);
+            let rows = quantize_par(v, &x, m, k, false, false);
             assert_eq!((&rows.hi, &rows.lo), (&want.hi, &want.lo), "rows {v:?} m={m} k={k}");
+        }
+    }
+}
+
+/// The fast one-digit quantizers (AVX-512's 16-block and per-block forms, in rows, tiled, in
+/// parallel chunks; the AVX2 build's fallback) give `quantize_one`'s bytes and scales bit for bit,
+/// over NaN, infinite, zero, subnormal, constant and outlier blocks.
+#[test]
+fn fast_one_digit_quantization_equals_quantize_one() {
+    let mut r = Rng(0x1d16);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for (m, k) in [
+        (1, 32 * 18),
+        (3, 32 * 9),
+        (8, 32 * 20),
+        (9, 32 * 7),
+        (33, 32 * 64),
+        (70, 32 * 18),
+    ] {
+        let mut x: Vec<f32> = (0..m * k).map(|_| (r.uniform() - 0.5) * 20.0).collect();
+        for i in 0..m * k / QBLOCK {
+            let blk = &mut x[i * QBLOCK..][..QBLOCK];
+            match r.below(12) {
+                0 => blk[r.below(32)] = f32::NAN,
+                1 => blk[r.below(32)] = f32::NEG_INFINITY,
+                2 => blk.fill(0.0),
+                3 => blk.fill(1e-39),
+                4 => blk.iter_mut().for_each(|v| *v = 1.0),
+                5 => blk[r.below(32)] = 1e6,
+                _ => {}
+            }
+        }
+        let want = quantize_one(&x, m, k, false);
+        let mut want_tiled = quantize_one(&x, m, k, false);
+        want_tiled.pack_tiled(m, k);
+        let label = |name: &str| format!("{name} m={m} k={k}");
+        let same_scales = |got: &QActs, name: &str| {
+            assert_eq!(got.digits, 1, "{}", label(name));
+            assert_eq!(bits(&got.s), bits(&want.s), "{}", label(name));
+            assert_eq!(got.base, want.base, "{}", label(name));
+            assert_eq!(bits(&got.qs), bits(&want.qs), "{}", label(name));
+        };
+        for v in [Isa::Avx512, Isa::Avx2, Isa::Scalar] {
+            for (name, got) in [
+                ("fast", quantize_fast(v, &x, m, k, true)),
+                ("par", quantize_par(v, &x, m, k, false, true)),
+            ] {
+                assert_eq!((&got.hi, &got.lo), (&want.hi, &want.lo), "{} {v:?}", label(name));
+                same_scales(&got, name);
+            }
+        }
+        for (name, got) in [
+            ("tiled", quantize_tiled(&x, m, k, m, true)),
+            ("tiled par", quantize_par(Isa::Avx512, &x, m, k, true, true)),
+            ("tiled 8-row chunks", quantize_tiled(&x, m, k, 8, true)),
+            ("tiled uneven chunks", quantize_tiled(&x, m, k, m.div_ceil(3), true)),
+        ] {
+            assert_eq!(got.tiled, want_tiled.tiled, "{}", label(name));
+            assert!(got.hi.is_empty() && got.lo.is_empty(), "{}", label(name));
+            same_scales(&got, name);
         }
     }
 }

@@ -367,15 +367,25 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize
 /// The CPU has AVX-512 F and BW; `x` holds whole rows (of `k` for `Digits::Tiled { k }`), a
 /// multiple of 32 floats; `a` is those rows' buffers: `hi` and `lo` one byte a float for
 /// `Digits::Rows`, `tiled` two for `Digits::Tiled`, and the scale vectors one entry per 32.
+///
+/// `one`: the first digit only, as `quantize_one` computes it (`l` = 0, `R` = 1, `qs` = `s·Σh`;
+/// `R` = 0 for the blocks it gives 0 or NaN scales): the same `h` and `s` as two digits.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(super) unsafe fn quantize(x: &[f32], a: &mut super::ActsMut, to: Digits) {
+pub(super) unsafe fn quantize(x: &[f32], a: &mut super::ActsMut, to: Digits, one: bool) {
     let groups = x.len() / (16 * QBLOCK);
     for g in 0..groups {
+        let (xg, at) = (&x[g * 16 * QBLOCK..][..16 * QBLOCK], g * 16);
         // SAFETY: blocks 16g..16g+16 are inside x and the digit and scale buffers.
-        unsafe { quantize16(&x[g * 16 * QBLOCK..][..16 * QBLOCK], a, g * 16, to) };
+        unsafe {
+            if one {
+                quantize16::<true>(xg, a, at, to)
+            } else {
+                quantize16::<false>(xg, a, at, to)
+            }
+        };
     }
     // SAFETY: forwarded.
-    unsafe { quantize_each(x, a, groups * 16, to) };
+    unsafe { quantize_each(x, a, groups * 16, to, one) };
 }
 
 /// Where `quantize` puts the digits: `hi` and `lo` (every tile reads them), or only `tiled` for
@@ -411,11 +421,11 @@ unsafe fn store_tiled(a: &mut super::ActsMut, k: usize, m: usize, (row, bi): (us
 /// # Safety
 /// As for `quantize`.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn quantize_each(x: &[f32], a: &mut super::ActsMut, from: usize, to: Digits) {
+unsafe fn quantize_each(x: &[f32], a: &mut super::ActsMut, from: usize, to: Digits, one: bool) {
     for (i, blk) in x.chunks_exact(QBLOCK).enumerate().skip(from) {
         // SAFETY: blk has 32 floats.
         let v = unsafe { [_mm512_loadu_ps(blk.as_ptr()), _mm512_loadu_ps(blk.as_ptr().add(16))] };
-        let (s, base, qs, h, l) = digits(v);
+        let (s, base, qs, h, l) = if one { first_digit(v) } else { digits(v) };
         let mut bytes = [[0i8; QBLOCK]; 2];
         for (dst, q) in bytes.iter_mut().zip([h, l]) {
             // SAFETY: dst holds 32 bytes.
@@ -536,12 +546,12 @@ fn codes16<const ABS: bool>(v: &[[__m512; 2]; 16], inv: __m512, skip: u16) -> (_
     (_mm512_castps_si512(sum), abs, q)
 }
 
-/// `quantize_each` for blocks `at..at+16` (`x` = their 512 floats).
+/// `quantize_each` for blocks `at..at+16` (`x` = their 512 floats); `ONE`: the first digit only.
 ///
 /// # Safety
 /// As for `quantize`; blocks `at..at+16` are inside the digit and scale buffers.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn quantize16(x: &[f32], a: &mut super::ActsMut, at: usize, to: Digits) {
+unsafe fn quantize16<const ONE: bool>(x: &[f32], a: &mut super::ActsMut, at: usize, to: Digits) {
     debug_assert!(x.len() == 16 * QBLOCK && at + 16 <= a.qs.len());
     // SAFETY: x holds 16 blocks of 32 floats.
     let v: [[__m512; 2]; 16] = std::array::from_fn(|b| unsafe {
@@ -557,27 +567,38 @@ unsafe fn quantize16(x: &[f32], a: &mut super::ActsMut, at: usize, to: Digits) {
     // Correctly rounded divisions, lane by lane as the scalar ones.
     let inv_h = _mm512_div_ps(_mm512_set1_ps(127.0), amax);
     let s_h = _mm512_div_ps(amax, _mm512_set1_ps(127.0));
-    let (sum_h, abs_h, h) = codes16::<true>(&v, inv_h, skip);
-    // e = v - s_h·h, rounded after the product (no contraction).
-    let err: [[__m512; 2]; 16] = std::array::from_fn(|b| {
-        let sb = _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), s_h);
-        [0, 1].map(|j| _mm512_sub_ps(v[b][j], _mm512_mul_ps(sb, _mm512_cvtepi32_ps(h[b][j]))))
-    });
-    // R = `digit_base` lane by lane (the skipped blocks' lanes, whatever they hold, are zeroed
-    // below); 127·R exact.
-    let (emax, _) = amax16(&err);
-    let floor = |x: __m512| _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x);
-    let base = _mm512_min_ps(
-        _mm512_min_ps(
-            floor(_mm512_div_ps(amax, emax)),
-            floor(_mm512_div_ps(_mm512_set1_ps(BASE_BUDGET), _mm512_cvtepi32_ps(abs_h))),
-        ),
-        _mm512_set1_ps(BASE_CAP),
-    );
-    let base = _mm512_maskz_mov_ps(!skip, base);
+    let (sum_h, abs_h, h) = if ONE {
+        codes16::<false>(&v, inv_h, skip)
+    } else {
+        codes16::<true>(&v, inv_h, skip)
+    };
+    let zero = _mm512_setzero_si512();
+    let (base, sum_l, l) = if ONE {
+        // R = 1 (0 where skipped), no second digit.
+        (_mm512_maskz_mov_ps(!skip, _mm512_set1_ps(1.0)), zero, [[zero; 2]; 16])
+    } else {
+        // e = v - s_h·h, rounded after the product (no contraction).
+        let err: [[__m512; 2]; 16] = std::array::from_fn(|b| {
+            let sb = _mm512_permutexvar_ps(_mm512_set1_epi32(b as i32), s_h);
+            [0, 1].map(|j| _mm512_sub_ps(v[b][j], _mm512_mul_ps(sb, _mm512_cvtepi32_ps(h[b][j]))))
+        });
+        // R = `digit_base` lane by lane (the skipped blocks' lanes, whatever they hold, are zeroed
+        // below); 127·R exact.
+        let (emax, _) = amax16(&err);
+        let floor = |x: __m512| _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x);
+        let base = _mm512_min_ps(
+            _mm512_min_ps(
+                floor(_mm512_div_ps(amax, emax)),
+                floor(_mm512_div_ps(_mm512_set1_ps(BASE_BUDGET), _mm512_cvtepi32_ps(abs_h))),
+            ),
+            _mm512_set1_ps(BASE_CAP),
+        );
+        let base = _mm512_maskz_mov_ps(!skip, base);
+        let inv_l = _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(127.0), base), amax);
+        let (sum_l, _, l) = codes16::<false>(&err, inv_l, skip);
+        (base, sum_l, l)
+    };
     let units = _mm512_mul_ps(_mm512_set1_ps(127.0), base);
-    let inv_l = _mm512_div_ps(units, amax);
-    let (sum_l, _, l) = codes16::<false>(&err, inv_l, skip);
     let base_i = _mm512_cvtps_epi32(base);
     // Both digits of a block in one 64-byte vector: i32 -> i16 -> i8 packs (exact: |q| <= 127), whose
     // 128-bit lane k holds dwords h[4k..], h[16+4k..], l[4k..], l[16+4k..]; the 4x4 dword transpose
@@ -630,6 +651,7 @@ unsafe fn quantize16(x: &[f32], a: &mut super::ActsMut, at: usize, to: Digits) {
             }
         }
     }
+    // One digit: s = a/127, as `quantize_block_one` divides (units = 127 there).
     let s = _mm512_div_ps(amax, units);
     let s = _mm512_mask_blend_ps(tiny, s, _mm512_setzero_ps());
     let s = _mm512_mask_blend_ps(nan | inf, s, _mm512_set1_ps(f32::NAN));
@@ -642,6 +664,35 @@ unsafe fn quantize16(x: &[f32], a: &mut super::ActsMut, at: usize, to: Digits) {
         _mm512_storeu_si512(a.base.as_mut_ptr().add(at) as *mut _, base_i);
         _mm512_storeu_ps(a.qs.as_mut_ptr().add(at), qs);
     }
+}
+
+/// The first digit of a 32-float block: `(s, R, qs, h, 0)` as `quantize_block_one` computes them.
+#[target_feature(enable = "avx512f,avx512bw")]
+fn first_digit(v: [__m512; 2]) -> (f32, i32, f32, [__m512i; 2], [__m512i; 2]) {
+    let zero = [_mm512_setzero_si512(); 2];
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[0], v[0]) | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[1], v[1]);
+    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    if nan != 0 || amax.is_infinite() {
+        return (f32::NAN, 0, f32::NAN, zero, zero);
+    }
+    if amax < f32::MIN_POSITIVE {
+        return (0.0, 0, 0.0, zero, zero);
+    }
+    let (lo, hi, inv) = (
+        _mm512_set1_ps(-127.0),
+        _mm512_set1_ps(127.0),
+        _mm512_set1_ps(127.0 / amax),
+    );
+    // Nearest-even conversion (the default rounding mode), as `round_half_even` in acts.rs.
+    let h = v.map(|x| {
+        _mm512_cvtps_epi32(_mm512_min_ps(
+            _mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x, inv)), lo),
+            hi,
+        ))
+    });
+    let s = amax / 127.0;
+    let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(h[0], h[1]));
+    (s, 1, s * sum as f32, h, zero)
 }
 
 /// Both digits of a 32-float block: `(s, R, qs, h, l)` as `quantize_block` computes them.
