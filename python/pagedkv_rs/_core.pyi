@@ -273,4 +273,5 @@ class LlamaDecoder:
         *,
         rope: Sequence[tuple[_F32, _F32]],
         spin: bool = False,
+        out: Optional[_F32] = None,
     ) -> npt.NDArray[np.float32]: ...

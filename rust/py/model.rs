@@ -3,13 +3,13 @@
 
 use std::sync::Arc;
 
-use numpy::{PyArray2, PyArrayMethods};
+use numpy::PyArrayMethods;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use super::arrays::{cache_pair_mut, kv_mut, readonly, slice_of, typed, Raw};
+use super::arrays::{cache_pair_mut, kv_mut, out_f32, readonly, readwrite_f32, slice_of, typed, Raw};
 use super::linear::QLinear;
 use super::type_name;
 use crate::attention::KvMut;
@@ -237,8 +237,10 @@ impl LlamaDecoder {
     /// `forward_hidden`, then the head (`final_norm`, `lm_head`) in the same GIL-free call:
     /// float32 logits `[N, V]` of the tokens `logits_indices` (ints into the step's `T` tokens;
     /// None: each sequence's last token, `query_start_loc[1:] - 1`). `x` is left holding the
-    /// residual stream as `forward_hidden` leaves it.
-    #[pyo3(signature = (x, batch, kv_caches, logits_indices = None, *, rope, spin = false))]
+    /// residual stream as `forward_hidden` leaves it. `out`: a C-contiguous writeable float32
+    /// `[N, V]` array to write the logits into and return (a caller's buffer reused step after
+    /// step skips mapping fresh pages for every step's logits), else a new one.
+    #[pyo3(signature = (x, batch, kv_caches, logits_indices = None, *, rope, spin = false, out = None))]
     #[allow(clippy::too_many_arguments)]
     fn forward<'py>(
         &self,
@@ -249,7 +251,8 @@ impl LlamaDecoder {
         logits_indices: Option<&Bound<'py, PyAny>>,
         rope: &Bound<'py, PyAny>,
         spin: bool,
-    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let dec = &self.inner;
         let v = dec.vocab_size().ok_or_else(|| {
             PyValueError::new_err("this LlamaDecoder has no head: build it with final_norm and lm_head")
@@ -290,14 +293,13 @@ impl LlamaDecoder {
                 rows
             }
         };
-        let out = PyArray2::<f32>::zeros(py, [rows.len(), v], false);
+        let xr = typed::<f32>(x, "x", 2, "float32")?;
+        let out = out_f32(py, out.filter(|o| !o.is_none()), &[rows.len(), v], &[(&xr, "x")])?;
         {
-            let mut og = out
-                .try_readwrite()
-                .map_err(|e| PyValueError::new_err(format!("logits buffer: {e}")))?;
+            let mut og = readwrite_f32(&out, "out")?;
             let logits = og
                 .as_slice_mut()
-                .map_err(|e| PyValueError::new_err(format!("logits buffer: {e}")))?;
+                .map_err(|e| PyValueError::new_err(format!("out must be C-contiguous: {e}")))?;
             self.with_step(py, x, batch, rope, kv_caches, |xs, b, rope, caches, shape| {
                 dec.forward_logits(xs, b, rope, caches, shape, &rows, spin, logits)
             })?;

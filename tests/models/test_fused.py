@@ -334,6 +334,51 @@ def test_forward_logits_rejects_bad_input(tiny):
     assert logits.shape == (1, w.lm_head.q.n) and np.isfinite(logits).all()
 
 
+def test_logits_into_a_callers_buffer(tiny):
+    """``forward(out=...)`` writes the logits into the caller's rows (the runner's buffer, reused step after step)
+    and returns it, the same bits as a new array, in the fused decoder and in ``LlamaModel`` both ways; a bad
+    buffer is a ValueError/TypeError before any K/V is written."""
+    dec, b, x = tiny.dec, tiny.batch, tiny.x
+    v = tiny.w.lm_head.q.n
+    want = dec.forward(x.copy(), b, tiny.model.new_kv_caches(8, 4, "float32"), [4, 1], rope=tiny.rope)
+    wide = np.full((3, v), np.nan, np.float32)  # rows 0-1 are the output, row 2 must stay untouched
+    got = dec.forward(x.copy(), b, tiny.model.new_kv_caches(8, 4, "float32"), [4, 1], rope=tiny.rope, out=wide[:2])
+    assert np.shares_memory(got, wide) and np.isnan(wide[2]).all()
+    np.testing.assert_array_equal(got, want)
+    for impl in ("fused", "numpy"):
+        model = LlamaModel(tiny.w, impl=impl)
+        ref = model.forward(b, model.new_kv_caches(8, 4, "float32"))
+        buf = np.full((1, v), np.nan, np.float32)
+        assert model.forward(b, model.new_kv_caches(8, 4, "float32"), out=buf) is buf
+        np.testing.assert_array_equal(buf, ref)
+        caches = model.new_kv_caches(8, 4, "float32")
+        before = [(k.copy(), val.copy()) for k, val in caches]
+        for bad in (
+            np.zeros((2, v), np.float32),
+            np.zeros((1, v), np.float64),
+            np.zeros((1, 2 * v), np.float32)[:, ::2],
+            np.zeros((1, v), np.float32)[:, ::-1],
+        ):
+            with pytest.raises(ValueError, match="out must"):
+                model.forward(b, caches, out=bad)
+        ro = np.zeros((1, v), np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="out must"):
+            model.forward(b, caches, out=ro)
+        for (k0, v0), (k1, v1) in zip(before, caches):
+            np.testing.assert_array_equal(k0, k1)
+            np.testing.assert_array_equal(v0, v1)
+    caches = tiny.model.new_kv_caches(8, 4, "float32")
+    for bad, exc in ((np.zeros((1, v), np.float64), TypeError), (np.zeros((2, v), np.float32), ValueError)):
+        with pytest.raises(exc, match="out must"):
+            dec.forward(x.copy(), b, caches, rope=tiny.rope, out=bad)
+    mem = np.zeros(max(x.size, v), np.float32)  # x and out in one buffer: the logits would overwrite x
+    xs = mem[: x.size].reshape(x.shape)
+    xs[...] = x
+    with pytest.raises(ValueError, match="out must not share memory with x"):
+        dec.forward(xs, b, caches, rope=tiny.rope, out=mem[:v].reshape(1, v))
+
+
 def test_forward_hidden_releases_the_gil():
     from kernels.kernel_util import gil_released_during  # tests/kernels (tests/ is on the path)
 

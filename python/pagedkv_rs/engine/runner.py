@@ -145,12 +145,24 @@ class ModelRunner:
         if kv_tiers:
             self.kv_tiers = _make_tiers(model, self.kv_caches, block_size, kv_tiers, kv_tier_secret, kv_tier_deadline)
         self.logits_indices = _takes_logits_indices(model)
+        # The model writes each step's logits into rows of this buffer (``forward(out=...)``), valid until the next
+        # step: a large vocabulary's fresh [N, V] array a step costs page faults on every element.
+        self._logits_buf: Optional[np.ndarray] = None if not _takes(model, "out") else np.empty((0, 0), np.float32)
         # why prompt_logprobs cannot be served, or None
         self._masks: Optional[ThreadPoolExecutor] = None  # grammar masks, beside the forward; started on first use
         self.no_prompt_logprobs = (
             None if self.logits_indices else f"model {type(model).__name__}.forward takes no logits_indices"
         )
         self.no_pooling = pooling_unavailable(model)  # why pooling requests cannot be served, or None
+
+    def _logits_out(self, rows: int, vocab: int) -> dict[str, np.ndarray]:
+        """``{"out": [rows, vocab] rows of the reused logits buffer}`` (grown as needed), or ``{}``."""
+        buf = self._logits_buf
+        if buf is None:
+            return {}
+        if buf.shape[0] < rows or buf.shape[1] != vocab:
+            buf = self._logits_buf = np.empty((max(rows, buf.shape[0]), vocab), np.float32)
+        return {"out": buf[:rows]}
 
     @property
     def unsupported(self) -> dict[str, Optional[str]]:
@@ -393,13 +405,14 @@ class ModelRunner:
             draft_logits = logits[:0]  # a step with pooling requests has no drafts
         else:
             more = [x for x in (si.prompt_indices, si.draft_indices) if x is not None]
+            want = b + sum(len(x) for x in more)
+            out = self._logits_out(want, vocab)
             if not more:
-                logits = self.model.forward(so.batch, self.kv_caches)
+                logits = self.model.forward(so.batch, self.kv_caches, **out)
             else:
                 last = so.batch.query_start_loc[1:].astype(np.int64) - 1
                 idx = np.concatenate([last, *more])
-                logits = self.model.forward(so.batch, self.kv_caches, logits_indices=idx)
-            want = b + sum(len(x) for x in more)
+                logits = self.model.forward(so.batch, self.kv_caches, logits_indices=idx, **out)
             if not isinstance(logits, np.ndarray) or logits.shape != (want, vocab):
                 raise ValueError(
                     f"model.forward returned {getattr(logits, 'shape', type(logits))}, expected ({want}, {vocab})"
@@ -544,8 +557,13 @@ def check_speculative(model: Any, config: SchedulerConfig) -> SchedulerConfig:
 
 
 def _takes_logits_indices(model: Any) -> bool:
+    return _takes(model, "logits_indices")
+
+
+def _takes(model: Any, name: str) -> bool:
+    """``model.forward`` has a parameter ``name``."""
     try:
-        return "logits_indices" in inspect.signature(model.forward).parameters
+        return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - a builtin forward without a signature
         return False
 

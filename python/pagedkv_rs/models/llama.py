@@ -654,20 +654,35 @@ class LlamaModel:
         batch: BatchInputs,
         kv_caches: list[tuple[np.ndarray, np.ndarray]],
         logits_indices: Optional[np.ndarray] = None,
+        out: Optional[np.ndarray] = None,
     ) -> np.ndarray:
         """Float32 logits ``[B, V]`` for each sequence's last scheduled token of this step.
 
         ``logits_indices`` (int [N], into the step's T tokens): logits ``[N, V]`` of those tokens instead.
+        ``out``: a C-contiguous writeable float32 array of that shape to write them into and return (a buffer
+        reused step after step), else a new array.
         """
         qsl = np.asarray(batch.query_start_loc, np.int64)
         if np.any(qsl[1:] <= qsl[:-1]):
             raise ValueError("every sequence in a forward batch needs at least one scheduled token")
         rows = qsl[1:] - 1 if logits_indices is None else np.asarray(logits_indices, np.int64)
+        if out is not None:  # checked before any K/V is written
+            shape = (len(rows), self.vocab_size)
+            ok = isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == shape
+            if not (ok and out.flags.c_contiguous and out.flags.writeable):
+                raise ValueError(
+                    f"out must be a C-contiguous writeable float32 array of shape {shape}, got "
+                    f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}"
+                )
         if self._fused_head:  # layers, final norm and lm_head in one GIL-free call
             x, pos = self._embedded(batch, kv_caches)
-            return self._decoder.forward(x, batch, kv_caches, rows, rope=self.weights.rope_rows(pos))
+            return self._decoder.forward(x, batch, kv_caches, rows, rope=self.weights.rope_rows(pos), out=out)
         hidden = self.forward_hidden(batch, kv_caches)
-        return self.compute_logits(self.final_norm(hidden[rows]))  # [N, V]
+        logits = self.compute_logits(self.final_norm(hidden[rows]))  # [N, V]
+        if out is None:
+            return logits
+        out[...] = logits
+        return out
 
     def final_norm(self, hidden: np.ndarray) -> np.ndarray:
         """The final RMSNorm of residual-stream rows ``[N, H]`` (the hidden states embeddings pool)."""
