@@ -296,7 +296,8 @@ class KVEventPublisher:
                 break
             try:
                 ts, raw, loaded, tier = item
-                events = self._convert(raw, loaded) + self._convert_tier(tier)
+                # an item of tier notes alone must not age the loads' windows
+                events = (self._convert(raw, loaded) if raw or loaded else []) + self._convert_tier(tier)
                 if not events:
                     continue
                 batch = KVEventBatch(ts=ts, events=events)
