@@ -189,6 +189,7 @@ class KVTiers:
             t.on_removed = lambda keys, t=t: self._notify_removed(t, keys)
 
     def notify_stored(self, tier: Tier, entries: Sequence[BlockEntry]) -> None:
+        """Tell the listener ``tier`` holds these blocks' records now (called by the writers)."""
         if self._listener is not None and entries:
             try:
                 self._listener.tier_stored(tier.medium, list(entries))
