@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ except ImportError as e:  # never a skip: the events extra and the test deps are
 
 from pagedkv_rs.engine.kv_events import KVEventPublisher
 from pagedkv_rs.engine.sampling import SamplingParams
+from pagedkv_rs.tiers import record_sizes
 
 BS = 16
 
@@ -136,6 +139,7 @@ def events_engine(make_tiny_engine: Any, monkeypatch: pytest.MonkeyPatch) -> Any
             replay_endpoint="tcp://127.0.0.1:*" if replay else None,
             hash_mode=hash_mode,
             topic="kv",
+            kv_tiers=eng.kv_tiers,
         )
         eng.runner.kv_events = pub
         sub = Subscriber(pub.endpoint, pub.replay_endpoint, topic="kv")
@@ -226,6 +230,100 @@ def test_replay_returns_missed_batches(events_engine):
     replayed = sub.replay(0)
     assert [seq for seq, _ in replayed][: len(sub.seqs)] == sub.seqs
     assert [e for _, b in replayed for e in b.events][: len(sub.events)] == sub.events
+
+
+def medium_hashes(events: list[Any], medium: str, kind: type = BlockStored) -> list[int]:
+    return [h for e in events if isinstance(e, kind) and e.medium == medium for h in e.block_hashes]
+
+
+@pytest.mark.parametrize("hash_mode", ["native", "vllm"])
+def test_tier_writes_are_announced_with_the_tier_medium(events_engine, tmp_path, hash_mode):
+    eng, pub, sub = events_engine(hash_mode=hash_mode, kv_tiers=[f"disk:{tmp_path}?size=64MiB"])
+    toks = prompt(30, 3 * BS + 5)
+    eng.generate({"prompt_token_ids": toks}, GREEDY)  # then idle: the thread itself publishes the late writes
+    sub.wait_for(lambda: len(medium_hashes(sub.events, "DISK")) >= 3)
+    pool, disk = medium_hashes(sub.events, "CPU"), medium_hashes(sub.events, "DISK")
+    assert disk == pool[:3]  # the same blocks under the same hashes, now also on disk
+    on_disk = [e for e in stored(sub.events) if e.medium == "DISK"]
+    assert [t for e in on_disk for t in e.token_ids] == toks[: 3 * BS]
+    assert on_disk[0].parent_block_hash is None and on_disk[0].block_size == BS
+    if hash_mode == "vllm":
+        assert disk == vllm_hashes(toks, seed="7")[:3]
+    assert pub.stats["unmapped_blocks"] == 0 and eng.kv_tiers.stats()[f"disk:{tmp_path}"]["stored_blocks"] == 3
+
+
+def test_disk_evictions_are_announced(events_engine, make_tiny_engine, tmp_path):
+    probe = make_tiny_engine(block_size=BS, kv_tiers=[f"disk:{tmp_path / 'probe'}?size=1MiB"])
+    size = record_sizes(probe.kv_tiers.layout)[0]
+    probe.shutdown()
+    # room for three records: the later prompts' writes evict the first ones
+    eng, pub, sub = events_engine(kv_tiers=[f"disk:{tmp_path / 'tier'}?size={3 * size}"])
+    for k in range(3):
+        eng.generate({"prompt_token_ids": prompt(40 + k, 2 * BS + 1)}, GREEDY)
+    sub.wait_for(lambda: len(medium_hashes(sub.events, "DISK", BlockRemoved)) >= 3)
+    written, evicted = medium_hashes(sub.events, "DISK"), medium_hashes(sub.events, "DISK", BlockRemoved)
+    assert len(written) == 6 and evicted == written[:3]  # least recently used first
+    assert eng.kv_tiers.tiers[0].evictions == 3
+    assert not any(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in sub.events)  # the pool kept them
+
+
+@pytest.fixture
+def redis_url(tmp_path: Any) -> Any:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed: apt-get install -y redis-server (the README's test command)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1)
+    for _ in range(500):
+        try:
+            if client.ping():
+                break
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.02)
+    yield f"redis://127.0.0.1:{port}/0", client
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.parametrize("hash_mode", ["native", "vllm"])
+def test_redis_writes_loads_and_removals_carry_its_medium(events_engine, redis_url, hash_mode):
+    url, client = redis_url
+    a, _, sub_a = events_engine(hash_mode=hash_mode, kv_tiers=[url], kv_tier_secret=b"s")
+    toks = prompt(50, 4 * BS + 3)
+    a.generate({"prompt_token_ids": toks}, GREEDY)
+    sub_a.wait_for(lambda: len(medium_hashes(sub_a.events, "REDIS")) >= 4)
+    written = medium_hashes(sub_a.events, "REDIS")
+    assert written == medium_hashes(sub_a.events, "CPU")[:4]
+    if hash_mode == "vllm":
+        assert written == vllm_hashes(toks, seed="7")[:4]
+    # another replica on the same Redis, its pool empty: the first three blocks load from Redis; the fourth's
+    # record is corrupted, fails verification and is deleted (announced), and that block is computed again
+    records = {k: client.get(k) for k in client.keys("*")}
+    assert len(records) == 4
+    fourth = next(k for k, v in records.items() if _record_tokens(v) == toks[3 * BS : 4 * BS])
+    client.set(fourth, records[fourth][:-1] + bytes([records[fourth][-1] ^ 1]))
+    b, pub_b, sub_b = events_engine(hash_mode=hash_mode, kv_tiers=[url], kv_tier_secret=b"s")
+    b.generate({"prompt_token_ids": toks}, GREEDY)
+    sub_b.wait_for(lambda: bool(medium_hashes(sub_b.events, "REDIS", BlockRemoved)))
+    assert medium_hashes(sub_b.events, "REDIS", BlockRemoved) == written[3:4]
+    loaded = next(e for e in stored(sub_b.events) if e.medium == "REDIS" and e.token_ids[:BS] == toks[:BS])
+    assert loaded.block_hashes == written[:3]  # the pool's BlockStored of the loaded blocks names Redis
+    sub_b.wait_for(lambda: medium_hashes(sub_b.events, "REDIS")[-1:] == written[3:4])  # rewritten by b
+    assert pub_b.stats["unmapped_blocks"] == 0 and b.kv_tiers.metrics[0].snapshot()["verify_failures"] == 1
+
+
+def _record_tokens(rec: bytes) -> list[int]:
+    import struct
+
+    (ntok,) = struct.unpack_from("<I", rec, 8)
+    head = struct.calcsize("<4sHHIQ16s16s16s16s")
+    return list(struct.unpack_from(f"<{ntok}I", rec, head))
 
 
 def test_bad_endpoint_is_a_clear_error(make_tiny_engine):

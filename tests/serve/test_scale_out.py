@@ -216,6 +216,11 @@ def test_cache_aware_hit_rate_at_least_round_robin(cluster, router):
     assert ca["prefix_hit_rate"] >= rr["prefix_hit_rate"], (ca, rr)
     assert min(rr["per_server_queries"]) > 0  # round robin used both replicas
     assert ca["prefix_hit_rate"] > 0.5  # each group's later requests hit the replica that computed its prefix
+    assert ca["warm_requests"] > 6  # the requests that found their prefix (usage.prompt_tokens_details)
+    for res in (rr, ca):  # the replicas publish KV events; the bench reads their counters
+        assert res["warm_requests"] + res["cold_requests"] == 12
+        assert res["kv_event_batches"] > 0 and res["kv_events"] >= res["kv_event_batches"]
+        assert res["kv_event_dropped_batches"] == 0
 
 
 def test_router_learns_the_served_model_id(cluster, router):
@@ -264,7 +269,8 @@ def test_prefix_computed_on_a_is_loaded_from_redis_on_b(cluster):
     from_redis = [e for e in stored(sub.events) if e.medium == "REDIS"]
     assert from_redis[0].parent_block_hash is None and from_redis[0].token_ids[:16] == ids[:16]
     hashes = [h for e in from_redis for h in e.block_hashes]
-    assert hashes == vllm_hashes(ids, seed="0")[: len(hashes)]
+    want = vllm_hashes(ids, seed="0")
+    assert hashes[: len(want)] == want[: len(hashes)]  # after them: B's own writes of the blocks it completed
 
 
 def finished_requests(url: str) -> float:

@@ -266,7 +266,8 @@ def kv_events(llm: Any, args: argparse.Namespace) -> Any:
         topic=args.kv_events_topic,
         replay_endpoint=args.kv_events_replay_endpoint,
         hash_mode=args.prefix_hash,
-        tier_medium=tiers[0].kind.upper() if len(tiers) == 1 else "KV_TIER",
+        tier_medium=tiers[0].medium if len(tiers) == 1 else "KV_TIER",
+        kv_tiers=engine.kv_tiers,
     )
     engine.runner.kv_events = pub
     return pub

@@ -9,9 +9,14 @@ a subscriber re-reads the batches it missed (request: the first wanted seq, 8 by
 
 Events come from the block pool's own log (``KVCacheManager.enable_events`` / ``take_events``):
 ``BlockStored`` when a full block is registered in the prefix cache (after a computation or a tier
-load), ``BlockRemoved`` when a cached free block is reused, ``AllBlocksCleared`` on a prefix-cache reset.
+load; medium ``CPU``, or the tier's when it was loaded), ``BlockRemoved`` when a cached free block is
+reused, ``AllBlocksCleared`` on a prefix-cache reset. With ``kv_tiers``, the tiers' writes and removals
+too: ``BlockStored`` with the tier's medium (``DISK``, ``REDIS``) once a block's record is written,
+``BlockRemoved`` with it when the tier removes one by itself and says so (disk: LRU evictions; Redis:
+a record that failed verification; a Redis TTL or ``maxmemory`` eviction is not seen, so not announced).
 The engine step only drains that log into a bounded queue (``collect``); hashing, encoding and sending
-happen on the publisher thread, and a full queue drops the batch and counts it.
+happen on the publisher thread, and a full queue drops the batch and counts it. Tier notes that arrive
+while the engine is idle are published by the thread itself after ``TIER_IDLE_S``.
 
 Block hashes travel as ints: the low 64 bits of the block's hash, as vLLM sends them by default.
 ``hash_mode="native"`` sends our own chained hash (SHA-256 over parent, salt and tokens);
@@ -53,6 +58,8 @@ log = logging.getLogger("pagedkv_rs.kv_events")
 
 HASH_MODES = ("native", "vllm")
 MEDIUM_POOL = "CPU"  # the block pool lives in host memory (vLLM's GPU pool says "GPU")
+TIER_IDLE_S = 0.2  # tier notes no engine step collected within this long are published by the thread
+TIER_WAIT_S = 2.0  # how long a tier block waits for its vLLM hash (its pool event) before it is counted unmapped
 LOW64 = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -142,6 +149,8 @@ class KVEventPublisher:
     ``endpoint``: PUB address (``tcp://*:5557`` binds; an address without ``*`` connects, as in vLLM).
     ``replay_endpoint``: optional ROUTER address for replays of the last ``buffer_steps`` batches.
     ``max_queue``: batches waiting for the thread past which new ones are dropped (and counted).
+    ``kv_tiers``: the engine's ``KVTiers``, whose writes and removals are announced with each tier's medium;
+    ``tier_medium``: the medium of a tier load when the tier is not known (a load noted without a lookup).
     """
 
     def __init__(
@@ -156,6 +165,7 @@ class KVEventPublisher:
         max_queue: int = 10_000,
         hwm: int = 100_000,
         tier_medium: str = "KV_TIER",
+        kv_tiers: Any = None,
     ) -> None:
         if hash_mode not in HASH_MODES:
             raise ValueError(f"hash_mode must be one of {HASH_MODES}, got {hash_mode!r}")
@@ -166,7 +176,7 @@ class KVEventPublisher:
         self.hash_mode = hash_mode
         self.tier_medium = tier_medium
         self._topic = topic.encode("utf-8")
-        self._queue: queue.Queue[Optional[tuple[float, list[Any], list[tuple[int, ...]]]]] = queue.Queue(max_queue)
+        self._queue: queue.Queue[Optional[tuple[float, list[Any], list[Any], list[Any]]]] = queue.Queue(max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = count()
         self._none_hash = none_hash() if hash_mode == "vllm" else b""
@@ -180,9 +190,14 @@ class KVEventPublisher:
         self._live: dict[int, bytes] = {}
         self._gone: OrderedDict[int, bytes] = OrderedDict()
         self._gone_cap = 2 * int(kv_manager.num_blocks) + 1024
-        self._loaded: list[set[tuple[int, ...]]] = [set(), set()]  # token tuples tier loads brought (2 windows)
-        self._loaded_lock = threading.Lock()
-        self._loaded_new: list[tuple[int, ...]] = []
+        # token tuples tier loads brought -> the tier's medium (2 windows: a load registers in this batch or the next)
+        self._loaded: list[dict[tuple[int, ...], str]] = [{}, {}]
+        self._loaded_lock = threading.Lock()  # guards the notes below, written by the I/O and tier writer threads
+        self._loaded_new: list[tuple[tuple[int, ...], str]] = []
+        self._found: OrderedDict[tuple[int, ...], str] = OrderedDict()  # blocks a lookup found -> that tier's medium
+        self._tier_new: list[tuple[str, str, Any]] = []  # ("stored", medium, entries) / ("removed", medium, hashes)
+        self._tier_since = 0.0  # when the oldest uncollected tier note arrived
+        self._tier_retry: list[tuple[float, str, str, Any]] = []  # (give up at, kind, medium, block): hash unknown
         self.stats = {"batches": 0, "events": 0, "dropped_batches": 0, "unmapped_blocks": 0, "replays": 0}
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -202,6 +217,8 @@ class KVEventPublisher:
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         kv_manager.enable_events()
+        if kv_tiers is not None:
+            kv_tiers.listen(self)
         self._running = True
         self._thread = threading.Thread(target=self._run, name="pagedkv-kv-events", daemon=True)
         self._thread.start()
@@ -210,22 +227,53 @@ class KVEventPublisher:
     def collect(self) -> None:
         """Move the pool's logged changes to the publisher thread; a full queue drops them (counted)."""
         events = self._kv.take_events()
-        if not events and not self._loaded_new:
+        if not events and not self._loaded_new and not self._tier_new:
             return
         with self._loaded_lock:
             loaded, self._loaded_new = self._loaded_new, []
+            tier, self._tier_new = self._tier_new, []
+        self._enqueue(events, loaded, tier)
+
+    def _enqueue(self, events: list[Any], loaded: list[Any], tier: list[Any]) -> None:
         try:
-            self._queue.put_nowait((time.time(), events, loaded))
+            self._queue.put_nowait((time.time(), events, loaded, tier))
         except queue.Full:
             self.stats["dropped_batches"] += 1
 
+    def _blocks(self, token_ids: Sequence[int]) -> list[tuple[int, ...]]:
+        bs = self.block_size
+        return [tuple(token_ids[i : i + bs]) for i in range(0, len(token_ids) - bs + 1, bs)]
+
     def note_loaded(self, token_ids: Sequence[int]) -> None:
         """A tier load brought these blocks' tokens (called on the tier I/O thread): their BlockStored
-        events carry the tier's medium."""
-        bs = self.block_size
-        blocks = [tuple(token_ids[i : i + bs]) for i in range(0, len(token_ids) - bs + 1, bs)]
+        events carry the medium of the tier the lookup found them in."""
         with self._loaded_lock:
-            self._loaded_new += blocks
+            self._loaded_new += [(b, self._found.pop(b, self.tier_medium)) for b in self._blocks(token_ids)]
+
+    # ------------------------------------------------------------------ KVTiers listener (I/O and writer threads)
+    def tier_found(self, medium: str, token_ids: Sequence[int]) -> None:
+        """A lookup found these blocks in the tier ``medium`` (they may still be dropped at the deadline)."""
+        with self._loaded_lock:
+            for b in self._blocks(token_ids):
+                self._found[b] = medium
+                self._found.move_to_end(b)
+            while len(self._found) > self._gone_cap:
+                self._found.popitem(last=False)
+
+    def tier_stored(self, medium: str, entries: Sequence[Any]) -> None:
+        """The tier ``medium`` holds these blocks' records now (``KVTiers`` ``BlockEntry`` objects; their K/V
+        payloads are not kept)."""
+        self._note_tier(("stored", medium, [(e.block_hash, e.parent, e.salt, e.tokens) for e in entries]))
+
+    def tier_removed(self, medium: str, block_hashes: Sequence[bytes]) -> None:
+        """The tier ``medium`` removed the records of these blocks (16-byte chained hashes)."""
+        self._note_tier(("removed", medium, list(block_hashes)))
+
+    def _note_tier(self, note: tuple[str, str, Any]) -> None:
+        with self._loaded_lock:
+            if not self._tier_new:
+                self._tier_since = time.monotonic()
+            self._tier_new.append(note)
 
     # ------------------------------------------------------------------ publisher thread
     def _run(self) -> None:
@@ -242,12 +290,17 @@ class KVEventPublisher:
             except queue.Empty:
                 if not self._running:
                     break
+                self._flush_idle_tier_notes()
                 continue
             if item is None:
                 break
             try:
-                ts, raw, loaded = item
-                batch = KVEventBatch(ts=ts, events=self._convert(raw, loaded))
+                ts, raw, loaded, tier = item
+                # an item of tier notes alone must not age the loads' windows
+                events = (self._convert(raw, loaded) if raw or loaded else []) + self._convert_tier(tier)
+                if not events:
+                    continue
+                batch = KVEventBatch(ts=ts, events=events)
                 payload = enc.encode(batch)
                 seq = next(self._seq)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
@@ -256,6 +309,15 @@ class KVEventPublisher:
                 self.stats["events"] += len(batch.events)
             except Exception:
                 log.exception("KV events: publishing a batch failed")
+
+    def _flush_idle_tier_notes(self) -> None:
+        """Tier notes no engine step collected (the engine is idle): a batch of their own. Blocks still
+        waiting for their vLLM hash are retried with them."""
+        with self._loaded_lock:
+            due = bool(self._tier_new) and time.monotonic() - self._tier_since >= TIER_IDLE_S
+            tier, self._tier_new = (self._tier_new, []) if due else ([], self._tier_new)
+        if due or self._tier_retry:
+            self._enqueue([], [], tier)
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -279,7 +341,7 @@ class KVEventPublisher:
         for kind, h, parent, toks, salt in raw:
             if kind == "stored":
                 key = tuple(toks)
-                medium = self.tier_medium if (key in new or key in old) else MEDIUM_POOL
+                medium = new.get(key) or old.get(key) or MEDIUM_POOL
                 ext, ext_parent = self._external(h, parent, toks, salt)
                 if ext is None:
                     self.stats["unmapped_blocks"] += 1
@@ -309,8 +371,63 @@ class KVEventPublisher:
                     self._forget(old_h, digest)
                 self._live.clear()
                 chain_tail = None
-        self._loaded = [new, set()]  # a load noted in this window may register in the next one
+        self._loaded = [new, {}]  # a load noted in this window may register in the next one
         return out
+
+    def _convert_tier(self, notes: list[tuple[str, str, Any]]) -> list[Any]:
+        """Tier notes -> events with the tier's medium; runs of one chain share one BlockStored. In vLLM hash
+        mode a block whose hash is not known yet (its pool event is still to come) waits up to ``TIER_WAIT_S``."""
+        out: list[Any] = []
+        now = time.monotonic()
+        todo, self._tier_retry = self._tier_retry, []
+        for kind, medium, items in notes:
+            todo += [(now + TIER_WAIT_S, kind, medium, x) for x in items]
+        chain_tail: Optional[int] = None  # our hash of the last block in out[-1] when it is a BlockStored
+        for give_up, kind, medium, x in todo:
+            last = out[-1] if out else None
+            if kind == "removed":  # x: a 16-byte chained hash
+                ext = self._tier_hash(int.from_bytes(x, "little"))
+                parent, h = 0, 0
+            else:  # x: (hash, parent hash, salt digest, tokens)
+                h, parent = int.from_bytes(x[0], "little"), int.from_bytes(x[1], "little")
+                ext = self._tier_hash(h, parent, x[3], x[2])
+            if ext is None:
+                chain_tail = None
+                if now < give_up:
+                    self._tier_retry.append((give_up, kind, medium, x))
+                else:
+                    self.stats["unmapped_blocks"] += 1
+            elif kind == "removed":
+                chain_tail = None
+                if isinstance(last, BlockRemoved) and last.medium == medium:
+                    last.block_hashes.append(ext)
+                else:
+                    out.append(BlockRemoved([ext], medium))
+            elif isinstance(last, BlockStored) and last.medium == medium and parent and chain_tail == parent:
+                last.block_hashes.append(ext)
+                last.token_ids.extend(x[3])
+                chain_tail = h
+            else:
+                pext = self._tier_hash(parent) if parent else None
+                out.append(BlockStored([ext], pext, list(x[3]), self.block_size, None, medium))
+                chain_tail = h
+        return out
+
+    def _tier_hash(self, h: int, parent: int = 0, toks: Sequence[int] = (), salt_digest: bytes = b"") -> Optional[int]:
+        """A tier block's hash as sent. vLLM mode: the digest its pool event gave it, else (a block a tier
+        promoted before the pool registered it) computed from its parent's; None when neither is known."""
+        if self.hash_mode == "native":
+            return h & LOW64
+        digest = self._live.get(h) or self._gone.get(h)
+        if digest is None and toks:
+            if parent:
+                pv = self._live.get(parent) or self._gone.get(parent)
+            else:  # a first block: computable only without a salt (the note carries the salt's digest only)
+                pv = self._none_hash if not any(salt_digest) else None
+            if pv is not None:
+                digest = vllm_block_hash(pv, toks, None)
+                self._forget(h, digest)  # known from now on, without claiming the pool holds it
+        return None if digest is None else int.from_bytes(digest, "big") & LOW64
 
     def _external(self, h: int, parent: int, toks: list[int], salt: bytes) -> tuple[Optional[int], Optional[int]]:
         """(this block's hash, its parent's) as sent: low 64 bits of ours, or of vLLM's recipe."""

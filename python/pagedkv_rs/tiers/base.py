@@ -22,7 +22,7 @@ import hmac
 import struct
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -97,6 +97,17 @@ class Tier:
     name: str = "tier"  # metric label: the spec without secrets or options
     kind: str = "tier"
     secret: Optional[bytes] = None
+    # told the keys this tier removed by itself (an eviction, a record that failed verification); set by KVTiers
+    on_removed: Optional[Callable[[list[str]], None]] = None
+
+    @property
+    def medium(self) -> str:
+        """The tier's name in KV events (vLLM's ``medium``): ``DISK``, ``REDIS``."""
+        return self.kind.upper()
+
+    def _removed(self, keys: list[str]) -> None:
+        if keys and self.on_removed is not None:
+            self.on_removed(keys)
 
     def get_many(self, keys: Sequence[str], deadline: float) -> list[Optional[bytes]]:
         """Records for ``keys`` in order (None = absent); stops at the first absent key or at ``deadline``

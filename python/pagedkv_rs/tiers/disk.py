@@ -161,15 +161,19 @@ class DiskTier(Tier):
             self._total += size
         self._evict()
 
-    def _evict(self) -> None:
+    def _evict(self) -> list[str]:
+        """Remove least recently used records until the total fits; returns their keys."""
+        gone = []
         while self._total > self.size and self._files:
             key, size = self._files.popitem(last=False)
             self._total -= size
             self.evictions += 1
+            gone.append(key)
             try:
                 os.unlink(self._file(key))
             except OSError:
                 pass
+        return gone
 
     @property
     def used_bytes(self) -> int:
@@ -248,7 +252,8 @@ class DiskTier(Tier):
         try:
             os.unlink(self._file(key))
         except OSError:
-            pass
+            return
+        self._removed([key])
 
     def _subdir(self, path: str) -> None:
         """Create a key subdirectory, or check once that the existing one is a real directory of ours."""
@@ -263,7 +268,15 @@ class DiskTier(Tier):
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
         """Write the records in order; a failure (a full disk: ENOSPC, EDQUOT, EFBIG) raises ``TierError`` with
-        the records stored and bytes written before it."""
+        the records stored and bytes written before it. The records evicted to make room are reported
+        (``on_removed``) when the call ends."""
+        gone: list[str] = []
+        try:
+            return self._put_many(items, gone)
+        finally:
+            self._removed(gone)
+
+    def _put_many(self, items: Sequence[tuple[str, bytes]], gone: list[str]) -> int:
         written = 0
         for i, (key, data) in enumerate(items):
             with self._lock:
@@ -306,7 +319,7 @@ class DiskTier(Tier):
                 if key not in self._files:
                     self._files[key] = len(data)
                     self._total += len(data)
-                self._evict()
+                gone += self._evict()
         return written
 
 

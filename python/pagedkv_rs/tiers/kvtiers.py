@@ -9,6 +9,11 @@ writer threads. A write that fails (a full disk, a server gone) counts the block
 stored and the rest as ``store_failures``; the first failure of a run is logged (once, until a write
 succeeds again) and the engine goes on serving.
 
+Listener (``listen``; the KV-events publisher): told each batch of blocks a tier stored, after the write,
+with the tier's medium (``DISK``, ``REDIS``), the blocks a tier removed by itself (disk: LRU evictions,
+reported after the write that caused them; any tier: a record that failed verification), and the blocks a
+lookup found in a tier. It runs on the writer and I/O threads and must not block.
+
 Deadlines: every tier is told the lookup deadline (``Tier.use_deadline``) and bounds each blocking call
 by it (Redis: socket timeouts). The runner gives each load its deadline and stops waiting at it
 (``note_abandoned``: counted as ``timeouts``); a lookup that ends later is dropped (``note_late``).
@@ -111,11 +116,13 @@ class _Writer:
                 ]
                 written = self.tier.put_many(items)
                 self.metrics.add(stored_blocks=len(batch), bytes_written=written)
+                self._owner.notify_stored(self.tier, batch)
                 if self._failing:
                     self._failing = False
                     log.warning("KV tier %s: stores succeed again", self.tier.name)
             except Exception as e:  # TierError, or a bug: never kill the writer; count what was written
                 stored = min(len(batch), getattr(e, "stored", 0))
+                self._owner.notify_stored(self.tier, batch[:stored])
                 self.metrics.add(
                     errors=1,
                     stored_blocks=stored,
@@ -167,10 +174,42 @@ class KVTiers:
         self._writers = [_Writer(self, t, m, queue_blocks) for t, m in zip(self.tiers, self.metrics)]
         self._stage: Optional[np.ndarray] = None  # reused staging buffer for loads
         self._asking = 0  # index of the tier the current lookup asks (for the deadline counters)
+        self._listener: Any = None
 
     def key(self, block_hash: bytes) -> str:
         """The store key of a block: model fingerprint, then chained hash (hex)."""
         return f"{self._ns}-{block_hash.hex()}"
+
+    # ------------------------------------------------------------------ listener
+    def listen(self, listener: Any) -> None:
+        """Tell ``listener`` what the tiers store, remove and find: ``tier_stored(medium, entries)``,
+        ``tier_removed(medium, block_hashes)``, ``tier_found(medium, token_ids)`` (see the module docstring)."""
+        self._listener = listener
+        for t in self.tiers:
+            t.on_removed = lambda keys, t=t: self._notify_removed(t, keys)
+
+    def notify_stored(self, tier: Tier, entries: Sequence[BlockEntry]) -> None:
+        """Tell the listener ``tier`` holds these blocks' records now (called by the writers)."""
+        if self._listener is not None and entries:
+            try:
+                self._listener.tier_stored(tier.medium, list(entries))
+            except Exception:  # a listener's failure never fails a store
+                log.exception("KV tiers: the listener failed on a store")
+
+    def _notify_removed(self, tier: Tier, keys: Sequence[str]) -> None:
+        ns = self._ns + "-"
+        hashes = []
+        for k in keys:
+            try:
+                if k.startswith(ns):  # other models' records (same directory or Redis) are not ours to announce
+                    hashes.append(bytes.fromhex(k[len(ns) :]))
+            except ValueError:
+                continue
+        if self._listener is not None and hashes:
+            try:
+                self._listener.tier_removed(tier.medium, hashes)
+            except Exception:
+                log.exception("KV tiers: the listener failed on a removal")
 
     # ------------------------------------------------------------------ lookup
     def lookup(
@@ -236,6 +275,11 @@ class KVTiers:
                 bytes_read=nread,
                 timeouts=int(late),
             )
+            if hits and self._listener is not None:
+                try:
+                    self._listener.tier_found(tier.medium, tokens[i * bs : (i + len(hits)) * bs])
+                except Exception:
+                    log.exception("KV tiers: the listener failed on a lookup")
             if hits and ti > 0:  # promote to the faster tiers
                 entries = [self._entry(hashes, parent, tokens, salt, i + j, p) for j, p in enumerate(hits)]
                 for w in self._writers[:ti]:

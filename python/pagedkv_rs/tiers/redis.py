@@ -8,6 +8,8 @@ redis-py reconnects on the next command. Values are written with ``SET ... EX tt
 given; keys another replica already wrote are skipped (one ``EXISTS`` per batch). A lookup reads at most
 a record's size of each value (``STRLEN`` + ``GETRANGE`` in one round trip): a value of any other size is
 handed on empty, so it fails verification, and ``discard`` deletes it so the next store replaces it.
+What the server removes by itself (a TTL expiring, a ``maxmemory`` eviction) is not seen here: only
+``discard`` reports a removal (``on_removed``).
 
 Deadlines: the socket (and connect) timeout is the smaller of ``timeout`` and the lookup deadline
 (``use_deadline``), and redis-py's own retries are off, so a slow, SIGSTOPped or unreachable server holds
@@ -126,9 +128,11 @@ class RedisTier(Tier):
     def discard(self, key: str) -> None:
         """Delete a value that failed verification, so the next store of this block replaces it."""
         try:
-            self._r.delete(self.prefix + key)
+            n = self._r.delete(self.prefix + key)
         except self._errors:
-            pass
+            return
+        if n:
+            self._removed([key])
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
         if not items:

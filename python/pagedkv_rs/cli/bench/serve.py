@@ -13,9 +13,13 @@ its CPU per chunk is kept small (httpx's layers took ~200 us a chunk, about what
 requests each, every request one prefix plus its own Q-token question, shuffled (fixed seed) as vLLM's. The prompts are
 random token ids made text by the server's ``/detokenize``, so a router that matches on text (sglang-router's
 ``cache_aware``) sees the shared prefixes. Several ``--base-url`` are taken in turn (client-side round robin);
-the prefix-cache hit rate (hit / queried prompt tokens) and the tokens loaded from KV tiers are the increase
-of the servers' counters over the run, read from each ``--metrics-url`` (default: the base URLs; behind a
-router, give the replicas'), reported beside TTFT.
+the prefix-cache hit rate (hit / queried prompt tokens), the tokens loaded from KV tiers and the KV events
+published (batches and events a second, dropped batches; servers with ``--kv-events-endpoint``) are the
+increase of the servers' counters over the run, read from each ``--metrics-url`` (default: the base URLs;
+behind a router, give the replicas'), reported beside TTFT. Where the server reports
+``usage.prompt_tokens_details.cached_tokens``, TTFT is also split between warm requests (at least half the
+prompt's KV found: prefix cache or a tier) and cold ones, since which of the two the median request is decides
+the median TTFT.
 
 ``--structured``: the workload constrained and unconstrained, side by side in one run (``--rounds`` pairs,
 in ABBA order against a drifting load). Constrained: each request carries a
@@ -115,6 +119,7 @@ class Result:
     itl: list[float] = field(default_factory=list)
     text: str = ""
     finish_reason: Optional[str] = None
+    cached_tokens: Optional[int] = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
 
 
 def make_prompts(args: argparse.Namespace) -> list[tuple[list[int], int]]:
@@ -176,6 +181,7 @@ async def _one(session: Any, url: str, body: dict[str, Any], stream: bool) -> Re
                 whole = await resp.json(content_type=None)
                 r.output_tokens = whole["usage"]["completion_tokens"]
                 r.prompt_len = whole["usage"].get("prompt_tokens", r.prompt_len)
+                r.cached_tokens = _cached(whole["usage"])
                 r.text = whole["choices"][0].get("text") or ""
                 r.finish_reason = whole["choices"][0].get("finish_reason")
                 r.ttft = r.latency = time.perf_counter() - t0
@@ -206,6 +212,7 @@ async def _one(session: Any, url: str, body: dict[str, Any], stream: bool) -> Re
                     if chunk.get("usage"):
                         r.output_tokens = chunk["usage"]["completion_tokens"]
                         r.prompt_len = chunk["usage"].get("prompt_tokens", r.prompt_len)
+                        r.cached_tokens = _cached(chunk["usage"])
                 if done:
                     break
         r.latency = time.perf_counter() - t0
@@ -215,6 +222,11 @@ async def _one(session: Any, url: str, body: dict[str, Any], stream: bool) -> Re
     except Exception as e:
         r.error = f"{type(e).__name__}: {e}"
     return r
+
+
+def _cached(usage: dict[str, Any]) -> Optional[int]:
+    n = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return int(n) if isinstance(n, int) else None
 
 
 def _root(url: str) -> str:
@@ -254,6 +266,9 @@ _COUNTERS = {
     "queries": "pagedkv:prefix_cache_queries_total",
     "hits": "pagedkv:prefix_cache_hits_total",
     "tier_hit_tokens": "pagedkv:kv_tier_hit_tokens_total",
+    "event_batches": "pagedkv:kv_events_batches_total",
+    "events": "pagedkv:kv_events_events_total",
+    "event_drops": "pagedkv:kv_events_dropped_batches_total",
 }
 
 
@@ -280,6 +295,9 @@ def cache_report(before: list[dict[str, float]], after: list[dict[str, float]]) 
         "per_server_hit_rate": [d["hits"] / d["queries"] if d["queries"] else float("nan") for d in per],
         "per_server_queries": [d["queries"] for d in per],
         "tier_hit_tokens": sum(d["tier_hit_tokens"] for d in per),
+        "kv_event_batches": sum(d["event_batches"] for d in per),
+        "kv_events": sum(d["events"] for d in per),
+        "kv_event_dropped_batches": sum(d["event_drops"] for d in per),
     }
 
 
@@ -614,6 +632,13 @@ def summarize(results: list[Result], duration: float) -> dict[str, Any]:
     n_in = sum(r.prompt_len for r in ok)
     n_out = sum(r.output_tokens or len(r.itl) + 1 for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    # requests that found at least half their prompt's KV (prefix cache or a tier) vs the others
+    known = [r for r in ok if r.cached_tokens is not None]
+    warm = [r.ttft for r in known if 2 * (r.cached_tokens or 0) >= r.prompt_len]
+    cold = [r.ttft for r in known if 2 * (r.cached_tokens or 0) < r.prompt_len]
+    by_cache = {"warm_requests": len(warm), "cold_requests": len(cold)} if known else {}
+    if known:
+        by_cache.update(_stats("ttft_warm", warm), **_stats("ttft_cold", cold))
     return {
         "num_requests": len(ok),
         "num_failed": len(results) - len(ok),
@@ -628,6 +653,7 @@ def summarize(results: list[Result], duration: float) -> dict[str, Any]:
         **_stats("tpot", tpot),
         **_stats("itl", [x for r in ok for x in r.itl]),
         **_stats("e2el", [r.latency for r in ok]),
+        **by_cache,
     }
 
 
@@ -672,6 +698,19 @@ def format_report(r: dict[str, Any]) -> str:
             ("Per-server queried tokens:", " ".join(f"{x:.0f}" for x in r["per_server_queries"])),
             ("Tokens loaded from KV tiers:", f"{r['tier_hit_tokens']:.0f}"),
         ]
+        if "warm_requests" in r:  # the servers report usage.prompt_tokens_details.cached_tokens
+            rows2 += [
+                ("Requests >= half cached (warm/cold):", f"{r['warm_requests']} {r['cold_requests']}"),
+                ("Median TTFT warm / cold (ms):", f"{r['median_ttft_warm_ms']:.2f} {r['median_ttft_cold_ms']:.2f}"),
+            ]
+        if r.get("kv_event_batches"):  # servers publishing KV events (--kv-events-endpoint)
+            d = r["duration_s"]
+            rows2.append(
+                (
+                    "KV events batches/s, events/s, dropped:",
+                    f"{r['kv_event_batches'] / d:.2f} {r['kv_events'] / d:.2f} {r['kv_event_dropped_batches']:.0f}",
+                )
+            )
         for k, v in rows2:
             lines.append(f"{v:-^50}" if k == "-" else (f"{k:<40}{v:<10.3f}" if isinstance(v, float) else f"{k:<40}{v}"))
     lines.append("=" * 50)
