@@ -145,6 +145,8 @@ class SchedulerOutput:
     kv_loads: list[KVLoad] = field(default_factory=list)  # admitted requests now WAITING_FOR_KV
     kv_stores: list[KVStore] = field(default_factory=list)
     drafts: dict[int, list[int]] = field(default_factory=dict)  # batch row -> draft tokens after its pending one
+    # speculative decoding's governor: (bucket, whether it drafted, the step's start on its clock), if it decided
+    governed: Optional[tuple[int, bool, float]] = None
 
     @property
     def num_tokens(self) -> int:
@@ -242,6 +244,7 @@ class Scheduler:
         self.num_pooling = 0  # unfinished pooling requests (a step without them pays nothing for pooling)
         spec = self.config.speculative
         self.spec: Optional[Speculator] = None if spec is None else Speculator(spec)
+        self._step_started = 0.0  # on the speculator's clock: the step the governor may time
 
     # ------------------------------------------------------------------ requests
     @property
@@ -405,6 +408,8 @@ class Scheduler:
         An output may hold only ``kv_loads`` (no batch): requests admitted to wait for the KV tiers.
         """
         out = SchedulerOutput([], [])
+        if self.spec is not None:
+            self._step_started = self.spec.clock()
         budget = self._schedule_running(self.config.max_num_batched_tokens, out)
         if not out.preempted:
             budget = self._schedule_swapped(budget, out)
@@ -539,8 +544,8 @@ class Scheduler:
         return budget
 
     def _add_drafts(self, out: SchedulerOutput, decoding: set[int], budget: int) -> int:
-        """Append draft tokens after the pending token of decoding requests, as many as pay (``Speculator``),
-        while budget and free blocks last.
+        """Append draft tokens after the pending token of decoding requests, if the governor runs this batch
+        size with drafts, as many as each one's acceptance makes likely, while budget and free blocks last.
 
         Drafts only take free blocks above the watermark (never a cached block, never a preemption); the
         KV of the rejected ones is truncated in ``update_from_output``.
@@ -549,8 +554,11 @@ class Scheduler:
         assert spec is not None
         if not spec.batch_speculates(len(decoding)):
             return budget
-        a, b = spec.cost()
-        gain, cost = float(len(out.sample_rows)), a + b * sum(out.num_scheduled_tokens)
+        mode = spec.mode(len(decoding))
+        if mode is not None:
+            out.governed = (*mode, self._step_started)
+            if not mode[1]:
+                return budget
         free = self.kv.num_free_blocks - self.watermark_blocks
         for i, req in enumerate(out.requests):
             if budget <= 0:
@@ -560,13 +568,10 @@ class Scheduler:
             drafts = spec.propose(req, budget)
             if not drafts:
                 continue
-            k = spec.choose(req, len(drafts), gain, cost, b)
+            k = spec.choose(req, len(drafts))
             if not k:
                 continue
             drafts = drafts[:k]
-            alpha = req.spec.alpha
-            gain += alpha * (1 - alpha**k) / (1 - alpha)
-            cost += b * k
             need = self.kv.blocks_needed_to_append(req.seq_id, len(drafts))
             if need > free:
                 continue
@@ -729,8 +734,8 @@ class Scheduler:
         """Record the tokens (Python ints) sampled for ``out.sample_rows``; returns the requests that got one.
 
         ``verified``: the step's speculating rows (sample row -> every token it emits: its accepted drafts,
-        then the target's; ``sampled`` holds the first) and the forward's cost, which the speculator's
-        cost model learns from. Requests aborted since ``schedule()`` are skipped.
+        then the target's; ``sampled`` holds the first). A decode step the speculator's governor decided is
+        timed for it, with the tokens it output. Requests aborted since ``schedule()`` are skipped.
         Finished requests free their blocks; a speculating one that runs on keeps the KV of its accepted tokens.
         """
         rows = out.sample_rows
@@ -742,13 +747,23 @@ class Scheduler:
             if head.status is running and child in head.pending_forks:
                 self._fork(head, child)
         samplers = out.samplers if len(out.samplers) == len(rows) else [out.requests[i] for i in rows]
+        spec, g = self.spec, out.governed
+        timed = g is not None and spec is not None and spec.fits(out.num_tokens, len(out.requests), out.drafts)
+        before = sum(len(r.output_token_ids) for r in samplers) if timed else 0
+        if out.drafts:
+            changed = self._update_speculative(out, samplers, sampled, verified.emitted if verified else {}, now)
+        else:
+            changed = self._update_plain(samplers, sampled, now)
+        if timed:
+            tokens = sum(len(r.output_token_ids) for r in samplers) - before
+            spec.governor.observe(g[0], g[1], tokens, spec.clock() - g[2])  # type: ignore[union-attr,index]
+        return changed
+
+    def _update_plain(self, samplers: Sequence[Request], sampled: Sequence[int], now: float) -> list[Request]:
+        """``update_from_output`` for a step without drafts: one token per sample row."""
+        running = RequestStatus.RUNNING
         changed: list[Request] = []
         add = changed.append
-        spec = self.spec
-        if spec is not None and verified is not None and spec.fits(out.num_tokens, len(out.requests), out.drafts):
-            spec.observe(verified.num_tokens, verified.forward_seconds)
-        if out.drafts:
-            return self._update_speculative(out, samplers, sampled, verified.emitted if verified else {}, now)
         for req, tok in zip(samplers, sampled):
             if req.status is not running:
                 continue
