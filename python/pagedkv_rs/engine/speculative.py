@@ -186,12 +186,13 @@ class _Mode:
 class _Bucket:
     """One batch-size bucket: its modes' estimates and where it is in its schedule."""
 
-    __slots__ = ("modes", "on", "best", "left", "window")
+    __slots__ = ("modes", "on", "best", "left", "ran", "window")
 
     def __init__(self, window: int, probe: int) -> None:
         self.modes = (_Mode(), _Mode())  # without drafts, with drafts
         self.on = self.best = True  # first a probe-long window with drafts, then a probe without
         self.left = probe  # steps before the next decision
+        self.ran = 0  # steps since the last one
         self.window = window  # the length of the next window of the better mode
 
 
@@ -202,8 +203,10 @@ class Governor:
     After a probe the better mode runs ``window`` steps; each probe that finds the other mode more than
     ``MARGIN`` slower doubles that (up to ``MAX_WINDOWS`` times the first), any other probe resets it. Probing
     thus takes at most ``probe / (window + probe)`` of a bucket's steps, and far less while one mode is
-    clearly better; a mode within ``MARGIN`` of the other is probed often but costs little. Deterministic:
-    the decisions depend only on the observed tokens and seconds.
+    clearly better; a mode within ``MARGIN`` of the other is probed often but costs little. A window ends
+    early (after ``probe`` steps) when its mode's rate falls below the other's last estimate, so a change of
+    workload or load is seen within a few steps. Deterministic: the decisions depend only on the observed
+    tokens and seconds.
     """
 
     BUCKETS = (1, 4, 16)  # decoding sequences: 1 | 2-4 | 5-16 | 17+
@@ -234,10 +237,15 @@ class Governor:
         if on != b.on:
             return
         b.left -= 1
+        b.ran += 1
+        other = b.modes[not on]
+        if b.on == b.best and b.ran >= self.probe and other.steps and m.rate < other.rate:
+            b.left = 0  # the better mode fell below the other's last estimate (the workload changed): probe now
         if b.left <= 0:
             self._decide(b)
 
     def _decide(self, b: _Bucket) -> None:
+        b.ran = 0
         if b.on == b.best:  # a window of the better mode ended: probe the other
             b.on, b.left = not b.best, self.probe
             return
