@@ -425,14 +425,15 @@ def test_pooling_requests_beside_speculating_ones():
     assert eng.scheduler.stats()["kv_live_blocks"] == 0
 
 
-def test_prompt_logprobs_in_a_step_with_drafts(backend):
-    """A prompt-logprobs prefill admitted beside a speculating decode: both logits paths in one forward."""
-    both = []
+def test_a_prefill_step_takes_no_drafts(backend):
+    """A prompt-logprobs prefill admitted beside a speculating decode: its step drafts nothing (the prompt goes
+    first), the decode steps after it do; tokens and prompt logprobs unchanged."""
+    steps: list[tuple[bool, bool]] = []  # (drafts, prompt-logprob positions) per step
 
     def outputs(spec):
         e = LLMEngine(MODEL, num_blocks=96, block_size=4, backend=backend.name, speculative=spec)
         execute = e.runner.execute
-        e.runner.execute = lambda si: (both.append(bool(si.drafts) and si.prompt_indices is not None), execute(si))[1]
+        e.runner.execute = lambda si: (steps.append((bool(si.drafts), si.prompt_indices is not None)), execute(si))[1]
         e.add_request("a", repeating_prompts()[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
         for _ in range(6):
             e.step()
@@ -445,8 +446,11 @@ def test_prompt_logprobs_in_a_step_with_drafts(backend):
         return [final["a"], final["b"]]
 
     plain = outputs(None)
+    steps.clear()
     spec = outputs(SPEC)
-    assert any(both)  # a step held drafts and prompt-logprob positions
+    prefill = [i for i, (_, p) in enumerate(steps) if p]
+    assert prefill and not any(steps[i][0] for i in prefill)
+    assert any(d for d, _ in steps[prefill[-1] + 1 :])
     assert summary(spec) == summary(plain)
     a, b = spec[1].prompt_logprobs, plain[1].prompt_logprobs
     assert len(a) == len(b) == 30

@@ -245,6 +245,7 @@ class Scheduler:
         spec = self.config.speculative
         self.spec: Optional[Speculator] = None if spec is None else Speculator(spec)
         self._step_started = 0.0  # on the speculator's clock: the step the governor may time
+        self._num_decoding = 0  # the step's decode rows (``_schedule_running``'s fast path)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -410,10 +411,13 @@ class Scheduler:
         out = SchedulerOutput([], [])
         if self.spec is not None:
             self._step_started = self.spec.clock()
+        self._num_decoding = 0
         budget = self._schedule_running(self.config.max_num_batched_tokens, out)
         if not out.preempted:
             budget = self._schedule_swapped(budget, out)
             self._schedule_waiting(budget, out)
+        if self.spec is not None and 0 < self._num_decoding == len(out.requests) and not self.num_pooling:
+            self._add_drafts(out, budget)  # decode-only steps: a prefill goes first, and is not the governor's
         if not out.requests:
             return out if out.kv_loads else None
         out.batch = self.kv.prepare_batch(out.seq_ids, out.num_scheduled_tokens)
@@ -539,32 +543,30 @@ class Scheduler:
             rows.clear()
             return self._schedule_running_slow(out)
         out.seq_ids = app_ids if len(app_ids) == len(reqs) else [r.seq_id for r in reqs]
-        if self.spec is not None and app_ids and not self.num_pooling:
-            budget = self._add_drafts(out, set(app_ids), budget)
+        self._num_decoding = len(app_ids)
         return budget
 
-    def _add_drafts(self, out: SchedulerOutput, decoding: set[int], budget: int) -> int:
-        """Append draft tokens after the pending token of decoding requests, if the governor runs this batch
-        size with drafts, as many as each one's acceptance makes likely, while budget and free blocks last.
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Append draft tokens after the pending token of a decode-only step's requests, if the governor runs
+        this batch size with drafts, as many as each one's acceptance makes likely, while budget and free blocks
+        last.
 
         Drafts only take free blocks above the watermark (never a cached block, never a preemption); the
         KV of the rejected ones is truncated in ``update_from_output``.
         """
         spec = self.spec
         assert spec is not None
-        if not spec.batch_speculates(len(decoding)):
-            return budget
-        mode = spec.mode(len(decoding))
+        if not spec.batch_speculates(len(out.requests)):
+            return
+        mode = spec.mode(len(out.requests))
         if mode is not None:
             out.governed = (*mode, self._step_started)
             if not mode[1]:
-                return budget
+                return
         free = self.kv.num_free_blocks - self.watermark_blocks
         for i, req in enumerate(out.requests):
             if budget <= 0:
                 break
-            if req.seq_id not in decoding:
-                continue
             drafts = spec.propose(req, budget)
             if not drafts:
                 continue
@@ -583,7 +585,6 @@ class Scheduler:
             out.num_scheduled_tokens[i] += k
             out.drafts[i] = drafts
             budget -= k
-        return budget
 
     def _append_all(self, seq_ids: list[int], tokens: list[int], need: int, out: SchedulerOutput) -> bool:
         """One ``append_batch`` for every decode token, if the blocks are there (all or nothing)."""

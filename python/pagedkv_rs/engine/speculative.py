@@ -24,9 +24,10 @@ a few; a probe that confirms the other mode clearly slower doubles the next wind
 losing mode shrink geometrically. Its decisions depend only on the timings its clock reports. Inside a
 speculating step each sequence takes the drafts its own acceptance ``alpha`` (accepted drafts over accepted +
 rejections, decayed) makes likely: the ``j``-th draft while ``alpha^j >= MIN_P``; a sequence whose drafts keep
-failing stops drafting and probes with one draft after a doubling number of steps. No sequence drafts in a step
-with more than ``max_batch`` decoding sequences, nor a constrained one (structured outputs: its drafts would
-need the grammar's check at every position).
+failing stops drafting and probes with one draft after a doubling number of steps. Only decode-only steps
+draft (a step that prefills gives its budget to the prompt, and its time would not compare); none with more
+than ``max_batch`` decoding sequences, and no constrained sequence (structured outputs: its drafts would need
+the grammar's check at every position).
 """
 
 from __future__ import annotations
