@@ -748,8 +748,8 @@ class Scheduler:
             if head.status is running and child in head.pending_forks:
                 self._fork(head, child)
         samplers = out.samplers if len(out.samplers) == len(rows) else [out.requests[i] for i in rows]
-        spec, g = self.spec, out.governed
-        timed = g is not None and spec is not None and spec.fits(out.num_tokens, len(out.requests), out.drafts)
+        spec, g = self.spec, out.governed  # a decode-only step the governor decided: timed for it
+        timed = g is not None and spec is not None and spec.governor is not None
         before = sum(len(r.output_token_ids) for r in samplers) if timed else 0
         if out.drafts:
             changed = self._update_speculative(out, samplers, sampled, verified.emitted if verified else {}, now)

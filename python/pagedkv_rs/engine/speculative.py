@@ -286,11 +286,6 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
-    @staticmethod
-    def fits(num_tokens: int, num_seqs: int, drafts: Mapping[int, Sequence[int]]) -> bool:
-        """Whether a step feeds the governor: decode steps only (a prefill chunk's cost per token is another)."""
-        return num_tokens == num_seqs + sum(map(len, drafts.values()))
-
     def mode(self, num_decoding: int) -> Optional[tuple[int, bool]]:
         """(governor bucket, whether it drafts) for a step with this many decoding sequences; None: the step
         is not governed (it drafts iff ``num_decoding <= max_batch``)."""
