@@ -256,36 +256,31 @@ def test_seeded_sampling_gives_the_tokens_of_plain_decoding(backend):
     spec, e = run(prompts, params, backend.name, SPEC)
     assert summary(spec) == summary(plain)
     assert e.stats()["spec_decode_num_accepted_tokens"] > 0
-    other, _ = run(prompts, params, backend.name, "ngram:k=2,n=2")  # adaptive: drafts follow the timings
+    other, _ = run(prompts, params, backend.name, "ngram:k=2,n=2,window=2,probe=1")  # the governor switches
     assert summary(other) == summary(plain)
 
 
-def test_the_cost_rule_drafts_only_where_it_pays():
-    """The fitted cost (a + b * tokens) and each sequence's acceptance decide the draft count."""
+def test_each_sequence_takes_the_drafts_its_acceptance_makes_likely():
+    """The j-th draft while alpha^j >= MIN_P; a failing sequence probes with one draft, backing off."""
     from pagedkv_rs.engine.speculative import SpecState, Speculator
 
     sp = Speculator(SpeculativeConfig(k=4))
-    assert sp.cost() == (1.0, 0.5)  # the prior until steps of several sizes are seen
-    for t in (1, 5, 1, 3, 1, 5, 2, 1):
-        sp.observe(t, 0.010 + 0.002 * t)  # 10 ms a step, 2 ms a token
-    a, b = sp.cost()
-    assert (a, round(b, 6)) == (1.0, 0.2)
 
     class R:
-        def __init__(self) -> None:
+        def __init__(self, hits: float, misses: float) -> None:
             self.spec, self.metrics = SpecState(), RequestMetrics(0.0)
+            self.spec.hits, self.spec.misses = hits, misses
 
-    good, bad = R(), R()
-    good.spec.hits, good.spec.misses = 9.0, 1.0  # alpha 0.9
-    bad.spec.hits, bad.spec.misses = 1.0, 9.0  # alpha 0.1
-    assert sp.choose(good, 4, 1.0, a + b, b) == 4  # one sequence: all four drafts pay
-    good.spec.backoff = 64  # no probe due
-    assert sp.choose(good, 4, 64.0, a + 64 * b, b) == 0  # 64 decoding sequences: compute-bound, none
-    assert sp.choose(good, 4, 8.0, a + 8 * b, b) > 0  # 8: the drafts still pay
-    assert [sp.choose(bad, 4, 1.0, a + b, b) for _ in range(8)] == [1, 0, 1, 0, 0, 0, 1, 0]  # probes, backing off
+    assert sp.MIN_P == 0.25
+    assert sp.choose(R(9.0, 1.0), 4) == 4  # alpha 0.9: 0.9^4 = 0.66
+    assert sp.choose(R(9.0, 1.0), 2) == 2  # never more than offered
+    assert sp.choose(R(7.0, 3.0), 4) == 3  # alpha 0.7: 0.49, 0.34, then 0.24
+    assert sp.choose(R(1.0, 1.0), 4) == 2  # the prior, alpha 0.5: 0.5, 0.25
+    bad = R(1.0, 9.0)  # alpha 0.1
+    assert [sp.choose(bad, 4) for _ in range(8)] == [1, 0, 1, 0, 0, 0, 1, 0]  # probes, backing off
     sp.record(bad, 1, 1)
     assert bad.spec.backoff == 1  # an accepted probe resets the back-off
-    assert Speculator(SpeculativeConfig(adaptive=False)).choose(bad, 3, 1.0, 1.5, 0.5) == 3
+    assert Speculator(SpeculativeConfig(adaptive=False)).choose(bad, 3) == 3
     # compute-bound batches never draft
     e = LLMEngine(MODEL, num_blocks=200, block_size=4, backend="python", speculative="ngram:max_batch=2,adaptive=0")
     e.generate(repeating_prompts(), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
@@ -430,14 +425,15 @@ def test_pooling_requests_beside_speculating_ones():
     assert eng.scheduler.stats()["kv_live_blocks"] == 0
 
 
-def test_prompt_logprobs_in_a_step_with_drafts(backend):
-    """A prompt-logprobs prefill admitted beside a speculating decode: both logits paths in one forward."""
-    both = []
+def test_a_prefill_step_takes_no_drafts(backend):
+    """A prompt-logprobs prefill admitted beside a speculating decode: its step drafts nothing (the prompt goes
+    first), the decode steps after it do; tokens and prompt logprobs unchanged."""
+    steps: list[tuple[bool, bool]] = []  # (drafts, prompt-logprob positions) per step
 
     def outputs(spec):
         e = LLMEngine(MODEL, num_blocks=96, block_size=4, backend=backend.name, speculative=spec)
         execute = e.runner.execute
-        e.runner.execute = lambda si: (both.append(bool(si.drafts) and si.prompt_indices is not None), execute(si))[1]
+        e.runner.execute = lambda si: (steps.append((bool(si.drafts), si.prompt_indices is not None)), execute(si))[1]
         e.add_request("a", repeating_prompts()[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
         for _ in range(6):
             e.step()
@@ -450,8 +446,11 @@ def test_prompt_logprobs_in_a_step_with_drafts(backend):
         return [final["a"], final["b"]]
 
     plain = outputs(None)
+    steps.clear()
     spec = outputs(SPEC)
-    assert any(both)  # a step held drafts and prompt-logprob positions
+    prefill = [i for i, (_, p) in enumerate(steps) if p]
+    assert prefill and not any(steps[i][0] for i in prefill)
+    assert any(d for d, _ in steps[prefill[-1] + 1 :])
     assert summary(spec) == summary(plain)
     a, b = spec[1].prompt_logprobs, plain[1].prompt_logprobs
     assert len(a) == len(b) == 30

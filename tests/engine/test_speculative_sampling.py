@@ -88,10 +88,10 @@ def test_the_engine_samples_the_same_distribution_with_and_without_speculation()
     params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
     runs = 1200
     hists = []
-    for spec in (None, "ngram:k=3,n=2,max_batch=1000"):
-        e = LLMEngine(
-            model, num_blocks=4000, block_size=4, backend="python", speculative=spec, seed=7, max_num_seqs=256
-        )
+    # every prompt in one prefill step, then decode-only steps of all the runs: those are the steps that draft
+    big = {"max_num_seqs": runs, "max_num_batched_tokens": runs * len(prompt), "num_blocks": 6000}
+    for spec in (None, "ngram:k=3,n=2,max_batch=2000,adaptive=0"):
+        e = LLMEngine(model, block_size=4, backend="python", speculative=spec, seed=7, **big)
         outs = e.generate([prompt] * runs, params, use_tqdm=False)
         toks = np.array([o.outputs[0].token_ids for o in outs])  # [runs, 4]
         hists.append(np.stack([np.bincount(toks[:, j], minlength=8) for j in range(4)]))

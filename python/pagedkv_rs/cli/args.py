@@ -117,7 +117,8 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
         metavar="ngram[:k=K,n=N]",
         help="speculative decoding: up to K draft tokens per step copied from where the sequence's last N..1 "
         "tokens occurred before in its prompt and output, verified in the same step (greedy outputs unchanged, "
-        "sampling keeps its distribution); also min_n=M, max_batch=B (default: off; ngram means k=4,n=3)",
+        "sampling keeps its distribution), in the batch sizes where it measures faster; also min_n=M, "
+        "max_batch=B, window=W, probe=P, adaptive=0 (always draft) (default: off; ngram means k=4,n=3)",
     )
     p.add_argument(
         "--model-impl",

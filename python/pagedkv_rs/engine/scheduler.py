@@ -145,6 +145,8 @@ class SchedulerOutput:
     kv_loads: list[KVLoad] = field(default_factory=list)  # admitted requests now WAITING_FOR_KV
     kv_stores: list[KVStore] = field(default_factory=list)
     drafts: dict[int, list[int]] = field(default_factory=dict)  # batch row -> draft tokens after its pending one
+    # speculative decoding's governor: (bucket, whether it drafted, the step's start on its clock), if it decided
+    governed: Optional[tuple[int, bool, float]] = None
 
     @property
     def num_tokens(self) -> int:
@@ -242,6 +244,8 @@ class Scheduler:
         self.num_pooling = 0  # unfinished pooling requests (a step without them pays nothing for pooling)
         spec = self.config.speculative
         self.spec: Optional[Speculator] = None if spec is None else Speculator(spec)
+        self._step_started = 0.0  # on the speculator's clock: the step the governor may time
+        self._num_decoding = 0  # the step's decode rows (``_schedule_running``'s fast path)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -405,10 +409,15 @@ class Scheduler:
         An output may hold only ``kv_loads`` (no batch): requests admitted to wait for the KV tiers.
         """
         out = SchedulerOutput([], [])
+        if self.spec is not None:
+            self._step_started = self.spec.clock()
+        self._num_decoding = 0
         budget = self._schedule_running(self.config.max_num_batched_tokens, out)
         if not out.preempted:
             budget = self._schedule_swapped(budget, out)
             self._schedule_waiting(budget, out)
+        if self.spec is not None and 0 < self._num_decoding == len(out.requests) and not self.num_pooling:
+            self._add_drafts(out, budget)  # decode-only steps: a prefill goes first, and is not the governor's
         if not out.requests:
             return out if out.kv_loads else None
         out.batch = self.kv.prepare_batch(out.seq_ids, out.num_scheduled_tokens)
@@ -534,39 +543,37 @@ class Scheduler:
             rows.clear()
             return self._schedule_running_slow(out)
         out.seq_ids = app_ids if len(app_ids) == len(reqs) else [r.seq_id for r in reqs]
-        if self.spec is not None and app_ids and not self.num_pooling:
-            budget = self._add_drafts(out, set(app_ids), budget)
+        self._num_decoding = len(app_ids)
         return budget
 
-    def _add_drafts(self, out: SchedulerOutput, decoding: set[int], budget: int) -> int:
-        """Append draft tokens after the pending token of decoding requests, as many as pay (``Speculator``),
-        while budget and free blocks last.
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Append draft tokens after the pending token of a decode-only step's requests, if the governor runs
+        this batch size with drafts, as many as each one's acceptance makes likely, while budget and free blocks
+        last.
 
         Drafts only take free blocks above the watermark (never a cached block, never a preemption); the
         KV of the rejected ones is truncated in ``update_from_output``.
         """
         spec = self.spec
         assert spec is not None
-        if not spec.batch_speculates(len(decoding)):
-            return budget
-        a, b = spec.cost()
-        gain, cost = float(len(out.sample_rows)), a + b * sum(out.num_scheduled_tokens)
+        if not spec.batch_speculates(len(out.requests)):
+            return
+        mode = spec.mode(len(out.requests))
+        if mode is not None:
+            out.governed = (*mode, self._step_started)
+            if not mode[1]:
+                return
         free = self.kv.num_free_blocks - self.watermark_blocks
         for i, req in enumerate(out.requests):
             if budget <= 0:
                 break
-            if req.seq_id not in decoding:
-                continue
             drafts = spec.propose(req, budget)
             if not drafts:
                 continue
-            k = spec.choose(req, len(drafts), gain, cost, b)
+            k = spec.choose(req, len(drafts))
             if not k:
                 continue
             drafts = drafts[:k]
-            alpha = req.spec.alpha
-            gain += alpha * (1 - alpha**k) / (1 - alpha)
-            cost += b * k
             need = self.kv.blocks_needed_to_append(req.seq_id, len(drafts))
             if need > free:
                 continue
@@ -578,7 +585,6 @@ class Scheduler:
             out.num_scheduled_tokens[i] += k
             out.drafts[i] = drafts
             budget -= k
-        return budget
 
     def _append_all(self, seq_ids: list[int], tokens: list[int], need: int, out: SchedulerOutput) -> bool:
         """One ``append_batch`` for every decode token, if the blocks are there (all or nothing)."""
@@ -729,8 +735,8 @@ class Scheduler:
         """Record the tokens (Python ints) sampled for ``out.sample_rows``; returns the requests that got one.
 
         ``verified``: the step's speculating rows (sample row -> every token it emits: its accepted drafts,
-        then the target's; ``sampled`` holds the first) and the forward's cost, which the speculator's
-        cost model learns from. Requests aborted since ``schedule()`` are skipped.
+        then the target's; ``sampled`` holds the first). A decode step the speculator's governor decided is
+        timed for it, with the tokens it output. Requests aborted since ``schedule()`` are skipped.
         Finished requests free their blocks; a speculating one that runs on keeps the KV of its accepted tokens.
         """
         rows = out.sample_rows
@@ -742,13 +748,23 @@ class Scheduler:
             if head.status is running and child in head.pending_forks:
                 self._fork(head, child)
         samplers = out.samplers if len(out.samplers) == len(rows) else [out.requests[i] for i in rows]
+        spec, g = self.spec, out.governed  # a decode-only step the governor decided: timed for it
+        timed = g is not None and spec is not None and spec.governor is not None
+        before = sum(len(r.output_token_ids) for r in samplers) if timed else 0
+        if out.drafts:
+            changed = self._update_speculative(out, samplers, sampled, verified.emitted if verified else {}, now)
+        else:
+            changed = self._update_plain(samplers, sampled, now)
+        if timed:
+            tokens = sum(len(r.output_token_ids) for r in samplers) - before
+            spec.governor.observe(g[0], g[1], tokens, spec.clock() - g[2])  # type: ignore[union-attr,index]
+        return changed
+
+    def _update_plain(self, samplers: Sequence[Request], sampled: Sequence[int], now: float) -> list[Request]:
+        """``update_from_output`` for a step without drafts: one token per sample row."""
+        running = RequestStatus.RUNNING
         changed: list[Request] = []
         add = changed.append
-        spec = self.spec
-        if spec is not None and verified is not None and spec.fits(out.num_tokens, len(out.requests), out.drafts):
-            spec.observe(verified.num_tokens, verified.forward_seconds)
-        if out.drafts:
-            return self._update_speculative(out, samplers, sampled, verified.emitted if verified else {}, now)
         for req, tok in zip(samplers, sampled):
             if req.status is not running:
                 continue

@@ -16,41 +16,48 @@ a rejected position's token is distributed as ``p`` without ``t``, renormalised,
 distributed as ``p``. As the request draws one uniform per emitted token, in order, with or without drafts,
 the outputs equal those of decoding without speculation, seeded sampling included.
 
-When (``Speculator``): drafts are taken only where they pay. The speculator fits the step's forward time as
-``a + b * tokens`` from the steps it sees (decayed least squares: the machine's own cost of one more token
-in the batch, whatever its load), and each sequence's per-token acceptance ``alpha`` (accepted drafts over
-accepted + rejections, decayed). A sequence with ``d`` drafts on offer takes the ``k <= d`` that maximises the
-step's expected tokens per second, ``(G + alpha + ... + alpha^k) / (C + b k)`` with ``G`` the tokens and ``C`` the
-cost of the step so far: none when the batch is large (``G / C`` high: compute-bound) or ``alpha`` low. A sequence
-the rule keeps from drafting probes with one draft after a doubling number of steps, so a changed acceptance is
-seen. No sequence drafts in a step with more than ``max_batch`` decoding sequences, nor a constrained one
-(structured outputs: its drafts would need the grammar's check at every position).
+When (``Governor``): speculation is run only where it pays, judged by what it yields, not by a model of what
+a step costs (that depends on the kernels' row tiles, the model, the machine and its load). Per batch-size
+bucket (1, 2-4, 5-16, 17+ decoding sequences) the governor keeps a decayed estimate of output tokens per second
+of step time with drafts and without, runs the faster mode for a window of steps and then probes the other for
+a few; a probe that confirms the other mode clearly slower doubles the next window, so the steps spent probing a
+losing mode shrink geometrically. Its decisions depend only on the timings its clock reports. Inside a
+speculating step each sequence takes the drafts its own acceptance ``alpha`` (accepted drafts over accepted +
+rejections, decayed) makes likely: the ``j``-th draft while ``alpha^j >= MIN_P``; a sequence whose drafts keep
+failing stops drafting and probes with one draft after a doubling number of steps. Only decode-only steps
+draft (a step that prefills gives its budget to the prompt, and its time would not compare); none with more
+than ``max_batch`` decoding sequences, and no constrained sequence (structured outputs: its drafts would need
+the grammar's check at every position).
 """
 
 from __future__ import annotations
 
 import re
+import time
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
 from pagedkv_rs.engine.request import SamplingParams
 from pagedkv_rs.engine.sampling import apply_penalties, sorted_probabilities
 
-__all__ = ["SpeculativeConfig", "SpecState", "Speculator", "Verified", "propose_ngram", "verify"]
+__all__ = ["Governor", "SpeculativeConfig", "SpecState", "Speculator", "Verified", "propose_ngram", "verify"]
 
 METHODS = ("ngram",)
-_FIELDS = ("k", "n", "min_n", "max_batch", "adaptive")
+_FIELDS = ("k", "n", "min_n", "max_batch", "adaptive", "window", "probe")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``method="ngram"``: up to ``k`` draft tokens per step from the longest match (``n`` .. ``min_n`` tokens)
     of the sequence's suffix in its own prompt + output. ``max_batch``: decoding sequences above which no
-    sequence speculates. ``adaptive``: drafts only where the cost rule says they pay (else every draft on
-    offer is taken)."""
+    sequence speculates. ``adaptive``: the governor runs each batch size in its faster mode (drafting or
+    not), probing the other for ``probe`` steps after at least ``window`` steps of the faster one, and
+    sequences take only the drafts their acceptance makes likely; ``adaptive=False``: every draft on offer
+    is taken, whatever it costs (tests and benchmarks)."""
 
     method: str = "ngram"
     k: int = 4
@@ -58,12 +65,21 @@ class SpeculativeConfig:
     min_n: int = 1
     max_batch: int = 16
     adaptive: bool = True
+    window: int = 16
+    probe: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             hint = " (draft models are not implemented yet)" if self.method == "draft" else ""
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}{hint}")
-        for name, lo, hi in (("k", 1, 32), ("n", 1, 64), ("min_n", 1, 64), ("max_batch", 0, 1 << 20)):
+        for name, lo, hi in (
+            ("k", 1, 32),
+            ("n", 1, 64),
+            ("min_n", 1, 64),
+            ("max_batch", 0, 1 << 20),
+            ("window", 1, 1 << 16),
+            ("probe", 1, 1 << 16),
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"speculative {name} must be an int in [{lo}, {hi}], got {v!r}")
@@ -87,7 +103,8 @@ class SpeculativeConfig:
             m = re.fullmatch(r"\s*([a-z_]+)\s*=\s*(\S+)\s*", item)
             if m is None or m.group(1) not in _FIELDS:
                 raise ValueError(
-                    f"bad speculative option {item!r} in {spec!r}: use k=K, n=N, min_n=M, max_batch=B, adaptive=0|1"
+                    f"bad speculative option {item!r} in {spec!r}: use k=K, n=N, min_n=M, max_batch=B, adaptive=0|1, "
+                    "window=W, probe=P"
                 )
             try:
                 v = int(m.group(2))
@@ -140,7 +157,7 @@ class SpecState:
     def __init__(self) -> None:
         self.hits = 1.0  # decayed accepted drafts (a prior of alpha = 1/2)
         self.misses = 1.0  # decayed rejections (a verification stops at its first)
-        self.idle = 0  # steps the cost rule kept it from drafting since its last draft
+        self.idle = 0  # steps its low acceptance kept it from drafting since its last draft
         self.backoff = 1  # idle steps after which it probes with one draft
         self.new_tokens = 1  # tokens its last step appended (stop strings look back over them)
         self.stored_blocks = -1  # KV tiers: its blocks up to here were written through (-1: not tracked yet)
@@ -151,44 +168,134 @@ class SpecState:
         return self.hits / (self.hits + self.misses)
 
 
+class _Mode:
+    """A mode's decayed output tokens and step seconds."""
+
+    __slots__ = ("tokens", "seconds", "steps")
+
+    def __init__(self) -> None:
+        self.tokens = 0.0
+        self.seconds = 0.0
+        self.steps = 0
+
+    @property
+    def rate(self) -> float:
+        """Output tokens per second of step time."""
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+class _Bucket:
+    """One batch-size bucket: its modes' estimates and where it is in its schedule."""
+
+    __slots__ = ("modes", "on", "best", "left", "ran", "window")
+
+    def __init__(self, window: int, probe: int) -> None:
+        self.modes = (_Mode(), _Mode())  # without drafts, with drafts
+        self.on = self.best = True  # first a probe-long window with drafts, then a probe without
+        self.left = probe  # steps before the next decision
+        self.ran = 0  # steps since the last one
+        self.window = window  # the length of the next window of the better mode
+
+
+class Governor:
+    """Speculate or not, per batch-size bucket, by the output tokens per second each mode has been measured to
+    give: run the better mode for a window, then probe the other for ``probe`` steps and decide again.
+
+    After a probe the better mode runs ``window`` steps; each probe that finds the other mode more than
+    ``MARGIN`` slower doubles that (up to ``MAX_WINDOWS`` times the first), any other probe resets it. Probing
+    thus takes at most ``probe / (window + probe)`` of a bucket's steps, and far less while one mode is
+    clearly better; a mode within ``MARGIN`` of the other is probed often but costs little. A window ends
+    early (after ``probe`` steps) when its mode's rate falls below the other's last estimate, so a change of
+    workload or load is seen within a few steps. Deterministic: the decisions depend only on the observed
+    tokens and seconds.
+    """
+
+    BUCKETS = (1, 4, 16)  # decoding sequences: 1 | 2-4 | 5-16 | 17+
+    DECAY = 0.75  # per observed step of a mode: its estimate follows its last few steps, so load drift cancels
+    MARGIN = 0.05
+    MAX_WINDOWS = 16
+
+    def __init__(self, window: int = 16, probe: int = 4) -> None:
+        self.window, self.probe = window, probe
+        self.buckets = [_Bucket(window, probe) for _ in range(len(self.BUCKETS) + 1)]
+
+    @classmethod
+    def bucket(cls, num_decoding: int) -> int:
+        """The bucket of a step with ``num_decoding`` decoding sequences."""
+        return bisect_left(cls.BUCKETS, num_decoding)
+
+    def speculates(self, bucket: int) -> bool:
+        """Whether this bucket's next step drafts."""
+        return self.buckets[bucket].on
+
+    def observe(self, bucket: int, on: bool, tokens: int, seconds: float) -> None:
+        """A decode step of ``bucket`` that ran with (``on``) or without drafts: ``tokens`` output in ``seconds``."""
+        b = self.buckets[bucket]
+        m = b.modes[on]
+        m.tokens = self.DECAY * m.tokens + tokens
+        m.seconds = self.DECAY * m.seconds + max(seconds, 0.0)
+        m.steps += 1
+        if on != b.on:
+            return
+        b.left -= 1
+        b.ran += 1
+        other = b.modes[not on]
+        if b.on == b.best and b.ran >= self.probe and other.steps and m.rate < other.rate:
+            b.left = 0  # the better mode fell below the other's last estimate (the workload changed): probe now
+        if b.left <= 0:
+            self._decide(b)
+
+    def _decide(self, b: _Bucket) -> None:
+        b.ran = 0
+        if b.on == b.best:  # a window of the better mode ended: probe the other
+            b.on, b.left = not b.best, self.probe
+            return
+        off, on = b.modes[0].rate, b.modes[1].rate
+        best = on >= off
+        clear = min(off, on) < (1.0 - self.MARGIN) * max(off, on)
+        b.window = min(2 * b.window, self.MAX_WINDOWS * self.window) if best == b.best and clear else self.window
+        b.on = b.best = best
+        b.left = b.window
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per bucket: its mode, and each mode's steps and tokens per second."""
+        names = [f"{lo}-{hi}" if hi > lo else str(lo) for lo, hi in zip((1, 2, 5), self.BUCKETS)] + ["17+"]
+        return [
+            {
+                "bucket": name,
+                "speculating": b.on,
+                "steps_off": b.modes[0].steps,
+                "steps_on": b.modes[1].steps,
+                "tok_s_off": b.modes[0].rate if b.modes[0].steps else None,
+                "tok_s_on": b.modes[1].rate if b.modes[1].steps else None,
+            }
+            for name, b in zip(names, self.buckets)
+        ]
+
+
 class Speculator:
-    """The scheduler's side: which sequences draft, how many tokens, the cost model, and the counters."""
+    """The scheduler's side: which steps and sequences draft, how many tokens, and the counters."""
 
-    DECAY = 0.97  # of the cost fit, per step (a window of ~30 steps)
+    MIN_P = 0.25  # a sequence's j-th draft is taken while its chance of acceptance, alpha^j, is at least this
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
+        self.clock = clock  # the step timer the governor learns from (tests inject a fake one)
+        self.governor = Governor(config.window, config.probe) if config.adaptive else None
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self._fit = np.zeros(5)  # decayed sums of 1, T, T^2, t, T*t over steps (T tokens, t seconds)
 
-    @staticmethod
-    def fits(num_tokens: int, num_seqs: int, drafts: Mapping[int, Sequence[int]]) -> bool:
-        """Whether a step feeds the cost fit: decode steps only (a prefill chunk's cost per token is another)."""
-        return num_tokens == num_seqs + sum(map(len, drafts.values()))
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """A step's forward: ``num_tokens`` tokens in ``seconds``."""
-        t, s = float(num_tokens), float(seconds)
-        self._fit *= self.DECAY
-        self._fit += (1.0, t, t * t, s, t * s)
-
-    def cost(self) -> tuple[float, float]:
-        """(a, b): the forward's cost ``a + b * tokens`` in units of ``a`` (a prior of b = a/2 until steps of
-        different sizes have been seen)."""
-        n, st, stt, s, sts = self._fit
-        var = n * stt - st * st
-        if n < 4 or var < 0.5 * n * n:  # too few steps, or too few sizes, to tell b from noise
-            return 1.0, 0.5
-        b = (n * sts - st * s) / var
-        a = (s - b * st) / n
-        if a <= 0:
-            return 1.0, 4.0  # noisy fit: tokens cost, the fixed part does not show
-        return 1.0, min(max(b / a, 0.01), 4.0)
+    def mode(self, num_decoding: int) -> Optional[tuple[int, bool]]:
+        """(governor bucket, whether it drafts) for a step with this many decoding sequences; None: the step
+        is not governed (it drafts iff ``num_decoding <= max_batch``)."""
+        if self.governor is None or num_decoding > self.config.max_batch:
+            return None
+        g = self.governor.bucket(num_decoding)
+        return g, self.governor.speculates(g)
 
     def batch_speculates(self, num_decoding: int) -> bool:
-        """Whether a step with this many decoding sequences drafts at all."""
+        """Whether a step with this many decoding sequences may draft at all."""
         return num_decoding <= self.config.max_batch
 
     def propose(self, req: Any, budget: int) -> list[int]:
@@ -203,23 +310,19 @@ class Speculator:
         toks = np.fromiter(req.all_token_ids, np.int64, len(req.all_token_ids))
         return propose_ngram(toks, room, self.config.n, self.config.min_n)
 
-    def choose(self, req: Any, offered: int, gain: float, cost: float, b: float) -> int:
-        """How many of ``offered`` drafts the request takes in a step of expected ``gain`` tokens and ``cost``
-        (per-token cost ``b``): the count that maximises gain per cost, or a probe of one after its back-off."""
+    def choose(self, req: Any, offered: int) -> int:
+        """How many of ``offered`` drafts the request takes: those its acceptance makes likely (``MIN_P``), or a
+        probe of one after its back-off."""
         st = req.spec
         if not self.config.adaptive:
             return offered
-        alpha = st.alpha
-        best, best_rate, s, p = 0, gain / cost, 0.0, 1.0
-        for k in range(1, offered + 1):
+        alpha, p, k = st.alpha, 1.0, 0
+        while k < offered and p * alpha >= self.MIN_P:
             p *= alpha
-            s += p
-            rate = (gain + s) / (cost + b * k)
-            if rate > best_rate:
-                best, best_rate = k, rate
-        if best:
+            k += 1
+        if k:
             st.idle = 0
-            return best
+            return k
         st.idle += 1
         if st.idle >= st.backoff:
             st.idle = 0
@@ -243,7 +346,8 @@ class Speculator:
             st.backoff = 1
 
     def stats(self) -> dict[str, Any]:
-        """Counters (vLLM's spec_decode names): verification steps with drafts, draft tokens, accepted ones."""
+        """Counters (vLLM's spec_decode names): verification steps with drafts, draft tokens, accepted ones; and
+        the governor's state per bucket."""
         n, d, a = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
         return {
             "spec_decode_num_drafts": n,
@@ -251,6 +355,7 @@ class Speculator:
             "spec_decode_num_accepted_tokens": a,
             "spec_decode_acceptance_rate": a / d if d else 0.0,
             "spec_decode_mean_accepted_length": 1.0 + a / n if n else 0.0,
+            **({"spec_decode_governor": self.governor.stats()} if self.governor is not None else {}),
         }
 
 

@@ -297,12 +297,18 @@ def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: 
 
 
 def _spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """Speculative decoding over one run: drafts, draft and accepted tokens, acceptance, mean accepted length."""
+    """Speculative decoding over one run: drafts, draft and accepted tokens, acceptance, mean accepted length,
+    and the share of the governed decode steps that drafted (1 without a governor: every step may draft)."""
     n, d, a = (
         after[k] - before[k]
         for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
     )
+    on = off = 0
+    for b0, b1 in zip(before.get("spec_decode_governor", ()), after.get("spec_decode_governor", ())):
+        on += b1["steps_on"] - b0["steps_on"]
+        off += b1["steps_off"] - b0["steps_off"]
     return {
+        "spec_governed_on_share": on / (on + off) if on + off else float("spec_decode_governor" not in after),
         "spec_num_drafts": n,
         "spec_num_draft_tokens": d,
         "spec_num_accepted_tokens": a,
@@ -534,23 +540,26 @@ def run_spec_table(args: argparse.Namespace) -> dict[str, Any]:
                 "ratio": med(b["output_throughput"] / a["output_throughput"] for a, b in zip(off, on)),
                 "acceptance_rate": med(r["spec_acceptance_rate"] for r in on),
                 "mean_accepted_length": med(r["spec_mean_accepted_length"] for r in on),
-                "draft_steps_share": med(r["spec_num_drafts"] / max(1, r["num_steps"]) for r in on),
+                "drafting_share": med(r["spec_governed_on_share"] for r in on),
             }
         )
     return {"speculative": repr(spec), "rows": table, "rounds": max(1, args.rounds)}
 
 
 def format_spec_table(t: dict[str, Any]) -> str:
-    head = f"{'':<12}{'off tok/s':>12}{'on tok/s':>12}{'on / off':>10}{'accepted':>10}{'mean len':>10}"
+    head = f"{'':<12}{'off tok/s':>12}{'on tok/s':>12}{'on / off':>10}{'accepted':>10}{'mean len':>10}{'drafting':>10}"
     lines = [f"{' bench e2e --spec-table, median of ' + str(t['rounds']) + ' round(s) ':=^{len(head)}}", head]
     lines.append("-" * len(head))
     for r in t["rows"]:
         lines.append(
             f"{r['row']:<12}{r['off_tok_s']:>12.1f}{r['on_tok_s']:>12.1f}{r['ratio']:>9.2f}x"
-            f"{r['acceptance_rate']:>10.1%}{r['mean_accepted_length']:>10.2f}"
+            f"{r['acceptance_rate']:>10.1%}{r['mean_accepted_length']:>10.2f}{r['drafting_share']:>10.1%}"
         )
     lines.append("=" * len(head))
-    lines.append(f"{t['speculative']}; accepted: draft tokens accepted; mean len: tokens per verification")
+    lines.append(f"{t['speculative']}; accepted: draft tokens accepted; mean len: tokens per verification;")
+    lines.append(
+        "drafting: the share of decode steps the governor ran with drafts (each batch size in its faster mode)"
+    )
     return "\n".join(lines)
 
 
