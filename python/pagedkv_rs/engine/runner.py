@@ -397,7 +397,6 @@ class ModelRunner:
                 self._masks = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-grammar-mask")
             masks = self._masks.submit(_timed_masks, si.matchers, vocab)
         pooled: list[tuple[PoolSpan, np.ndarray]] = []
-        t_fwd = time.perf_counter()
         if si.pool is not None:  # one forward_hidden: the pooling rows and the sampled rows' logits
             logits, extra, pooled = pooled_forward(
                 self.model, so.batch, self.kv_caches, rows, si.prompt_indices, si.pool
@@ -423,7 +422,6 @@ class ModelRunner:
                 logits = logits[rows]
         speculating = {j for j, _ in si.drafts} if si.drafts else ()
         sel = [j for j, p in enumerate(params) if p.logprobs is not None and j not in speculating]
-        t_fwd = time.perf_counter() - t_fwd
         raw = logits[sel] if sel else None  # logprobs: the raw distribution, taken before any mask
         mask_seconds = None
         if masks is not None:
@@ -453,7 +451,7 @@ class ModelRunner:
         if sel:  # top-k logprobs (raw distribution) of the sampled tokens, keyed by sample row
             lp = dict(zip(sel, top_logprobs(raw, tokens[sel], [params[j].logprobs for j in sel])))  # type: ignore[misc]
         prompt_rows = self._prompt_rows(si.prompt_spans, extra)
-        verified = Verified(emitted or {}, t_fwd, so.batch.num_tokens)
+        verified = Verified(emitted or {})
         return StepResult(tokens, lp, prompt_rows, mask_seconds, pooled, verified, emitted_lp)
 
     def _speculate(

@@ -142,11 +142,9 @@ def propose_ngram(tokens: np.ndarray, k: int, n: int, min_n: int = 1) -> list[in
 
 @dataclass(frozen=True)
 class Verified:
-    """What the runner hands the scheduler about a step: the speculating rows' tokens and the forward's cost."""
+    """What the runner hands the scheduler about a step: the speculating rows' tokens."""
 
     emitted: dict[int, list[int]]  # sample row -> its accepted drafts, then the target's token
-    forward_seconds: float
-    num_tokens: int  # tokens the forward computed
 
 
 class SpecState:
