@@ -180,6 +180,22 @@ fn reduce16_lanes_are_where_lane_block_says() {
     }
 }
 
+/// A quantizer's edge cases at random, one 32-wide block in twelve each: a NaN, an infinity, all zero,
+/// all subnormal, constant (a zero residual), an outlier.
+fn edge_blocks(r: &mut Rng, x: &mut [f32]) {
+    for blk in x.chunks_exact_mut(QBLOCK) {
+        match r.below(12) {
+            0 => blk[r.below(32)] = f32::NAN,
+            1 => blk[r.below(32)] = f32::NEG_INFINITY,
+            2 => blk.fill(0.0),
+            3 => blk.fill(1e-39),
+            4 => blk.iter_mut().for_each(|v| *v = 1.0),
+            5 => blk[r.below(32)] = 1e6,
+            _ => {}
+        }
+    }
+}
+
 /// Many rows, special blocks (NaN, infinity, zero, subnormal, a NaN-free block whose residual is
 /// zero) scattered over the 16-block groups and the remainder: every SIMD quantizer equals the scalar.
 #[test]
@@ -187,19 +203,7 @@ fn simd_quantization_equals_scalar_over_block_groups() {
     let mut r = Rng(23);
     let (m, k) = (7, 32 * 18);
     let mut x: Vec<f32> = (0..m * k).map(|_| (r.uniform() - 0.5) * 20.0).collect();
-    let nb = m * k / QBLOCK;
-    for i in 0..nb {
-        let blk = &mut x[i * QBLOCK..][..QBLOCK];
-        match r.below(12) {
-            0 => blk[r.below(32)] = f32::NAN,
-            1 => blk[r.below(32)] = f32::NEG_INFINITY,
-            2 => blk.fill(0.0),
-            3 => blk.fill(1e-39),
-            4 => blk.iter_mut().for_each(|v| *v = 1.0), // exact: zero residual
-            5 => blk[r.below(32)] = 1e6,
-            _ => {}
-        }
-    }
+    edge_blocks(&mut r, &mut x);
     let a = quantize_acts(&x, m, k);
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for v in [Isa::Avx512, Isa::Avx2] {
@@ -269,18 +273,7 @@ fn fast_one_digit_quantization_equals_quantize_one() {
         (70, 32 * 18),
     ] {
         let mut x: Vec<f32> = (0..m * k).map(|_| (r.uniform() - 0.5) * 20.0).collect();
-        for i in 0..m * k / QBLOCK {
-            let blk = &mut x[i * QBLOCK..][..QBLOCK];
-            match r.below(12) {
-                0 => blk[r.below(32)] = f32::NAN,
-                1 => blk[r.below(32)] = f32::NEG_INFINITY,
-                2 => blk.fill(0.0),
-                3 => blk.fill(1e-39),
-                4 => blk.iter_mut().for_each(|v| *v = 1.0),
-                5 => blk[r.below(32)] = 1e6,
-                _ => {}
-            }
-        }
+        edge_blocks(&mut r, &mut x);
         let want = quantize_one(&x, m, k, false);
         let mut want_tiled = quantize_one(&x, m, k, false);
         want_tiled.pack_tiled(m, k);

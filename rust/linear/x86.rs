@@ -425,7 +425,7 @@ unsafe fn quantize_each(x: &[f32], a: &mut super::ActsMut, from: usize, to: Digi
     for (i, blk) in x.chunks_exact(QBLOCK).enumerate().skip(from) {
         // SAFETY: blk has 32 floats.
         let v = unsafe { [_mm512_loadu_ps(blk.as_ptr()), _mm512_loadu_ps(blk.as_ptr().add(16))] };
-        let (s, base, qs, h, l) = if one { first_digit(v) } else { digits(v) };
+        let (s, base, qs, h, l) = if one { digits::<true>(v) } else { digits::<false>(v) };
         let mut bytes = [[0i8; QBLOCK]; 2];
         for (dst, q) in bytes.iter_mut().zip([h, l]) {
             // SAFETY: dst holds 32 bytes.
@@ -666,38 +666,10 @@ unsafe fn quantize16<const ONE: bool>(x: &[f32], a: &mut super::ActsMut, at: usi
     }
 }
 
-/// The first digit of a 32-float block: `(s, R, qs, h, 0)` as `quantize_block_one` computes them.
+/// Both digits of a 32-float block: `(s, R, qs, h, l)` as `quantize_block` computes them; `ONE`:
+/// the first only, `(s, 1, qs, h, 0)` as `quantize_block_one` does.
 #[target_feature(enable = "avx512f,avx512bw")]
-fn first_digit(v: [__m512; 2]) -> (f32, i32, f32, [__m512i; 2], [__m512i; 2]) {
-    let zero = [_mm512_setzero_si512(); 2];
-    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[0], v[0]) | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[1], v[1]);
-    let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-    if nan != 0 || amax.is_infinite() {
-        return (f32::NAN, 0, f32::NAN, zero, zero);
-    }
-    if amax < f32::MIN_POSITIVE {
-        return (0.0, 0, 0.0, zero, zero);
-    }
-    let (lo, hi, inv) = (
-        _mm512_set1_ps(-127.0),
-        _mm512_set1_ps(127.0),
-        _mm512_set1_ps(127.0 / amax),
-    );
-    // Nearest-even conversion (the default rounding mode), as `round_half_even` in acts.rs.
-    let h = v.map(|x| {
-        _mm512_cvtps_epi32(_mm512_min_ps(
-            _mm512_max_ps(_mm512_roundscale_ps::<0x08>(_mm512_mul_ps(x, inv)), lo),
-            hi,
-        ))
-    });
-    let s = amax / 127.0;
-    let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(h[0], h[1]));
-    (s, 1, s * sum as f32, h, zero)
-}
-
-/// Both digits of a 32-float block: `(s, R, qs, h, l)` as `quantize_block` computes them.
-#[target_feature(enable = "avx512f,avx512bw")]
-fn digits(v: [__m512; 2]) -> (f32, i32, f32, [__m512i; 2], [__m512i; 2]) {
+fn digits<const ONE: bool>(v: [__m512; 2]) -> (f32, i32, f32, [__m512i; 2], [__m512i; 2]) {
     let zero = [_mm512_setzero_si512(); 2];
     let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[0], v[0]) | _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v[1], v[1]);
     let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
@@ -717,6 +689,11 @@ fn digits(v: [__m512; 2]) -> (f32, i32, f32, [__m512i; 2], [__m512i; 2]) {
     };
     let s_h = _mm512_set1_ps(amax / 127.0);
     let h = v.map(|x| code(x, _mm512_set1_ps(127.0 / amax)));
+    if ONE {
+        let s = amax / 127.0;
+        let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(h[0], h[1]));
+        return (s, 1, s * sum as f32, h, zero);
+    }
     // e = v - s_h·h, rounded after the product (no contraction).
     let e = [0, 1].map(|j| _mm512_sub_ps(v[j], _mm512_mul_ps(s_h, _mm512_cvtepi32_ps(h[j]))));
     let emax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(e[0]), _mm512_abs_ps(e[1])));
