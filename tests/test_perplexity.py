@@ -152,3 +152,43 @@ def test_set_act_digits_checks_everything_first(smollm2):
         assert [w.act_digits[f"wo.{i}"] for i in range(4)] == [1, 1, 1, 2]
     finally:
         w.set_act_digits({"wo": 2})
+
+
+def test_llm_act_digits_option():
+    """``LLM(act_digits=...)`` sets the digits over the architecture's choice: every matrix, or per matrix; bad
+    values are refused before anything is built."""
+    from pagedkv_rs import LLM, SamplingParams
+
+    one = LLM(None, weights="int8", num_blocks=64, act_digits=1)
+    assert one.model.weights.act_digits_spec() == "head,wqkv,wo,wgu,wdown"
+    assert set(one.model.weights.act_digits.values()) == {1}
+    out = one.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    some = LLM(None, weights="int8", num_blocks=64, act_digits="head=1,wo.3=1")
+    assert some.model.weights.act_digits_spec() == "head,wo.3"
+    assert LLM(None, weights="int8", num_blocks=64, act_digits={"wdown": 1}).model.weights.act_digits_spec() == "wdown"
+    for bad, err, match in (
+        (3, ValueError, "must be 1 or 2"),
+        ("head=3", ValueError, "is not KEY=1 or KEY=2"),
+        ("lm=1", ValueError, "no int8 matrix 'lm'"),
+        (True, TypeError, "got a bool"),
+        (1.0, TypeError, "got float"),
+    ):
+        with pytest.raises(err, match=match):
+            LLM(None, weights="int8", num_blocks=64, act_digits=bad)
+    with pytest.raises(ValueError, match="apply to int8 weights, these are float32"):
+        LLM(None, weights="float32", num_blocks=64, act_digits=1)
+
+
+def test_cli_act_digits_option(capsys, tmp_path):
+    """``--act-digits`` on the commands that build an LLM: the bench report names the one-digit matrices."""
+    report = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--num-requests", "2", "--input-len", "8", "--output-len", "4", "--no-progress"]
+    assert cli.main([*argv, "--weights", "int8", "--act-digits", "wgu=1,head=1", "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["act_digits_one"] == "head,wgu"
+    assert "One activation digit:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--act-digits", "head=7", "Hello"])
+    assert e.value.code == 2 and "'head=7' is not KEY=1 or KEY=2" in capsys.readouterr().err
+    assert cli.main(["generate", "--weights", "int8", "--act-digits", "lm=1", "--max-tokens", "1", "Hello"]) == 2
+    assert "no int8 matrix 'lm'" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from pagedkv_rs.engine import LLMEngine, RequestStream
 from pagedkv_rs.engine.pooling import EmbeddingRequestOutput, PoolingParams
 from pagedkv_rs.engine.request import RequestOutput, SamplingParams
 from pagedkv_rs.models.gguf_loader import GGUFFile, load_gguf
-from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, eos_ids_from_metadata
+from pagedkv_rs.models.llama import LlamaModel, LlamaWeights, act_digits_choice, eos_ids_from_metadata
 from pagedkv_rs.models.tokenizer import GGUFTokenizer
 from pagedkv_rs.models.tool_calls import RESERVED_TEMPLATE_VARS, chat_messages
 from pagedkv_rs.units import parse_memory
@@ -68,6 +68,11 @@ class LLM:
     "int8" or "float32" (see ``pagedkv_rs.models.llama.LlamaWeights``).
     ``model_impl``: "auto" (default: the fused Rust decoder when the weights allow it), "fused" (with
     ``weights="auto"``: int8) or "numpy" (see ``pagedkv_rs.models.llama.LlamaModel``).
+    ``act_digits``: int8 weights' activation digits, over the architecture's measured choice: 1 or 2 for every
+    matrix, or per matrix as ``"head=1,wdown=2"`` / ``{"head": 1}`` (keys: head, wqkv, wo, wgu, wdown, ROLE.I).
+    One digit (llama.cpp's Q8 activations) halves the multiply-adds of batched decode and prefill; two keep the
+    logits within ~0.01 of float32 activations. ``pagedkv perplexity --kl-divergence --choose-act-digits`` measures
+    the choice for a file (docs/models.md).
     ``tokenizer``: this model's ``GGUFTokenizer`` when the caller already built one (default: built here).
     ``kv_tiers``: KV tiers below the pool, in lookup order (``["disk:/var/cache/pagedkv?size=8GiB",
     "redis://127.0.0.1:6379/0"]``, see ``pagedkv_rs.tiers``); ``kv_tier_secret`` MACs their entries.
@@ -87,6 +92,7 @@ class LLM:
         backend: str = "auto",
         weights: str = "auto",
         model_impl: str = "auto",
+        act_digits: Union[int, str, Mapping[str, int], None] = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,
         tokenizer: Optional[GGUFTokenizer] = None,
@@ -104,7 +110,10 @@ class LLM:
             eog = dict.fromkeys(
                 [*eos_ids_from_metadata(g.metadata), *sorted(getattr(self.tokenizer, "eog_token_ids", ()))]
             )
-            self.model = LlamaModel(LlamaWeights(g, weights=weights), eos_token_ids=tuple(eog), impl=model_impl)
+            lw = LlamaWeights(g, weights=weights)
+            if act_digits is not None:
+                lw.set_act_digits(act_digits_choice(act_digits))
+            self.model = LlamaModel(lw, eos_token_ids=tuple(eog), impl=model_impl)
         self.weight_format: str = self.model.weights.weight_format
         del g
         if num_blocks is not None and kv_memory is not None:

@@ -121,12 +121,33 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
         "max_batch=B, window=W, probe=P, adaptive=0 (always draft) (default: off; ngram means k=4,n=3)",
     )
     p.add_argument(
+        "--act-digits",
+        default=None,
+        type=_act_digits,
+        metavar="SPEC",
+        help="activation digits of the int8 weights' products: 1 or 2 for every matrix, or per matrix as "
+        "head=1,wdown=2 (keys: head, wqkv, wo, wgu, wdown, ROLE.I; pagedkv perplexity --choose-act-digits prints "
+        "one for a file); one digit halves batched decode's and prefill's multiply-adds (default: the "
+        "architecture's measured choice)",
+    )
+    p.add_argument(
         "--model-impl",
         choices=MODEL_IMPLS,
         default="auto",
         help="fused: the whole decoder stack in one Rust call per step (int8 weights); numpy: one kernel call "
         "per operation from Python (the readable spec); auto: fused when the weights allow",
     )
+
+
+def _act_digits(text: str) -> str:
+    """The option as given, once its syntax is checked (its keys are checked against the model when it loads)."""
+    from pagedkv_rs.models.llama import parse_act_digits
+
+    try:
+        parse_act_digits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _speculative(text: str) -> Any:
@@ -154,6 +175,7 @@ def llm_from_args(args: argparse.Namespace, **engine_kwargs: Any) -> LLM:
         kv_tiers=args.kv_tiers,
         kv_tier_secret=args.kv_tier_secret,
         model_impl=getattr(args, "model_impl", "auto"),
+        act_digits=getattr(args, "act_digits", None),
         **({"speculative": args.speculative} if getattr(args, "speculative", None) is not None else {}),
         **engine_kwargs,
     )

@@ -27,8 +27,8 @@ order and rotates adjacent pairs instead (numerically the same model; used by th
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
-from typing import Any, Optional
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -204,7 +204,10 @@ ACT_DIGIT_ROLES = ("head", "wqkv", "wo", "wgu", "wdown")
 
 def parse_act_digits(spec: str) -> dict[str, int]:
     """``"head=1,wdown=2"`` -> ``{"head": 1, "wdown": 2}``: keys a role of ``ACT_DIGIT_ROLES`` (every layer's) or
-    ``ROLE.I`` (layer I's), values 1 or 2. The keys are checked against a model by ``set_act_digits``."""
+    ``ROLE.I`` (layer I's), values 1 or 2; a bare ``"1"`` or ``"2"``: every role. The keys are checked against a
+    model by ``set_act_digits``."""
+    if spec.strip() in ("1", "2"):
+        return dict.fromkeys(ACT_DIGIT_ROLES, int(spec))
     out: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, eq, val = item.partition("=")
@@ -212,6 +215,22 @@ def parse_act_digits(spec: str) -> dict[str, int]:
             raise ValueError(f"act_digits: {item!r} is not KEY=1 or KEY=2")
         out[key.strip()] = int(val)
     return out
+
+
+def act_digits_choice(value: Union[int, str, Mapping[str, int]]) -> dict[str, int]:
+    """An ``act_digits`` option as ``set_act_digits`` takes it: 1 or 2 (every matrix), a ``parse_act_digits``
+    string, or a mapping of keys to 1 or 2."""
+    if isinstance(value, bool):
+        raise TypeError("act_digits must be 1, 2, a string like 'head=1,wdown=2' or a dict, got a bool")
+    if isinstance(value, int):
+        if value not in (1, 2):
+            raise ValueError(f"act_digits must be 1 or 2, got {value}")
+        return dict.fromkeys(ACT_DIGIT_ROLES, value)
+    if isinstance(value, str):
+        return parse_act_digits(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"act_digits must be 1, 2, a string like 'head=1,wdown=2' or a dict, got {type(value).__name__}")
 
 
 class Embedding:

@@ -290,10 +290,17 @@ def run_benchmark(llm: Any, requests: list[tuple[list[int], int]], *, progress: 
         "num_steps": engine.scheduler.num_steps - steps0,
         "kernels": stats["kernels"],
         "weights": getattr(getattr(engine.model, "weights", None), "weight_format", "n/a"),
+        "act_digits_one": _one_digit(engine.model),
         "model_impl": getattr(engine.model, "impl", "n/a"),
         "backend": stats["backend"],
         **(_spec_delta(spec0, spec.stats()) if spec is not None and spec0 is not None else {}),
     }
+
+
+def _one_digit(model: Any) -> str:
+    """The int8 matrices whose products take one activation digit (``LlamaWeights.act_digits_spec``)."""
+    w = getattr(model, "weights", None)
+    return w.act_digits_spec() if getattr(w, "weight_format", None) == "int8" else "n/a"
 
 
 def _spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -347,6 +354,7 @@ def format_report(r: dict[str, Any]) -> str:
         ("Engine steps:", r["num_steps"]),
         ("Kernels / allocator:", f"{r['kernels']} / {r['backend']}"),
         ("Weights:", r.get("weights", "n/a")),
+        ("One activation digit:", r.get("act_digits_one", "n/a")),
         ("Model implementation:", r.get("model_impl", "n/a")),
     ]
     if "spec_num_drafts" in r:
@@ -421,7 +429,9 @@ def run_table(args: argparse.Namespace) -> dict[str, Any]:
     seqs = [int(n) for n in args.table_seqs.split(",") if n.strip()]
     llms = []
     for impl, w in cols:
-        a = argparse.Namespace(**{**vars(args), "model_impl": impl, "weights": w})
+        # --act-digits applies to the int8 columns (float32 weights have no activation digits)
+        digits = args.act_digits if w != "float32" else None
+        a = argparse.Namespace(**{**vars(args), "model_impl": impl, "weights": w, "act_digits": digits})
         llm = llm_from_args(
             a,
             enable_prefix_caching=False,
