@@ -340,6 +340,58 @@ def test_prefix_cache_hits_are_reported(backend):
     assert out.num_cached_tokens == 20 and out.finished and out.finish_reason == "length"
 
 
+def test_a_prefix_in_flight_is_computed_once(backend):
+    """Requests sent together with one long shared prefix: the first computes it, the others wait until it is
+    cached (a request with another prefix passes them meanwhile), then take it from the cache."""
+    s = make(backend, num_blocks=128, block_size=4, max_num_batched_tokens=64)
+    shared = list(range(10, 50))  # 10 full blocks
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    reqs = [s.add_request(f"r{i}", shared + [60 + i, 70 + i], params) for i in range(3)]
+    other = s.add_request("other", [90, 91, 92, 93, 94, 95, 96], params)
+    run = FakeRunner(s)
+    so = s.schedule()
+    assert [r.request_id for r in so.requests] == ["r0", "other"]  # r1, r2 wait for r0's prefix
+    assert [r.request_id for r in s.waiting] == ["r1", "r2"]
+    s.update_from_output(so, run.execute(so))
+    finish_all(s, run, [*reqs, other])
+    assert [r.num_cached_tokens for r in reqs] == [0, 40, 40] and other.num_cached_tokens == 0
+    for r in (*reqs, other):
+        assert r.output_token_ids == reference_output(r.prompt_token_ids, params)
+
+
+def test_a_prefix_in_flight_over_several_chunks(backend):
+    """A prefix longer than one step's budget: the waiting request is admitted once all the blocks it shares are
+    cached, not after the first chunk."""
+    s = make(backend, num_blocks=128, block_size=4, max_num_batched_tokens=16)
+    shared = list(range(10, 50))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    a = s.add_request("a", shared + [60], params)
+    b = s.add_request("b", shared + [61, 62], params)
+    run = FakeRunner(s)
+    steps = 0
+    while b.status.value == "waiting":
+        run.step()
+        steps += 1
+    assert steps == 4  # a's 41 tokens in chunks of 16, 16, 9 (all 40 shared tokens cached), then b
+    finish_all(s, run, [a, b])
+    assert b.num_cached_tokens == 40
+    assert b.output_token_ids == reference_output(b.prompt_token_ids, params)
+
+
+def test_no_prefix_wait_without_caching_or_with_another_salt(backend):
+    """Without prefix caching nothing can be shared, and another cache salt shares nothing: no request waits."""
+    shared = list(range(10, 50))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    s = make(backend, num_blocks=128, block_size=4, caching=False, max_num_batched_tokens=128)
+    s.add_request("a", shared + [60], params)
+    s.add_request("b", shared + [61], params)
+    assert [r.request_id for r in s.schedule().requests] == ["a", "b"]
+    s = make(backend, num_blocks=128, block_size=4, max_num_batched_tokens=128)
+    s.add_request("a", shared + [60], params, cache_salt="x")
+    s.add_request("b", shared + [61], params, cache_salt="y")
+    assert [r.request_id for r in s.schedule().requests] == ["a", "b"]
+
+
 def test_fcfs_and_priority_admission_order(backend):
     for policy, expected in (("fcfs", ["a", "b", "c"]), ("priority", ["c", "a", "b"])):
         s = make(backend, max_num_seqs=1, policy=policy)

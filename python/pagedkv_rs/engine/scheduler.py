@@ -12,6 +12,11 @@ Progress: a request that could not fit the whole pool alone is rejected at submi
 never preempted for a later one, so it always advances; the waiting queue is FCFS (or priority
 order) and its head waits only while something runs.
 
+One prefix, computed once: a waiting request whose prompt shares full blocks with a running (or
+tier-loading) request that has not cached them yet stays waiting, and the requests behind it may
+pass, until those blocks are in the prefix cache (``_prefix_in_flight``); the request computing
+them advances every step, so the wait is bounded by its prefill.
+
 Seats (``max_num_seqs``): every sequence holds one, an ``n > 1`` request's completions included.
 A group is admitted only when its whole fan-out fits (vLLM v0's ``get_max_num_running_seqs``): the
 head takes one seat and reserves one per completion still to fork, and a fork moves a reservation
@@ -702,8 +707,9 @@ class Scheduler:
         """Admit waiting requests in queue order while blocks, budget and seats last."""
         chunked = self.config.enable_chunked_prefill
         bs = self.block_size
-        while self.waiting and budget > 0:
-            req = self.waiting.peek()
+        for req in self.waiting:  # a snapshot, in queue order
+            if budget <= 0:
+                break
             if self._seats_taken() + 1 + len(req.pending_forks) > self.config.max_num_seqs:
                 break  # the whole fan-out waits for its seats (FCFS: nothing passes it)
             toks = req.all_token_ids
@@ -711,7 +717,9 @@ class Scheduler:
                 break
             if not chunked and out.requests and len(toks) > budget:
                 break  # a whole prompt must fit the rest of this step; alone it may exceed the budget
-            self.waiting.pop()
+            if self._prefix_in_flight(req):
+                continue  # admitted once the request computing its prefix has cached it; later ones may pass
+            self.waiting.remove(req)
             self.reserved_seats += len(req.pending_forks)
             cached = self.kv.allocate(req.seq_id, toks, req.kv_salt)
             first, last = cached // bs, (len(toks) - 1) // bs  # a hit leaves at least one token to compute (I6)
@@ -727,6 +735,29 @@ class Scheduler:
                 n = min(n, budget)
             self._emit(out, req, n)
             budget -= n
+
+    def _prefix_in_flight(self, req: Request) -> bool:
+        """Whether a running or loading request is computing (or loading from a tier) full blocks of ``req``'s
+        prompt that the prefix cache does not hold yet. Admitted now, ``req`` would compute them a second time;
+        a step or a few later (that request's prefill advances every step) it finds them cached. Requests sent
+        together with one long shared prefix (a tenant's document, a burst of one system prompt) then compute
+        it once."""
+        if not self.kv.enable_prefix_caching or req.computes_whole_prompt:
+            return False
+        bs = self.block_size
+        toks = req.all_token_ids
+        full = (len(toks) - 1) // bs  # blocks it can take from the cache (its last token is always computed)
+        if full < 1:
+            return False
+        head = toks[:bs]
+        for o in itertools.chain(self.running, self.loading):
+            ot = o.all_token_ids  # its prompt's blocks only (below): the ones its prefill computes
+            if o.kv_salt != req.kv_salt or ot[:bs] != head:
+                continue
+            done = self.kv.num_computed_tokens(o.seq_id) // bs  # its blocks cached before this step
+            if _common_blocks(toks, ot, bs, min(full, o.num_prompt_tokens // bs)) > done:
+                return True
+        return False
 
     # -------------------------------------------------------------------- update
     def update_from_output(
@@ -874,6 +905,19 @@ class Scheduler:
             s["kv_block_evictions"] = int(kv.get("evictions", 0))
             s["kv_block_allocations"] = int(kv.get("block_allocations", 0))
         return s
+
+
+def _common_blocks(a: Sequence[int], b: Sequence[int], bs: int, limit: int) -> int:
+    """The number of whole ``bs``-token blocks (at most ``limit``) ``a`` and ``b`` start with, given that the
+    first one is shared: a binary search of slice comparisons."""
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo * bs : mid * bs] == b[lo * bs : mid * bs]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return min(lo, limit)
 
 
 def _own_salt(cache_salt: Union[str, bytes, None], tag: str) -> Union[str, bytes]:
