@@ -59,17 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-bin", required=True, help="directory holding llama-perplexity and llama.cpp's libraries")
     p.add_argument("--ctx", type=int, default=256, help="tokens per chunk (default: 256)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--chunks", type=int, default=None, help="score the first N chunks only (as pagedkv perplexity --chunks N)"
+    )
     args = p.parse_args(argv)
+    chunks = () if args.chunks is None else ("--chunks", str(args.chunks))
     with tempfile.TemporaryDirectory() as tmp:
         f32, base = os.path.join(tmp, "f32.gguf"), os.path.join(tmp, "base.kld")
         dequantize_gguf(args.model, f32)
-        llama_perplexity(args.llama_bin, f32, args.text, args.ctx, args.threads, "--kl-divergence-base", base)
+        llama_perplexity(args.llama_bin, f32, args.text, args.ctx, args.threads, *chunks, "--kl-divergence-base", base)
         out = llama_perplexity(
             args.llama_bin,
             args.model,
             args.text,
             args.ctx,
             args.threads,
+            *chunks,
             "--kl-divergence-base",
             base,
             "--kl-divergence",
@@ -77,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     stats = {k: re.search(rf"{k}:\s+([-\d.]+)", out) for k in ("Mean    KLD", "Maximum KLD", "Same top p")}
     if stats["Mean    KLD"] is None:
         raise SystemExit(f"no KL statistics in llama-perplexity's output:\n{out[-2000:]}")
-    print(f"llama.cpp, {os.path.basename(args.model)} against its F32 copy, ctx {args.ctx}:")
+    scope = "" if args.chunks is None else f", first {args.chunks} chunks"
+    print(f"llama.cpp, {os.path.basename(args.model)} against its F32 copy, ctx {args.ctx}{scope}:")
     for key, m in stats.items():
         print(f"  {' '.join(key.split())}: {m.group(1) if m else '?'}")
     return 0

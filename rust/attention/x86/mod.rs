@@ -130,12 +130,24 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
     let qt: Vec<Vec<f32>> = if lanes {
         (u.h0..u.h1)
             .map(|h| {
+                // In blocks of 16 queries x 16 elements, so that the reads (16 query rows) and the
+                // writes (16 lanes of a row of `t`) stay in L1: query by query, every write of a
+                // query's d elements went to another cache line of `t`.
                 let mut t = vec![0f32; d * lw];
-                for i in 0..rows {
-                    for j in 0..g {
-                        let m = i * pr + (h - u.h0) * g + j;
-                        for c in 0..d {
-                            t[c * lw + i * g + j] = qbuf[m * d + c];
+                let nqh = rows * g;
+                for q0 in (0..nqh).step_by(16) {
+                    let qn = 16.min(nqh - q0);
+                    let mut src = [0usize; 16];
+                    for (l, at) in src[..qn].iter_mut().enumerate() {
+                        let (i, j) = ((q0 + l) / g, (q0 + l) % g);
+                        *at = (i * pr + (h - u.h0) * g + j) * d;
+                    }
+                    for c0 in (0..d).step_by(16) {
+                        for c in c0..(c0 + 16).min(d) {
+                            let row = &mut t[c * lw + q0..c * lw + q0 + qn];
+                            for (x, &at) in row.iter_mut().zip(&src[..qn]) {
+                                *x = qbuf[at + c];
+                            }
                         }
                     }
                 }
