@@ -22,15 +22,15 @@ _UNITS = {
 }
 
 
-def parse_memory(value: Union[int, str]) -> int:
-    """Bytes from an int or a string like ``"512MiB"``, ``"1.5G"``, ``"300MB"``."""
+def parse_memory(value: Union[int, str], name: str = "kv_memory") -> int:
+    """Bytes from an int or a string like ``"512MiB"``, ``"1.5G"``, ``"300MB"``; errors name the option ``name``."""
     if isinstance(value, int):
         n = value
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"kv_memory must be bytes or a size like '512MiB' or '2G', got {value!r}")
+            raise ValueError(f"{name} must be bytes or a size like '512MiB' or '2G', got {value!r}")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
-        raise ValueError(f"kv_memory must be positive, got {value!r}")
+        raise ValueError(f"{name} must be positive, got {value!r}")
     return n

@@ -11,6 +11,7 @@ TypeError/ValueError before any cache is written.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 
 import numpy as np
@@ -465,13 +466,22 @@ def test_bench_e2e_table_smoke(capsys):
 
     argv = ["--table", "--table-seqs", "1,2", "--prefill-len", "8", "--input-len", "4", "--output-len", "2"]
     argv += ["--range-ratio", "0", "--kv-memory", "8MiB", "--table-impls", "numpy:int8,fused"]
-    assert main(argv) == 0
+    assert main([*argv, "--bandwidth-probe", "64MiB"]) == 0
     out = capsys.readouterr().out
     assert "numpy/int8" in out and "fused/int8" in out and "fused/int8 / numpy/int8" in out
+    # SmolLM2's int8 matrices (~100 MB): their rate at one sequence, against the bandwidth probed in the run
+    m = re.search(r"fused/int8: (\d+) MB of weights a decode step; 1 seq reads them at [\d.]+ GB/s, [\d.]+ of the", out)
+    assert m and 80 <= int(m.group(1)) <= 120
+    assert main([*argv, "--table-impls", "numpy:float32", "--bandwidth-probe", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "numpy/float32" in out and "MB of weights" not in out  # no int8 matrices to count
     for row in ("1 seq ", "2 seqs", "prefill 8"):
         assert row in out
     with pytest.raises(SystemExit, match="IMPL"):
         main(["--table", "--table-impls", "torch"])
+    with pytest.raises(SystemExit):
+        main(["--table", "--bandwidth-probe", "lots"])
+    assert "--bandwidth-probe must be bytes or a size like" in capsys.readouterr().err
 
 
 def test_generate_cli_model_impl(capsys):

@@ -149,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table-seqs", default="1,8,32", help="concurrent requests of the --table rows")
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the --table prefill row (0: none)")
     p.add_argument("--rounds", type=int, default=1, help="--table / --spec-table rounds (medians reported)")
+    p.add_argument(
+        "--bandwidth-probe",
+        default=1 << 30,
+        type=_probe_bytes,
+        metavar="BYTES",
+        help="--table: before each round, read a buffer of BYTES (pagedkv_rs.memory_bandwidth) to report the "
+        "one-sequence row's weight bytes per second as a fraction of the memory read bandwidth (0: no probe)",
+    )
     p.add_argument("--spec-table", action="store_true", help="rows without and with --speculative, side by side")
     p.add_argument(
         "--spec-rows",
@@ -455,8 +463,14 @@ def run_table(args: argparse.Namespace) -> dict[str, Any]:
                 synthetic_requests(1, args.prefill_len, 1, 0.0, 0, vocab, special, args.seed),
             )
         )
+    import pagedkv_rs as pk
+
+    probe = args.bandwidth_probe
+    bandwidth: list[float] = []
     cells: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for _ in range(max(1, args.rounds)):
+        if probe:
+            bandwidth.append(pk.memory_bandwidth(probe))
         for ri, (_, reqs) in enumerate(rows):
             for ci, llm in enumerate(llms):
                 cells.setdefault((ri, ci), []).append(run_benchmark(llm, reqs, progress=False))
@@ -481,7 +495,27 @@ def run_table(args: argparse.Namespace) -> dict[str, Any]:
         "rows": table,
         "rounds": max(1, args.rounds),
         "kernels": llms[0].engine.stats()["kernels"],
+        "weight_bytes": [_decode_weight_bytes(llm.model) for llm in llms],
+        "bandwidth_gbs": med(bandwidth) if bandwidth else None,
     }
+
+
+def _probe_bytes(text: str) -> int:
+    """``--bandwidth-probe``: a size like 1GiB, or 0 (no probe)."""
+    from pagedkv_rs.units import parse_memory
+
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_memory(text, "--bandwidth-probe")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _decode_weight_bytes(model: Any) -> Optional[int]:
+    """Bytes of the int8 matrices one decode step reads (every layer's and the output head), None for others."""
+    mats = getattr(getattr(model, "weights", None), "act_matrices", dict)()
+    return sum(q.nbytes for qs in mats.values() for q in qs) if mats else None
 
 
 def format_table(t: dict[str, Any], args: argparse.Namespace) -> str:
@@ -505,6 +539,17 @@ def format_table(t: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append(f"{row['row']:<14}" + "".join(f"{x:>32}" for x in txt) + "".join(f"{r:>30}" for r in ratios))
     lines.append("=" * len(head))
     lines.append(f"kernels: {t['kernels']}; output tok/s of the decode rows, prompt tok/s of the prefill row")
+    one = next((r for r in t["rows"] if r["row"] == "1 seq"), None)
+    for name, nbytes, c in zip(names, t["weight_bytes"], one["cells"] if one else ()):
+        if nbytes is None or not c["median_tpot_ms"]:
+            continue
+        rate = nbytes / (c["median_tpot_ms"] / 1e3) / 1e9
+        line = f"{name}: {nbytes / 1e6:.0f} MB of weights a decode step; 1 seq reads them at {rate:.1f} GB/s"
+        if t["bandwidth_gbs"]:
+            line += (
+                f", {rate / t['bandwidth_gbs']:.2f} of the {t['bandwidth_gbs']:.1f} GB/s memory read bandwidth probed"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 
