@@ -707,21 +707,26 @@ class Scheduler:
         """Admit waiting requests in queue order while blocks, budget and seats last."""
         chunked = self.config.enable_chunked_prefill
         bs = self.block_size
+        if not self.waiting:
+            return
+        prefills = self._prefills_in_flight() if self.kv.enable_prefix_caching else None
         for req in self.waiting:  # a snapshot, in queue order
             if budget <= 0:
                 break
             if self._seats_taken() + 1 + len(req.pending_forks) > self.config.max_num_seqs:
                 break  # the whole fan-out waits for its seats (FCFS: nothing passes it)
+            if prefills is not None and self._prefix_in_flight(req, prefills):
+                continue  # admitted once the request computing its prefix has cached it; later ones may pass
             toks = req.all_token_ids
             if self.kv.blocks_needed(toks, req.kv_salt) > self._admission_room():
                 break
             if not chunked and out.requests and len(toks) > budget:
                 break  # a whole prompt must fit the rest of this step; alone it may exceed the budget
-            if self._prefix_in_flight(req):
-                continue  # admitted once the request computing its prefix has cached it; later ones may pass
             self.waiting.remove(req)
             self.reserved_seats += len(req.pending_forks)
             cached = self.kv.allocate(req.seq_id, toks, req.kv_salt)
+            if prefills is not None:  # the requests behind it see its prefill in flight
+                self._index_prefill(req, prefills)
             first, last = cached // bs, (len(toks) - 1) // bs  # a hit leaves at least one token to compute (I6)
             if self.kv_tiers and last > first and not req.computes_whole_prompt:
                 req.num_computed_tokens = cached
@@ -736,26 +741,36 @@ class Scheduler:
             self._emit(out, req, n)
             budget -= n
 
-    def _prefix_in_flight(self, req: Request) -> bool:
+    def _prefills_in_flight(self) -> dict[tuple[Any, tuple[int, ...]], list[Request]]:
+        """Running and tier-loading requests whose prompt has full blocks not in the prefix cache yet, by their
+        salt and first block (``_prefix_in_flight`` looks a waiting request up there)."""
+        index: dict[tuple[Any, tuple[int, ...]], list[Request]] = {}
+        for o in itertools.chain(self.running, self.loading):
+            self._index_prefill(o, index)
+        return index
+
+    def _index_prefill(self, o: Request, index: dict[tuple[Any, tuple[int, ...]], list[Request]]) -> None:
+        bs = self.block_size
+        whole = o.num_prompt_tokens // bs * bs
+        if whole and not o.computes_whole_prompt and self.kv.num_computed_tokens(o.seq_id) < whole:
+            index.setdefault((o.kv_salt, tuple(o.all_token_ids[:bs])), []).append(o)
+
+    def _prefix_in_flight(self, req: Request, prefills: dict[tuple[Any, tuple[int, ...]], list[Request]]) -> bool:
         """Whether a running or loading request is computing (or loading from a tier) full blocks of ``req``'s
-        prompt that the prefix cache does not hold yet. Admitted now, ``req`` would compute them a second time;
-        a step or a few later (that request's prefill advances every step) it finds them cached. Requests sent
-        together with one long shared prefix (a tenant's document, a burst of one system prompt) then compute
-        it once."""
-        if not self.kv.enable_prefix_caching or req.computes_whole_prompt:
+        prompt that the prefix cache does not hold yet (``prefills``: ``_prefills_in_flight``). Admitted now,
+        ``req`` would compute them a second time; a step or a few later (that request's prefill advances every
+        step) it finds them cached. Requests sent together with one long shared prefix (a tenant's document, a
+        burst of one system prompt) then compute it once."""
+        if req.computes_whole_prompt:
             return False
         bs = self.block_size
         toks = req.all_token_ids
         full = (len(toks) - 1) // bs  # blocks it can take from the cache (its last token is always computed)
         if full < 1:
             return False
-        head = toks[:bs]
-        for o in itertools.chain(self.running, self.loading):
-            ot = o.all_token_ids  # its prompt's blocks only (below): the ones its prefill computes
-            if o.kv_salt != req.kv_salt or ot[:bs] != head:
-                continue
+        for o in prefills.get((req.kv_salt, tuple(toks[:bs])), ()):
             done = self.kv.num_computed_tokens(o.seq_id) // bs  # its blocks cached before this step
-            if _common_blocks(toks, ot, bs, min(full, o.num_prompt_tokens // bs)) > done:
+            if _common_blocks(toks, o.all_token_ids, bs, min(full, o.num_prompt_tokens // bs)) > done:
                 return True
         return False
 
