@@ -20,6 +20,7 @@ at the drafts it has): never an error, never a wait.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -48,6 +49,8 @@ class DraftRunner:
             for _ in range(model.num_layers)
         ]
         self.max_len = min(int(model.max_model_len), int(self.kv.max_seq_len))
+        # the logits of each forward, written into rows of one reused buffer (as the runner's) if the model can
+        self._logits: Optional[np.ndarray] = np.empty((0, model.vocab_size), np.float32) if _takes_out(model) else None
         # per sequence id: its KV holds the sequence's first ``seen`` tokens, then ``tail`` (its unverified drafts)
         self._seen: dict[int, int] = {}
         self._tail: dict[int, list[int]] = {}
@@ -154,7 +157,13 @@ class DraftRunner:
     def _forward(self, seq_ids: list[int], counts: list[int]) -> list[int]:
         """One forward of the draft model over these sequences' next ``counts`` tokens: each one's argmax."""
         batch = self.kv.prepare_batch(seq_ids, counts)
-        logits = self.model.forward(batch, self.kv_caches)
+        buf = self._logits
+        if buf is None:
+            logits = self.model.forward(batch, self.kv_caches)
+        else:
+            if len(buf) < len(seq_ids):
+                buf = self._logits = np.empty((len(seq_ids), buf.shape[1]), np.float32)
+            logits = self.model.forward(batch, self.kv_caches, out=buf[: len(seq_ids)])
         self.num_forwards += 1
         self.num_tokens += sum(counts)
         return [int(t) for t in np.argmax(logits, axis=1)]
@@ -177,6 +186,13 @@ class DraftRunner:
             "spec_decode_draft_kv_blocks": self.kv.num_blocks,
             "spec_decode_draft_kv_live_blocks": self.kv.num_live_blocks,
         }
+
+
+def _takes_out(model: Any) -> bool:
+    try:
+        return "out" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def check_vocabulary(draft: dict[str, Any], target: dict[str, Any], path: str) -> None:

@@ -1,11 +1,12 @@
-"""Speculative decoding: n-gram (prompt lookup) drafts, their verification, and when to speculate.
+"""Speculative decoding: n-gram (prompt lookup) and draft-model drafts, their verification, and when to speculate.
 
 A decoding sequence proposes up to ``k`` tokens by finding its last ``n`` tokens (``n`` down to ``min_n``)
-earlier in its prompt + output and copying what followed the latest such occurrence (vLLM's prompt lookup).
-The scheduler appends the drafts after the sequence's pending token, so the step computes its ``1 + k``
-positions like a small prefill chunk; the runner keeps the logits of all of them and ``verify`` accepts the
-longest run of drafts the target agrees with, then adds the target's own token (the correction, or the
-bonus after ``k`` accepted drafts). The scheduler then truncates the sequence's KV back to its accepted
+earlier in its prompt + output and copying what followed the latest such occurrence (vLLM's prompt lookup), or
+(method "draft") takes the greedy tokens of a small model of the same vocabulary (``engine.draft``). The
+scheduler appends the drafts after the sequence's pending token, so the step computes its ``1 + k`` positions
+like a small prefill chunk; the runner keeps the logits of all of them and ``verify`` accepts the longest run
+of drafts the target agrees with, then adds the target's own token (the correction, or the bonus after ``k``
+accepted drafts). The scheduler then truncates the sequence's KV back to its accepted
 tokens (``KVCacheManager.truncate``).
 
 Acceptance is exact. At each position the target's own token is drawn as ``sample`` draws it (the argmax for
