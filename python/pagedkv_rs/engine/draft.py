@@ -119,9 +119,10 @@ class DraftRunner:
                 self._copy(self.kv.append(sid, toks[p:]))
                 computed = self.kv.num_computed_tokens(sid)
             else:
-                if not self._room(self.kv.blocks_needed(toks), keep):
+                salt = req.kv_salt  # the target's prefix-cache isolation holds in the draft pool too
+                if not self._room(self.kv.blocks_needed(toks, salt), keep):
                     return 0
-                computed = self.kv.allocate(sid, toks)
+                computed = self.kv.allocate(sid, toks, salt)
         except OutOfBlocksError:  # pragma: no cover - _room checked the blocks
             self.release(sid)
             return 0
