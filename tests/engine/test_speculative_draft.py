@@ -224,14 +224,19 @@ def test_n_greater_than_one_and_prefix_caching(files, target, backend):
 
 
 def test_a_full_draft_pool_only_skips_drafts(files, target, backend):
-    """A pool of a few blocks: sequences that do not fit draft nothing (idle ones' draft KV goes first)."""
-    kv = 12 * target.kv_bytes_per_block(4, "float32")  # 48 tokens: one sequence at a time, at most
-    plain, _ = run(target, prompts(4), GREEDY, backend.name, None)
-    spec, e = run(target, prompts(4), GREEDY, backend.name, f"draft:{files['target']}:adaptive=0,kv={kv}")
+    """A pool of 30 blocks (120 tokens) for four sequences of 60-90 tokens: the older ones draft, the younger
+    ones give way (their KV goes when an older one needs it), and no sequence's KV is computed again and again."""
+    kv = 30 * target.kv_bytes_per_block(4, "float32")
+    ps = prompts(4)
+    plain, _ = run(target, ps, GREEDY, backend.name, None)
+    spec, e = run(target, ps, GREEDY, backend.name, f"draft:{files['target']}:adaptive=0,kv={kv}")
     assert summary(spec) == summary(plain)
     s = e.stats()
-    assert s["spec_decode_draft_kv_blocks"] == 12
+    assert s["spec_decode_draft_kv_blocks"] == 30
     assert s["spec_decode_draft_skipped"] > 0 and s["spec_decode_num_accepted_tokens"] > 0
+    assert s["spec_decode_num_drafts"] > 10  # drafting went on while the pool was short
+    total = sum(len(p) for p in ps) + 40 * len(ps)
+    assert s["spec_decode_draft_tokens"] < 1.5 * total  # each sequence caught up about once
 
 
 def test_the_governor_times_the_draft_forwards(files, target):

@@ -13,9 +13,11 @@ on the draft model, only the speed does.
 The pool (``SpeculativeConfig.kv`` bytes, the engine's block size and KV dtype, prefix caching on: the completions
 of an ``n > 1`` request share their prompt) holds one block table per speculating sequence, under the sequence's
 own id. The scheduler calls ``release`` when a sequence finishes or is preempted (it catches up again if it runs
-again). A sequence whose tokens do not fit, even after the KV of sequences not drafting this step is dropped
-(least recently used first), or that would pass the draft model's context, does not draft this step (or stops
-at the drafts it has): never an error, never a wait.
+again). When the pool is short, the KV of sequences not drafting this step goes first, then the batch's order
+decides (the scheduler's: oldest or highest priority first): a sequence may take the KV of those after it, never
+of those before, so the same sequences draft step after step instead of evicting each other. A sequence that
+does not fit even so, or that would pass the draft model's context, does not draft this step (or stops at the
+drafts it has): never an error, never a wait.
 """
 
 from __future__ import annotations
@@ -65,12 +67,12 @@ class DraftRunner:
         """Up to ``ks[i]`` greedy drafts after the pending token of each request (its last token)."""
         t0 = time.perf_counter()
         self._step += 1
-        keep = {r.seq_id for r in reqs}
+        order = [r.seq_id for r in reqs]
         drafts: list[list[int]] = [[] for _ in reqs]
         live: list[int] = []
         counts: list[int] = []
         for j, (req, k) in enumerate(zip(reqs, ks)):
-            n = self._catch_up(req, int(k), keep)
+            n = self._catch_up(req, int(k), order[j + 1 :])
             if n:
                 live.append(j)
                 counts.append(n)
@@ -94,11 +96,13 @@ class DraftRunner:
             self.kv.free(seq_id)
             del self._seen[seq_id], self._tail[seq_id], self._used[seq_id]
 
-    def _catch_up(self, req: Any, k: int, keep: set[int]) -> int:
+    def _catch_up(self, req: Any, k: int, after: list[int]) -> int:
         """Bring the sequence's draft KV up to its tokens; how many it computes in the first forward (0: none,
-        it does not draft this step)."""
+        it does not draft this step). ``after``: the sequences after it in this step, which give way to it."""
         sid, toks = req.seq_id, req.all_token_ids
         size = len(toks)
+        if sid in self._used:
+            self._used[sid] = self._step  # drafting this step or not, sequences after it do not take its KV
         if size < 2 or size + k - 1 > self.max_len:
             self.release(sid)
             return 0
@@ -114,13 +118,14 @@ class DraftRunner:
                     p = min(p, size - 1)  # the pending token is computed here: its logits give the first draft
                 if p < seen + len(tail):
                     self.kv.truncate(sid, p)
-                if not self._room(self.kv.blocks_needed_to_append(sid, size - p), keep):
+                self._seen[sid], self._tail[sid] = p, []  # its KV: exactly the sequence's first p tokens
+                if not self._room(self.kv.blocks_needed_to_append(sid, size - p), after):
                     return 0
                 self._copy(self.kv.append(sid, toks[p:]))
                 computed = self.kv.num_computed_tokens(sid)
             else:
                 salt = req.kv_salt  # the target's prefix-cache isolation holds in the draft pool too
-                if not self._room(self.kv.blocks_needed(toks, salt), keep):
+                if not self._room(self.kv.blocks_needed(toks, salt), after):
                     return 0
                 computed = self.kv.allocate(sid, toks, salt)
         except OutOfBlocksError:  # pragma: no cover - _room checked the blocks
@@ -137,15 +142,24 @@ class DraftRunner:
         self._tail[sid].append(token)
         return True
 
-    def _room(self, need: int, keep: set[int]) -> bool:
-        """Whether ``need`` blocks can be had, dropping the KV of sequences not in ``keep``, least recent first."""
+    def _room(self, need: int, after: list[int]) -> bool:
+        """Whether ``need`` blocks can be had. The KV of sequences not drafting this step goes first (least
+        recently used first), then that of the sequences ``after`` this one, last first: the batch's order (the
+        scheduler's: oldest or highest priority first) decides who drafts when the pool is short, the same way
+        every step, so no two sequences keep evicting each other. Nothing goes when even that would not do."""
         have = self.kv.num_free_blocks + self.kv.num_cached_blocks
-        if need > have:
-            for sid in sorted((s for s in self._used if s not in keep), key=self._used.__getitem__):
-                self.release(sid)
-                have = self.kv.num_free_blocks + self.kv.num_cached_blocks
-                if need <= have:
-                    break
+        if need <= have:
+            return True
+        later = set(after)
+        idle = sorted((s for s in self._used if s not in later and self._used[s] < self._step), key=self._used.get)
+        victims = idle + [s for s in reversed(after) if s in self._seen]
+        if need > have + sum(len(self.kv.block_table(s)) for s in victims):
+            return False
+        for sid in victims:
+            self.release(sid)
+            have = self.kv.num_free_blocks + self.kv.num_cached_blocks
+            if need <= have:
+                break
         return need <= have
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
