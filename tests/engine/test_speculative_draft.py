@@ -109,6 +109,10 @@ def test_config_parses_the_draft_flag():
             SpeculativeConfig.of(bad)
     with pytest.raises(ValueError, match="belong to method 'draft'"):
         SpeculativeConfig(path="/d.gguf")
+    from pagedkv_rs.engine.speculative import Speculator
+
+    with pytest.raises(ValueError, match="needs its DraftRunner"):
+        Speculator(SpeculativeConfig.of("draft:/m/d.gguf"))
 
 
 def test_the_cli_flag_takes_a_draft_model(capsys):

@@ -341,7 +341,9 @@ class Speculator:
     ) -> None:
         if (config.method == "draft") != (drafter is not None):
             raise ValueError(
-                f"speculative method {config.method!r} {'needs' if drafter is None else 'takes no'} drafter"
+                f"speculative method 'draft' needs its DraftRunner (LLMEngine loads it from {config.path!r})"
+                if drafter is None
+                else f"speculative method {config.method!r} takes no drafter"
             )
         self.config = config
         self.clock = clock  # the step timer the governor learns from (tests inject a fake one)
