@@ -151,7 +151,9 @@ class DraftRunner:
         if need <= have:
             return True
         later = set(after)
-        idle = sorted((s for s in self._used if s not in later and self._used[s] < self._step), key=self._used.get)
+        idle = sorted(
+            (s for s in self._used if s not in later and self._used[s] < self._step), key=self._used.__getitem__
+        )
         victims = idle + [s for s in reversed(after) if s in self._seen]
         if need > have + sum(len(self.kv.block_table(s)) for s in victims):
             return False

@@ -139,10 +139,10 @@ class SpeculativeConfig:
         if spec is None or isinstance(spec, SpeculativeConfig):
             return spec
         if isinstance(spec, Mapping):
-            fields = dict(spec)
-            if isinstance(fields.get("kv"), str):
-                fields["kv"] = _bytes(fields["kv"])
-            return cls(**fields)
+            given = dict(spec)
+            if isinstance(given.get("kv"), str):
+                given["kv"] = _bytes(given["kv"])
+            return cls(**given)
         if not isinstance(spec, str):
             raise TypeError(f"speculative must be a str like 'ngram:k=4,n=3', got {type(spec).__name__}")
         method, _, rest = spec.strip().partition(":")
