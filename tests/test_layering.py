@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedkv_rs.engine.speculative",),
     ("pagedkv_rs.engine.input",),
     ("pagedkv_rs.engine.scheduler",),
-    ("pagedkv_rs.engine.runner",),
+    ("pagedkv_rs.engine.runner", "pagedkv_rs.engine.draft"),
     ("pagedkv_rs.engine.output",),
     ("pagedkv_rs.engine.stream",),
     ("pagedkv_rs.engine.engine",),

@@ -78,7 +78,8 @@ class LLM:
     "redis://127.0.0.1:6379/0"]``, see ``pagedkv_rs.tiers``); ``kv_tier_secret`` MACs their entries.
     ``backend``: allocator backend, "auto" | "rust" | "python". Other keyword arguments go to the
     scheduler (``max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
-    ``preemption_mode``, ``policy``, ``speculative="ngram[:k=K,n=N]"``: speculative decoding, see the docs...).
+    ``preemption_mode``, ``policy``, ``speculative="ngram[:k=K,n=N]"`` or ``"draft:PATH[:k=K]"``: speculative
+    decoding, see the docs...).
     """
 
     def __init__(

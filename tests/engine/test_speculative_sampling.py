@@ -80,23 +80,54 @@ def test_greedy_rows_in_verify_take_the_argmax_run():
     assert verify([x], [[2, 0]], [greedy], [None]) == [[1]]
 
 
+def engine_histograms(model, spec, vocab, runs=1200, **kw):
+    """Per output position, the token counts of ``runs`` temperature-1 samples of one prompt (4 tokens each),
+    and the engine's stats. Every prompt goes in one prefill step, then decode-only steps of all the runs: those
+    are the steps that draft."""
+    prompt = [2, 3, 4, 5, 2, 3, 4, 5, 2, 3, 4, 5, 2, 3]
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    big = {"max_num_seqs": runs, "max_num_batched_tokens": runs * len(prompt), "num_blocks": 6000}
+    e = LLMEngine(model, block_size=4, backend="python", speculative=spec, seed=7, **big, **kw)
+    outs = e.generate([prompt] * runs, params, use_tqdm=False)
+    toks = np.array([o.outputs[0].token_ids for o in outs])  # [runs, 4]
+    return np.stack([np.bincount(toks[:, j], minlength=vocab) for j in range(4)]), e.stats()
+
+
+def assert_same_distribution(a: np.ndarray, b: np.ndarray, runs: int = 1200) -> None:
+    for j in range(4):  # two samples of 1200 over 8-16 tokens: the noise is ~0.04-0.05
+        assert 0.5 * np.abs(a[j] / runs - b[j] / runs).sum() < 0.08, j
+
+
 def test_the_engine_samples_the_same_distribution_with_and_without_speculation():
     model = TinyModel(
         num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1, vocab_size=8, max_model_len=256, seed=4
     )
-    prompt = [2, 3, 4, 5, 2, 3, 4, 5, 2, 3, 4, 5, 2, 3]
-    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
-    runs = 1200
-    hists = []
-    # every prompt in one prefill step, then decode-only steps of all the runs: those are the steps that draft
-    big = {"max_num_seqs": runs, "max_num_batched_tokens": runs * len(prompt), "num_blocks": 6000}
-    for spec in (None, "ngram:k=3,n=2,max_batch=2000,adaptive=0"):
-        e = LLMEngine(model, block_size=4, backend="python", speculative=spec, seed=7, **big)
-        outs = e.generate([prompt] * runs, params, use_tqdm=False)
-        toks = np.array([o.outputs[0].token_ids for o in outs])  # [runs, 4]
-        hists.append(np.stack([np.bincount(toks[:, j], minlength=8) for j in range(4)]))
-        if spec:
-            assert e.stats()["spec_decode_num_accepted_tokens"] > 200
-    for j in range(4):  # two samples of 1200 over 8 tokens: the noise is ~0.04
-        a, b = hists[0][j] / runs, hists[1][j] / runs
-        assert 0.5 * np.abs(a - b).sum() < 0.08, j
+    plain, _ = engine_histograms(model, None, 8)
+    spec, stats = engine_histograms(model, "ngram:k=3,n=2,max_batch=2000,adaptive=0", 8)
+    assert stats["spec_decode_num_accepted_tokens"] > 200
+    assert_same_distribution(plain, spec)
+
+
+def test_the_engine_samples_the_same_distribution_with_a_draft_model(tmp_path):
+    """The draft model is the target itself: its argmax is accepted as often as the target draws it."""
+    from pagedkv_rs.models.llama import LlamaModel
+    from pagedkv_rs.models.synthetic import SyntheticSpec, write_synthetic_gguf
+
+    small = SyntheticSpec(
+        num_layers=1,
+        hidden_size=32,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        vocab_size=16,
+        weight_type="Q8_0",
+        embed_type="Q8_0",
+    )
+    path = write_synthetic_gguf(tmp_path / "v16.gguf", small, seed=5)
+    model = LlamaModel.load(path)
+    plain, _ = engine_histograms(model, None, 16)
+    spec, stats = engine_histograms(model, f"draft:{path}:k=3,max_batch=2000,adaptive=0", 16)
+    assert stats["spec_decode_num_accepted_tokens"] > 200
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]  # some rejected
+    assert stats["spec_decode_draft_kv_live_blocks"] == 0
+    assert_same_distribution(plain, spec)

@@ -114,11 +114,13 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
         "--speculative",
         default=None,
         type=_speculative,
-        metavar="ngram[:k=K,n=N]",
+        metavar="ngram[:k=K,n=N] | draft:PATH[:k=K]",
         help="speculative decoding: up to K draft tokens per step copied from where the sequence's last N..1 "
-        "tokens occurred before in its prompt and output, verified in the same step (greedy outputs unchanged, "
-        "sampling keeps its distribution), in the batch sizes where it measures faster; also min_n=M, "
-        "max_batch=B, window=W, probe=P, adaptive=0 (always draft) (default: off; ngram means k=4,n=3)",
+        "tokens occurred before in its prompt and output (ngram), or proposed by a small GGUF model of the same "
+        "vocabulary run beside the target (draft:PATH, its KV pool kv=BYTES, default 64MiB), verified in the "
+        "same step (greedy outputs unchanged, sampling keeps its distribution), in the batch sizes where it "
+        "measures faster; also min_n=M (ngram), max_batch=B, window=W, probe=P, adaptive=0 (always draft) "
+        "(default: off; ngram means k=4,n=3, draft k=4)",
     )
     p.add_argument(
         "--act-digits",

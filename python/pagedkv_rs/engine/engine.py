@@ -22,14 +22,10 @@ import numpy as np
 
 from pagedkv_rs import kernels
 from pagedkv_rs._backend import manager_class
+from pagedkv_rs.engine.draft import load_drafter
 from pagedkv_rs.engine.input import CheckedRequest, check_request, prompt_list
 from pagedkv_rs.engine.output import OutputProcessor
-from pagedkv_rs.engine.request import (
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-    UnknownRequestError,
-)
+from pagedkv_rs.engine.request import RequestOutput, RequestStatus, SamplingParams, UnknownRequestError
 from pagedkv_rs.engine.runner import Model, ModelRunner, check_model, check_speculative
 from pagedkv_rs.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv_rs.engine.stream import RequestStream, check_lease, expire_leases, gather_finals, publish
@@ -79,15 +75,18 @@ class LLMEngine:
         self.model = model
         self.output = OutputProcessor(tokenizer)
         manager_cls = manager_class(backend)
+        config = check_speculative(model, scheduler_config or SchedulerConfig(**scheduler_kwargs))
+        drafter = load_drafter(config.speculative, model, manager_cls, block_size, kv_cache_dtype)  # checked first
         self.kv_manager = manager_cls(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.backend = getattr(backend, "name", backend if isinstance(backend, str) else manager_cls.__module__)
         self.scheduler = Scheduler(
             self.kv_manager,
-            check_speculative(model, scheduler_config or SchedulerConfig(**scheduler_kwargs)),
+            config,
             eos_token_ids=model.eos_token_ids,
             max_model_len=model.max_model_len,
             vocab_size=int(vocab),
             kv_tiers=bool(kv_tiers),
+            drafter=drafter,
         )
         self.runner = ModelRunner(
             model,

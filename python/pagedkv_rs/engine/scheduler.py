@@ -73,7 +73,8 @@ class SchedulerConfig:
     max_model_len: Optional[int] = None  # capped by the model's and the pool's limits
     swap_space_blocks: Optional[int] = None  # host blocks for swap (None: unbounded)
     watermark: float = 0.01  # fraction of blocks admission keeps free while others run
-    # speculative decoding: a ``SpeculativeConfig``, "ngram[:k=K,n=N]" or a dict of its fields (None: off)
+    # speculative decoding: a ``SpeculativeConfig``, "ngram[:k=K,n=N]", "draft:PATH[:k=K]" or a dict of its
+    # fields (None: off)
     speculative: Any = None
 
     def __post_init__(self) -> None:
@@ -222,6 +223,7 @@ class Scheduler:
         max_model_len: Optional[int] = None,
         vocab_size: Optional[int] = None,
         kv_tiers: bool = False,
+        drafter: Any = None,
     ) -> None:
         self.kv = kv_manager
         self.kv_tiers = kv_tiers  # admission asks the tiers for the blocks after the pool's prefix hit
@@ -248,7 +250,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_pooling = 0  # unfinished pooling requests (a step without them pays nothing for pooling)
         spec = self.config.speculative
-        self.spec: Optional[Speculator] = None if spec is None else Speculator(spec)
+        self.spec: Optional[Speculator] = None if spec is None else Speculator(spec, drafter=drafter)
         self._step_started = 0.0  # on the speculator's clock: the step the governor may time
         self._num_decoding = 0  # the step's decode rows (``_schedule_running``'s fast path)
 
@@ -396,6 +398,8 @@ class Scheduler:
             self._loads_of_aborted.add(req.seq_id)
         elif req.status is RequestStatus.SWAPPED:
             self.swap_blocks_used -= self._blocks(req.swapped_computed)
+        if self.spec is not None:
+            self.spec.release(req)
         req.status = status
         req.metrics.finished_time = time.monotonic()
         if req.pooling is not None:
@@ -569,27 +573,34 @@ class Scheduler:
             if not mode[1]:
                 return
         free = self.kv.num_free_blocks - self.watermark_blocks
+        model = spec.drafter is not None  # a draft model drafts whatever a sequence takes, all at once below
+        plan: list[tuple[int, Any]] = []  # (batch row, its n-gram drafts or how many the draft model makes)
         for i, req in enumerate(out.requests):
             if budget <= 0:
                 break
-            drafts = spec.propose(req, budget)
-            if not drafts:
-                continue
-            k = spec.choose(req, len(drafts))
+            offer: Any = spec.room(req, budget) if model else spec.propose(req, budget)
+            k = spec.choose(req, offer if model else len(offer)) if offer else 0
             if not k:
                 continue
-            drafts = drafts[:k]
-            need = self.kv.blocks_needed_to_append(req.seq_id, len(drafts))
+            need = self.kv.blocks_needed_to_append(req.seq_id, k)
             if need > free:
                 continue
             free -= need
+            budget -= k
+            plan.append((i, k if model else offer[:k]))
+        if model and plan:  # one batched forward per draft position (the draft time counts in this step's)
+            made = spec.draft([out.requests[i] for i, _ in plan], [k for _, k in plan])
+            plan = [(i, d) for (i, _), d in zip(plan, made)]
+        for i, drafts in plan:
+            if not drafts:
+                continue  # the draft model's pool or context is full for it: it does not draft this step
+            req = out.requests[i]
             out.copy_pairs += self.kv.append(req.seq_id, drafts)
             k = len(drafts)
             req.num_kv_tokens += k
             req.num_computed_tokens += k
             out.num_scheduled_tokens[i] += k
             out.drafts[i] = drafts
-            budget -= k
 
     def _append_all(self, seq_ids: list[int], tokens: list[int], need: int, out: SchedulerOutput) -> bool:
         """One ``append_batch`` for every decode token, if the blocks are there (all or nothing)."""
@@ -639,6 +650,8 @@ class Scheduler:
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req)
+        if self.spec is not None:
+            self.spec.release(req)
         nblk = self._blocks(req.num_computed_tokens)
         cap = self.config.swap_space_blocks
         if self.config.preemption_mode == "swap" and (cap is None or self.swap_blocks_used + nblk <= cap):

@@ -1,11 +1,12 @@
-"""Speculative decoding: n-gram (prompt lookup) drafts, their verification, and when to speculate.
+"""Speculative decoding: n-gram (prompt lookup) and draft-model drafts, their verification, and when to speculate.
 
 A decoding sequence proposes up to ``k`` tokens by finding its last ``n`` tokens (``n`` down to ``min_n``)
-earlier in its prompt + output and copying what followed the latest such occurrence (vLLM's prompt lookup).
-The scheduler appends the drafts after the sequence's pending token, so the step computes its ``1 + k``
-positions like a small prefill chunk; the runner keeps the logits of all of them and ``verify`` accepts the
-longest run of drafts the target agrees with, then adds the target's own token (the correction, or the
-bonus after ``k`` accepted drafts). The scheduler then truncates the sequence's KV back to its accepted
+earlier in its prompt + output and copying what followed the latest such occurrence (vLLM's prompt lookup), or
+(method "draft") takes the greedy tokens of a small model of the same vocabulary (``engine.draft``). The
+scheduler appends the drafts after the sequence's pending token, so the step computes its ``1 + k`` positions
+like a small prefill chunk; the runner keeps the logits of all of them and ``verify`` accepts the longest run
+of drafts the target agrees with, then adds the target's own token (the correction, or the bonus after ``k``
+accepted drafts). The scheduler then truncates the sequence's KV back to its accepted
 tokens (``KVCacheManager.truncate``).
 
 Acceptance is exact. At each position the target's own token is drawn as ``sample`` draws it (the argmax for
@@ -43,21 +44,47 @@ import numpy as np
 
 from pagedkv_rs.engine.request import SamplingParams
 from pagedkv_rs.engine.sampling import apply_penalties, sorted_probabilities
+from pagedkv_rs.units import parse_memory
 
 __all__ = ["Governor", "SpeculativeConfig", "SpecState", "Speculator", "Verified", "propose_ngram", "verify"]
 
-METHODS = ("ngram",)
-_FIELDS = ("k", "n", "min_n", "max_batch", "adaptive", "window", "probe")
+METHODS = ("ngram", "draft")
+_FIELDS = {
+    "ngram": ("k", "n", "min_n", "max_batch", "adaptive", "window", "probe"),
+    "draft": ("k", "max_batch", "adaptive", "window", "probe", "kv"),
+}
+_OPTION = r"\s*[a-z_]+\s*=\s*[^\s,]+\s*"
+DEFAULT_DRAFT_KV = 64 << 20  # bytes of the draft model's KV pool
+
+_METAVARS = {
+    "k": "K",
+    "n": "N",
+    "min_n": "M",
+    "max_batch": "B",
+    "adaptive": "0|1",
+    "window": "W",
+    "probe": "P",
+    "kv": "BYTES",
+}
+
+
+def _bytes(text: str) -> int:
+    try:
+        return parse_memory(text)
+    except ValueError:
+        raise ValueError(f"speculative kv must be bytes or a size like '64MiB', got {text!r}") from None
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``method="ngram"``: up to ``k`` draft tokens per step from the longest match (``n`` .. ``min_n`` tokens)
-    of the sequence's suffix in its own prompt + output. ``max_batch``: decoding sequences above which no
-    sequence speculates. ``adaptive``: the governor runs each batch size in its faster mode (drafting or
-    not), probing the other for ``probe`` steps after at least ``window`` steps of the faster one, and
-    sequences take only the drafts their acceptance makes likely; ``adaptive=False``: every draft on offer
-    is taken, whatever it costs (tests and benchmarks)."""
+    of the sequence's suffix in its own prompt + output. ``method="draft"``: up to ``k`` tokens proposed greedily
+    by the draft model ``path`` (a GGUF of the target's vocabulary, run in the same process with a KV pool of
+    ``kv`` bytes, default 64 MiB). ``max_batch``: decoding sequences above which no sequence speculates.
+    ``adaptive``: the governor runs each batch size in its faster mode (drafting or not), probing the other for
+    ``probe`` steps after at least ``window`` steps of the faster one, and sequences take only the drafts their
+    acceptance makes likely; ``adaptive=False``: every draft on offer is taken, whatever it costs (tests and
+    benchmarks)."""
 
     method: str = "ngram"
     k: int = 4
@@ -67,11 +94,12 @@ class SpeculativeConfig:
     adaptive: bool = True
     window: int = 16
     probe: int = 4
+    path: Optional[str] = None  # the draft model (method "draft")
+    kv: Optional[int] = None  # bytes of the draft model's KV pool (method "draft"; None: ``DEFAULT_DRAFT_KV``)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            hint = " (draft models are not implemented yet)" if self.method == "draft" else ""
-            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}{hint}")
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
         for name, lo, hi in (
             ("k", 1, 32),
             ("n", 1, 64),
@@ -87,30 +115,62 @@ class SpeculativeConfig:
             raise ValueError(f"speculative min_n ({self.min_n}) must be <= n ({self.n})")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative adaptive must be a bool, got {self.adaptive!r}")
+        if self.method == "draft":
+            if not isinstance(self.path, str) or not self.path:
+                raise ValueError(f"speculative method 'draft' needs the draft model's path, got {self.path!r}")
+            if self.kv is not None and (isinstance(self.kv, bool) or not isinstance(self.kv, int) or self.kv < 1):
+                raise ValueError(f"speculative kv must be a positive number of bytes, got {self.kv!r}")
+        elif self.path is not None or self.kv is not None:
+            raise ValueError(f"speculative path and kv belong to method 'draft', not {self.method!r}")
+
+    @property
+    def kv_bytes(self) -> int:
+        """The draft model's KV pool in bytes."""
+        return DEFAULT_DRAFT_KV if self.kv is None else self.kv
 
     @classmethod
     def of(cls, spec: Union[None, str, Mapping[str, Any], SpeculativeConfig]) -> Optional[SpeculativeConfig]:
-        """A config from ``"ngram"``, ``"ngram:k=5,n=3"``, a dict of fields, a config, or None (no speculation)."""
+        """A config from ``"ngram"``, ``"ngram:k=5,n=3"``, ``"draft:PATH"``, ``"draft:PATH:k=3,kv=128MiB"``, a dict
+        of fields, a config, or None (no speculation).
+
+        A draft path may hold ':': the options are what follows its last ':' when that is empty or a list of
+        ``name=value`` items, so a path that itself ends in ``:name=value`` is written with a trailing ':'.
+        """
         if spec is None or isinstance(spec, SpeculativeConfig):
             return spec
         if isinstance(spec, Mapping):
-            return cls(**spec)
+            given = dict(spec)
+            if isinstance(given.get("kv"), str):
+                given["kv"] = _bytes(given["kv"])
+            return cls(**given)
         if not isinstance(spec, str):
             raise TypeError(f"speculative must be a str like 'ngram:k=4,n=3', got {type(spec).__name__}")
         method, _, rest = spec.strip().partition(":")
-        fields: dict[str, Any] = {}
-        for item in filter(None, rest.split(",")) if method != "draft" else ():
+        path = None
+        if method == "draft":
+            head, sep, tail = rest.rpartition(":")
+            if sep and re.fullmatch(rf"(?:{_OPTION}(?:,{_OPTION})*)?", tail):
+                path, rest = head, tail
+            else:
+                path, rest = rest, ""
+        allowed = _FIELDS.get(method, _FIELDS["ngram"])
+        fields: dict[str, Any] = {} if path is None else {"path": path}
+        for item in filter(None, rest.split(",")):
             m = re.fullmatch(r"\s*([a-z_]+)\s*=\s*(\S+)\s*", item)
-            if m is None or m.group(1) not in _FIELDS:
+            if m is None or m.group(1) not in allowed:
                 raise ValueError(
-                    f"bad speculative option {item!r} in {spec!r}: use k=K, n=N, min_n=M, max_batch=B, adaptive=0|1, "
-                    "window=W, probe=P"
+                    f"bad speculative option {item!r} in {spec!r}: {method!r} takes "
+                    + ", ".join(f"{f}={_METAVARS[f]}" for f in allowed)
                 )
+            name, text = m.groups()
+            if name == "kv":
+                fields[name] = _bytes(text)
+                continue
             try:
-                v = int(m.group(2))
+                v = int(text)
             except ValueError:
-                raise ValueError(f"speculative {m.group(1)} must be an int, got {m.group(2)!r}") from None
-            fields[m.group(1)] = bool(v) if m.group(1) == "adaptive" and v in (0, 1) else v
+                raise ValueError(f"speculative {name} must be an int, got {text!r}") from None
+            fields[name] = bool(v) if name == "adaptive" and v in (0, 1) else v
         return cls(method=method, **fields)
 
 
@@ -276,9 +336,19 @@ class Speculator:
 
     MIN_P = 0.25  # a sequence's j-th draft is taken while its chance of acceptance, alpha^j, is at least this
 
-    def __init__(self, config: SpeculativeConfig, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, clock: Callable[[], float] = time.perf_counter, drafter: Any = None
+    ) -> None:
+        if (config.method == "draft") != (drafter is not None):
+            raise ValueError(
+                f"speculative method 'draft' needs its DraftRunner (LLMEngine loads it from {config.path!r})"
+                if drafter is None
+                else f"speculative method {config.method!r} takes no drafter"
+            )
         self.config = config
         self.clock = clock  # the step timer the governor learns from (tests inject a fake one)
+        # method "draft": the draft model's runner (``engine.draft.DraftRunner``): ``propose``, ``release``, ``stats``
+        self.drafter = drafter
         self.governor = Governor(config.window, config.probe) if config.adaptive else None
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -296,17 +366,32 @@ class Speculator:
         """Whether a step with this many decoding sequences may draft at all."""
         return num_decoding <= self.config.max_batch
 
-    def propose(self, req: Any, budget: int) -> list[int]:
-        """The n-gram drafts on offer for a decoding request (its pending token not counted), within ``budget``."""
+    def room(self, req: Any, budget: int) -> int:
+        """How many drafts a decoding request may take (its pending token not counted) within ``budget``: none
+        for a constrained or pooling one, never past its ``max_tokens``."""
         if req.matcher is not None or req.pooling is not None:
-            return []
+            return 0
         if req.spec is None:
             req.spec = SpecState()
-        room = min(self.config.k, budget, req.max_output - len(req.output_token_ids) - 1)
+        return max(0, min(self.config.k, budget, req.max_output - len(req.output_token_ids) - 1))
+
+    def propose(self, req: Any, budget: int) -> list[int]:
+        """The n-gram drafts on offer for a decoding request (its pending token not counted), within ``budget``."""
+        room = self.room(req, budget)
         if room < 1:
             return []
         toks = np.fromiter(req.all_token_ids, np.int64, len(req.all_token_ids))
         return propose_ngram(toks, room, self.config.n, self.config.min_n)
+
+    def draft(self, reqs: Sequence[Any], ks: Sequence[int]) -> list[list[int]]:
+        """The draft model's tokens for these requests, up to ``ks[i]`` each (fewer or none where its KV pool
+        or context runs out)."""
+        return self.drafter.propose(reqs, ks)  # type: ignore[no-any-return]
+
+    def release(self, req: Any) -> None:
+        """A request finished or was preempted: the draft model's KV of it goes (it catches up if it runs again)."""
+        if self.drafter is not None:
+            self.drafter.release(req.seq_id)
 
     def choose(self, req: Any, offered: int) -> int:
         """How many of ``offered`` drafts the request takes: those its acceptance makes likely (``MIN_P``), or a
@@ -354,6 +439,7 @@ class Speculator:
             "spec_decode_acceptance_rate": a / d if d else 0.0,
             "spec_decode_mean_accepted_length": 1.0 + a / n if n else 0.0,
             **({"spec_decode_governor": self.governor.stats()} if self.governor is not None else {}),
+            **(self.drafter.stats() if self.drafter is not None else {}),
         }
 
 
