@@ -130,7 +130,15 @@ unsafe fn split<const BITS: usize>(blk: *const u8, g: usize) -> (__m256i, __m256
         );
     }
     // Nibble line g/2: step g in its low nibbles when g is even, in its high ones when odd.
-    let lo = _mm256_and_si256(shr(line(g / 2), 4 * (g % 2)), low4);
+    let nib = line(g / 2);
+    let lo = _mm256_and_si256(
+        if g.is_multiple_of(2) {
+            nib
+        } else {
+            _mm256_srli_epi16::<4>(nib)
+        },
+        low4,
+    );
     let hi = match BITS {
         5 => _mm256_and_si256(shr(line(4), g), _mm256_set1_epi8(1)),
         6 => _mm256_and_si256(shr(line(4 + g / 4), 2 * (g % 4)), _mm256_set1_epi8(3)),
