@@ -6,9 +6,11 @@
 //! | nibble | every code <= 15 (GGUF Q4_1)       | one `vpmaddubsw`, summed in i16 over the whole 32-block        |
 //! | wide   | any code (Q8_0, requantized float) | codes split `c = 16·hi + lo`: two `vpmaddubsw`, each as above  |
 //!
-//! Layout: the packed one as it is (no copy of its own): 8-bit codes for `wide`, the 4-bit layout
-//! for `nibble` (a 64-byte line holds two groups; masking its low or high nibbles gives one group as
-//! the 8-bit layout would hold it). A 64-byte group (16 rows × 4 consecutive k) is two 32-byte vectors of 8 rows; each 32-bit lane holds one row's 4 codes and meets a
+//! Layout: the packed one as it is (no copy of its own): the 4-bit layout for `nibble` (a 64-byte
+//! line holds two groups; masking its low or high nibbles gives one group as the 8-bit layout would
+//! hold it); `wide` reads the 8-, 6- and 5-bit layouts, whose split is what they store: `lo` is the
+//! nibble line's half (8-bit: the code's low nibble), `hi` the high bits shifted down and masked
+//! (`split`). A 64-byte group (16 rows × 4 consecutive k) is two 32-byte vectors of 8 rows; each 32-bit lane holds one row's 4 codes and meets a
 //! broadcast of the activation row's 4 digit bytes. `vpmaddubsw` (u8 × i8, adjacent products
 //! summed into i16 with signed saturation) is exact while no sum leaves i16: with 4-bit codes a
 //! pair is at most 2·15·127 = 3810 in magnitude and the 8 groups of a block sum to at most 30480
@@ -33,6 +35,7 @@ use std::arch::x86_64::*;
 /// the full bandwidth with the stream prefetched 4 KiB ahead.
 const PREFETCH: usize = 4096;
 
+use super::weight::LINE;
 use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, MR, PANEL, PASS_PANELS, QBLOCK};
 
 /// All row tiles of panels `p0..p0+np`.
@@ -73,30 +76,77 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
         // The scales the tiles read, and panel ps's index in them.
         let (sc, base) = if hoist { (&pass, ps) } else { (&a.w.scales, 0) };
         for p in ps..ps + pn {
-            let wide = !a.w.panel_nibbles(p);
             let sp = p - base;
             // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
-            // activations and panels inside p0..p0+np; panel p's scales are panel sp of `sc`.
+            // activations and panels inside p0..p0+np; panel p's scales are panel sp of `sc`, its
+            // codes in the layout `panel_bits` reads off their length.
             unsafe {
-                match (wide, rows) {
-                    (false, 2) => tile::<2, false>(a, sc, sp, r0, p, first),
-                    (false, _) => tile::<1, false>(a, sc, sp, r0, p, first),
-                    (true, 2) => {
-                        wide_half::<2>(a, sc, sp, r0, p, 0, first);
-                        wide_half::<2>(a, sc, sp, r0, p, 1, false);
-                    }
-                    (true, _) => tile::<1, true>(a, sc, sp, r0, p, first),
+                match (a.w.panel_bits(p), rows) {
+                    (4, 2) => tile::<2, 4>(a, sc, sp, r0, p, first),
+                    (4, _) => tile::<1, 4>(a, sc, sp, r0, p, first),
+                    (5, 2) => wide_pair::<5>(a, sc, sp, r0, p, first),
+                    (5, _) => tile::<1, 5>(a, sc, sp, r0, p, first),
+                    (6, 2) => wide_pair::<6>(a, sc, sp, r0, p, first),
+                    (6, _) => tile::<1, 6>(a, sc, sp, r0, p, first),
+                    (_, 2) => wide_pair::<8>(a, sc, sp, r0, p, first),
+                    (_, _) => tile::<1, 8>(a, sc, sp, r0, p, first),
                 }
             }
         }
     });
 }
 
-/// One tile: rows `r0..r0+R` times panel `p`; `WIDE`: codes up to 255 (nibble split).
+/// Both halves of panel `p` for 2 rows (`wide_half`), the first prefetching when `prefetch`.
 ///
 /// # Safety
-/// As for `job`; rows `r0..r0+R` are inside the activations, panel `p` exists, and with
-/// `WIDE = false` every code of the weight is <= 15.
+/// As for `wide_half`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn wide_pair<const BITS: usize>(a: &Args, sc: &Scales, sp: usize, r0: usize, p: usize, prefetch: bool) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        wide_half::<2, BITS>(a, sc, sp, r0, p, 0, prefetch);
+        wide_half::<2, BITS>(a, sc, sp, r0, p, 1, false);
+    }
+}
+
+/// Step `g` (0..8) of a block of the `BITS`-bit layout, `blk` pointing at the block's first line
+/// (or 32 bytes into it, for its second half of 8 rows): 32 codes split as `(lo, hi)` with
+/// `c = 16·hi + lo`, each a u8 lane (`hi` 0 for `BITS` = 4).
+///
+/// # Safety
+/// AVX2 is available; `blk` is followed by the block's `BITS` lines of 64 bytes (from its start).
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn split<const BITS: usize>(blk: *const u8, g: usize) -> (__m256i, __m256i) {
+    let low4 = _mm256_set1_epi8(0x0f);
+    // SAFETY: line < BITS of the block (contract).
+    let line = |l: usize| unsafe { _mm256_loadu_si256(blk.add(l * LINE) as *const __m256i) };
+    let shr = |v: __m256i, n: usize| _mm256_srl_epi16(v, _mm_cvtsi32_si128(n as i32));
+    if BITS == 8 {
+        let c = line(g);
+        return (
+            _mm256_and_si256(c, low4),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(c), low4),
+        );
+    }
+    // Nibble line g/2: step g in its low nibbles when g is even, in its high ones when odd.
+    let nib = line(g / 2);
+    let lo = _mm256_and_si256(
+        if g.is_multiple_of(2) {
+            nib
+        } else {
+            _mm256_srli_epi16::<4>(nib)
+        },
+        low4,
+    );
+    let hi = match BITS {
+        5 => _mm256_and_si256(shr(line(4), g), _mm256_set1_epi8(1)),
+        6 => _mm256_and_si256(shr(line(4 + g / 4), 2 * (g % 4)), _mm256_set1_epi8(3)),
+        _ => _mm256_setzero_si256(),
+    };
+    (lo, hi)
+}
+
 /// Eight `d` at scale index `at` and the eight `m` PANEL after them, as f32.
 ///
 /// # Safety
@@ -147,8 +197,14 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
     }
 }
 
+/// One tile: rows `r0..r0+R` times panel `p` in the `BITS`-bit layout; 4: the `nibble` mode,
+/// else `wide` (codes split `16·hi + lo`).
+///
+/// # Safety
+/// As for `job`; rows `r0..r0+R` are inside the activations, panel `p` exists and holds its
+/// codes in the `BITS`-bit layout.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const R: usize, const WIDE: bool>(
+unsafe fn tile<const R: usize, const BITS: usize>(
     a: &Args,
     sc: &Scales,
     sp: usize,
@@ -158,7 +214,9 @@ unsafe fn tile<const R: usize, const WIDE: bool>(
 ) {
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
-    // Panel p's codes: k*PANEL bytes, or k*PANEL/2 in the 4-bit layout (WIDE is false exactly then).
+    const { assert!(BITS == 4 || BITS == 5 || BITS == 6 || BITS == 8) };
+    let wide = BITS != 4;
+    // Panel p's codes: k*PANEL*BITS/8 bytes, BITS lines a block.
     // SAFETY: panel p exists: its code bytes start at this offset (and nb*2*PANEL scales from p*nb*2*PANEL).
     let codes = unsafe { a.w.codes.as_ptr().add(a.w.code_at[p]) };
     let scales = sp * nb * 2 * PANEL;
@@ -166,10 +224,9 @@ unsafe fn tile<const R: usize, const WIDE: bool>(
     // `vpmaddwd` weights of the second digit [code half] (a code's high half 16 times its low
     // one); the first digit's are the block's R times these.
     let weight = [_mm256_set1_epi16(1), _mm256_set1_epi16(16)];
-    let low4 = _mm256_set1_epi8(0x0f);
     let zero = _mm256_setzero_si256();
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    let block_bytes = if WIDE { QBLOCK * PANEL } else { QBLOCK * PANEL / 2 };
+    let block_bytes = BITS * LINE;
     for b in 0..nb {
         // Software prefetch PREFETCH bytes ahead in the code stream (panels are contiguous, so
         // past this panel's end it fetches the next one's start; a prefetch never faults).
@@ -189,22 +246,8 @@ unsafe fn tile<const R: usize, const WIDE: bool>(
             let mut cl = [zero; 2];
             let mut ch = [zero; 2];
             for v in 0..2 {
-                if WIDE {
-                    // SAFETY: kk*PANEL + 64 <= k*PANEL: the group's two 32-byte vectors in panel p (8-bit).
-                    let c = unsafe { _mm256_loadu_si256(codes.add(kk * PANEL + v * 32) as *const __m256i) };
-                    cl[v] = _mm256_and_si256(c, low4);
-                    ch[v] = _mm256_and_si256(_mm256_srli_epi16::<4>(c), low4);
-                } else {
-                    // 4-bit layout: 64-byte line kk/8 holds group kk/4 in its low nibbles when that
-                    // group is even, in its high nibbles when odd.
-                    // SAFETY: (kk/8)*4*PANEL + 64 <= k*PANEL/2: the line's two 32-byte vectors in panel p.
-                    let c = unsafe { _mm256_loadu_si256(codes.add(kk / 8 * 4 * PANEL + v * 32) as *const __m256i) };
-                    cl[v] = if g % 2 == 0 {
-                        _mm256_and_si256(c, low4)
-                    } else {
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(c), low4)
-                    };
-                }
+                // SAFETY: block b of panel p (BITS lines from b*block_bytes), its half v.
+                (cl[v], ch[v]) = unsafe { split::<BITS>(codes.add(b * block_bytes + v * 32), g) };
             }
             for r in 0..R {
                 for (digit, xq) in [xh, xl].into_iter().enumerate() {
@@ -213,7 +256,7 @@ unsafe fn tile<const R: usize, const WIDE: bool>(
                     let xv = _mm256_set1_epi32(x4);
                     for v in 0..2 {
                         lo[r][digit][v] = _mm256_add_epi16(lo[r][digit][v], _mm256_maddubs_epi16(cl[v], xv));
-                        if WIDE {
+                        if wide {
                             hi[r][digit][v] = _mm256_add_epi16(hi[r][digit][v], _mm256_maddubs_epi16(ch[v], xv));
                         }
                     }
@@ -233,7 +276,7 @@ unsafe fn tile<const R: usize, const WIDE: bool>(
                     _mm256_madd_epi16(lo[r][0][v], base),
                     _mm256_madd_epi16(lo[r][1][v], weight[0]),
                 );
-                if WIDE {
+                if wide {
                     dot = _mm256_add_epi32(
                         dot,
                         _mm256_add_epi32(
@@ -264,42 +307,50 @@ unsafe fn tile<const R: usize, const WIDE: bool>(
     }
 }
 
-/// The `wide` mode for rows `r0..r0+R` and the 8 columns of half `v` (0 or 1) of panel `p`: the
-/// same integer sums and the same two FMAs a block as `tile::<R, true>`, in the same order, so
+/// The `wide` mode for rows `r0..r0+R` and the 8 columns of half `v` (0 or 1) of panel `p` (in the
+/// `BITS`-bit layout, 5, 6 or 8): the same integer sums and the same two FMAs a block as
+/// `tile::<R, BITS>`, in the same order, so
 /// the same bits; one 32-byte code vector a group instead of two keeps its 8 i16 sums (R = 2), the
 /// unpacked codes and one broadcast in registers (the two-vector form spilled them).
 ///
 /// # Safety
 /// As for `tile`, and `v < 2`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn wide_half<const R: usize>(a: &Args, sc: &Scales, sp: usize, r0: usize, p: usize, v: usize, prefetch: bool) {
+unsafe fn wide_half<const R: usize, const BITS: usize>(
+    a: &Args,
+    sc: &Scales,
+    sp: usize,
+    r0: usize,
+    p: usize,
+    v: usize,
+    prefetch: bool,
+) {
+    const { assert!(BITS == 5 || BITS == 6 || BITS == 8) };
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
-    // SAFETY: panel p exists and is 8-bit: k*PANEL code bytes from its offset; half v is bytes
-    // 32v..32v+32 of each 64-byte group.
+    let block_bytes = BITS * LINE;
+    // SAFETY: panel p exists in the BITS-bit layout: k*PANEL*BITS/8 code bytes from its offset;
+    // half v is bytes 32v..32v+32 of each 64-byte line.
     let codes = unsafe { a.w.codes.as_ptr().add(a.w.code_at[p] + v * 32) };
     let scales = sp * nb * 2 * PANEL + v * 8;
     let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
-    let low4 = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         if prefetch {
             a.w.scales.prefetch(p * nb + b);
             // As in `tile`: the whole panel's lines PREFETCH ahead (half 1 then finds them cached).
-            for line in (0..QBLOCK * PANEL).step_by(64) {
-                let ahead = codes.wrapping_add(b * QBLOCK * PANEL + line + PREFETCH);
+            for line in (0..block_bytes).step_by(64) {
+                let ahead = codes.wrapping_add(b * block_bytes + line + PREFETCH);
                 _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
             }
         }
         // i16 pair sums [row][digit] of the codes' low and high halves.
         let mut lo = [[_mm256_setzero_si256(); 2]; R];
         let mut hi = [[_mm256_setzero_si256(); 2]; R];
-        let mut kk = b * QBLOCK;
-        while kk < (b + 1) * QBLOCK {
-            // SAFETY: kk*PANEL + 32v + 32 <= k*PANEL: this group's half-v vector in panel p.
-            let c = unsafe { _mm256_loadu_si256(codes.add(kk * PANEL) as *const __m256i) };
-            let cl = _mm256_and_si256(c, low4);
-            let ch = _mm256_and_si256(_mm256_srli_epi16::<4>(c), low4);
+        for g in 0..QBLOCK / 4 {
+            let kk = b * QBLOCK + g * 4;
+            // SAFETY: block b of panel p (BITS lines from b*block_bytes), its half v.
+            let (cl, ch) = unsafe { split::<BITS>(codes.add(b * block_bytes), g) };
             for r in 0..R {
                 for (digit, xq) in [xh, xl].into_iter().enumerate() {
                     // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
@@ -309,7 +360,6 @@ unsafe fn wide_half<const R: usize>(a: &Args, sc: &Scales, sp: usize, r0: usize,
                     hi[r][digit] = _mm256_add_epi16(hi[r][digit], _mm256_maddubs_epi16(ch, xv));
                 }
             }
-            kk += 4;
         }
         // SAFETY: block b of panel p: 16 `d` then 16 `m`; half v is 8 of each.
         let (dv, mv) = unsafe { load_scales(sc, scales + b * 2 * PANEL) };

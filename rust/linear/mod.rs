@@ -1,4 +1,4 @@
-//! Block-quantized linear layers: `y[M, N] = x[M, K] · Wᵀ` with W held as 8-bit codes (no pyo3).
+//! Block-quantized linear layers: `y[M, N] = x[M, K] · Wᵀ` with W held as 4- to 8-bit codes (no pyo3).
 //!
 //! | variant    | file      | used when (`variant` maps the ISA from `runtime` onto a build)                 |
 //! |------------|-----------|--------------------------------------------------------------------------------|
@@ -68,14 +68,22 @@
 //! L1 (the decoder's jobs hold up to ~100 panels; rows-outer read a Q8_0 lm_head's codes from L3 once
 //! per row).
 //!
-//! 4-bit layout (per panel): when every code of a panel's rows fits 4 bits (GGUF Q4_0, Q4_1, Q4_K
-//! blocks) the panel stores two 4-wide k groups in one 64-byte line, group 2q in the low nibbles and
-//! 2q+1 in the high ones, halving the bytes streamed per token (the weights then take about their
-//! GGUF file size). Panels choose on their own, so a fused projection of mixed types (a Q4_K_M QKV:
-//! Q4_K q and k, Q6_K v) keeps 4-bit codes where its rows allow.
-//! Every tile reads it (the AVX2 one unpacks a line with two masks and runs its exact
-//! single-`vpmaddubsw` mode, the VNNI one unpacks the same two vectors for `vpdpbusd`); the integer
-//! dots and the float sums are the same, so the results are bit for bit those of the 8-bit layout.
+//! Code layouts (per panel, the fewest bits that hold every code of its rows; weight.rs tabulates
+//! them): a 32-wide block of a panel is 8 code lines of 64 bytes in the 8-bit layout; in the
+//! others it is 4 nibble lines, line q holding step 2q in its low nibbles and 2q+1 in its high ones
+//! (byte for byte where the 8-bit lines hold those codes), then the codes' high bits in lines of
+//! the same byte order: none for 4 bits (< 16: GGUF Q4_0, Q4_1, Q4_K), one for 5 (< 32: Q5_0,
+//! Q5_1, Q5_K; bit 4 of step g at bit g), two for 6 (< 64; bits 4-5 of step 4L + f at bits 2f..2f+1
+//! of line L). A block is then 256, 320, 384 or 512 bytes, so a panel's byte length names its layout,
+//! and the weights take about their GGUF file size. Panels choose on their own, so a fused projection
+//! of mixed types (a Q4_K_M QKV: Q4_K q and k, Q6_K v) keeps 4-bit codes where its rows allow. A Q6_K
+//! block's 32 codes are its 6-bit `q` only where the block's two 16-wide halves share a scale (else
+//! they reach 255 on the block's integer grid, gguf.rs): most real Q6_K panels stay 8-bit.
+//! Every tile reads every layout (the AVX2 one runs its exact single-`vpmaddubsw` mode on 4-bit
+//! panels and its `16·hi + lo` split, with the stored nibbles and high bits as the halves, on the
+//! others; the VNNI one rebuilds each step's 8-bit code vector: a mask, and for 5 and 6 bits a shift
+//! of the bit line and one `vpternlogd`); the integer dots and the float sums are the same, so the
+//! results are bit for bit those of the 8-bit layout.
 //!
 //! Scales (`Scales`): f16 when every `d` and `m` of a weight is exactly an f16 (GGUF Q4_0, Q4_1,
 //! Q5_0, Q5_1, Q8_0 scales are), widened on load (F16C `vcvtph2ps`), else f32; widening is exact,

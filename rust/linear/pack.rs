@@ -9,12 +9,13 @@
 //! | `from_gguf_parts` | GGUF rows of several tensors stacked (a fused projection, mixed types) |
 //! | `from_gguf_named` | the same, with errors naming the tensor                                |
 //!
-//! A panel takes the 4-bit layout when every code of its rows fits 4 bits; scales are f16 when
+//! A panel takes the fewest bits of 4, 5, 6, 8 that hold every code of its rows (`bits_for`), and
+//! from GGUF rows at most its types' own (Q4_x/Q4_K 4, Q5_x/Q5_K 5, others 8); scales are f16 when
 //! every one is exactly an f16, the K-quant grid for K-quant rows (k a multiple of 256), else f32
 //! (`Scales`).
 
 use super::gguf;
-use super::weight::{Muls, QWeight, Scales, GRID_BLOCKS};
+use super::weight::{bits_for, Muls, QWeight, Scales, GRID_BLOCKS, LINE};
 use super::{PANEL, QBLOCK};
 use crate::error::{Error, Result};
 
@@ -40,28 +41,32 @@ impl QWeight {
         Ok(pool.install(|| Self::pack(n, k, codes, d, m)))
     }
 
-    /// The packed layout of checked parts: each panel in the 4-bit layout when every code of its
-    /// rows is < 16, else the 8-bit one. Panels are packed in parallel (on the caller's rayon pool).
+    /// The packed layout of checked parts: each panel in the fewest bits (4, 5, 6 or 8) that hold
+    /// every code of its rows (`bits_for`). Panels are packed in parallel (on the caller's rayon pool).
     fn pack(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32]) -> Self {
         use rayon::prelude::*;
-        let four: Vec<bool> = (0..n.div_ceil(PANEL))
+        let bits: Vec<usize> = (0..n.div_ceil(PANEL))
             .into_par_iter()
             .map(|p| {
-                codes[p * PANEL * k..((p + 1) * PANEL).min(n) * k]
-                    .iter()
-                    .all(|&x| x < 16)
+                bits_for(
+                    codes[p * PANEL * k..((p + 1) * PANEL).min(n) * k]
+                        .iter()
+                        .copied()
+                        .max()
+                        .unwrap_or(0),
+                )
             })
             .collect();
-        Self::pack_layout(n, k, codes, d, m, &four)
+        Self::pack_layout(n, k, codes, d, m, &bits)
     }
 
-    /// `pack` with each panel's layout given (`four[p]`: 4-bit; only where its codes are < 16).
-    pub(super) fn pack_layout(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32], four: &[bool]) -> Self {
+    /// `pack` with each panel's layout given (`bits[p]`: 4, 5, 6 or 8, at least `bits_for` its codes).
+    pub(super) fn pack_layout(n: usize, k: usize, codes: &[u8], d: &[f32], m: &[f32], bits: &[usize]) -> Self {
         use rayon::prelude::*;
         let nb = k / QBLOCK;
-        let code_at = panel_offsets(k, four);
-        let mut pc = vec![0u8; code_at[four.len()]];
-        let mut ps = vec![0f32; four.len() * nb * 2 * PANEL];
+        let code_at = panel_offsets(k, bits);
+        let mut pc = vec![0u8; code_at[bits.len()]];
+        let mut ps = vec![0f32; bits.len() * nb * 2 * PANEL];
         split_panels(&mut pc, &code_at)
             .into_par_iter()
             .zip(ps.par_chunks_mut(nb * 2 * PANEL))
@@ -70,7 +75,7 @@ impl QWeight {
                 for i in 0..PANEL.min(n - p * PANEL) {
                     let row = p * PANEL + i;
                     let r = row * nb..(row + 1) * nb;
-                    pack_row(dst, sc, i, &codes[row * k..][..k], &d[r.clone()], &m[r], four[p]);
+                    pack_row(dst, sc, i, &codes[row * k..][..k], &d[r.clone()], &m[r], bits[p]);
                 }
             });
         QWeight {
@@ -95,9 +100,9 @@ impl QWeight {
     ///
     /// Decoded and packed panel by panel on the kernel threads, with no row-major copy in between:
     /// each thread decodes one row at a time into a row of scratch and packs it into its panel.
-    /// A panel whose rows all come from tensors of 4-bit types (Q4_0, Q4_1, Q4_K) is packed as
-    /// nibbles, others too when every code they give is < 16 (as `from_parts`): in a Q4_K_M QKV
-    /// (Q4_K q and k, Q6_K v) the q and k panels keep 4-bit codes.
+    /// A panel takes the widest layout its rows' types call for (`type_bits`: Q4_0, Q4_1, Q4_K 4
+    /// bits, Q5_0, Q5_1, Q5_K 5, others 8), or fewer bits when its codes fit them (as
+    /// `from_parts`): in a Q4_K_M QKV (Q4_K q and k, Q6_K v) the q and k panels keep 4-bit codes.
     pub fn from_gguf_parts(parts: &[(&str, &[u8], usize)], k: usize) -> Result<Self> {
         Self::from_gguf_named(parts, None, k)
     }
@@ -137,12 +142,15 @@ impl QWeight {
         let nb = k / QBLOCK;
         let panels = n.div_ceil(PANEL);
         let part_of = |row: usize| starts.partition_point(|s| s.0 <= row) - 1;
-        let four: Vec<bool> = (0..panels)
+        let bits: Vec<usize> = (0..panels)
             .map(|p| {
-                (p * PANEL..((p + 1) * PANEL).min(n)).all(|r| matches!(parts[part_of(r)].0, "Q4_0" | "Q4_1" | "Q4_K"))
+                (p * PANEL..((p + 1) * PANEL).min(n))
+                    .map(|r| type_bits(parts[part_of(r)].0))
+                    .max()
+                    .unwrap_or(8)
             })
             .collect();
-        let code_at = panel_offsets(k, &four);
+        let code_at = panel_offsets(k, &bits);
         // Legacy types only (Q4_0..Q8_0): f16 scales straight from the file's bits.
         let legacy: Option<Vec<gguf::Legacy>> = if grid {
             None
@@ -189,7 +197,7 @@ impl QWeight {
                     )),
                 )
             };
-            // (some 8-bit panel's codes all fit 4 bits after all (then repacked below), every
+            // (some panel's codes all fit fewer bits than its types' (then repacked below), every
             // scale an f16 number where `half`)
             let (small, exact) = pool.install(|| {
                 split_panels(&mut pc, &code_at)
@@ -262,12 +270,18 @@ impl QWeight {
                                         }
                                     }
                                 }
-                                if !four[p] {
-                                    top = top.max(c.iter().copied().max().unwrap_or(0));
+                                // The widest a type gives (a Q6_K block's codes reach 255 where
+                                // its two halves' scales differ) sets the layout below.
+                                top = top.max(c.iter().copied().max().unwrap_or(0));
+                                if bits_for(top) > bits[p] {
+                                    return Err(Error::Invalid(format!(
+                                        "internal: a {ty} row gave code {top}, past its {}-bit layout",
+                                        bits[p]
+                                    )));
                                 }
-                                pack_codes(dst, i, c, four[p]);
+                                pack_codes(dst, i, c, bits[p]);
                             }
-                            Ok((!four[p] && top < 16, exact))
+                            Ok((bits_for(top) < bits[p], exact))
                         },
                     )
                     .try_reduce(|| (false, true), |a, b| Ok((a.0 || b.0, a.1 && b.1)))
@@ -296,8 +310,9 @@ impl QWeight {
             (w, small, _) = pass(false)?;
         }
         if small {
-            // A panel of an 8-bit type whose codes all fit in 4 bits (e.g. constant blocks): the
-            // half-size layout there, as `from_parts` packs it, with the same scales.
+            // A panel whose codes all fit fewer bits than its types call for (constant blocks, a
+            // Q6_K panel whose blocks' halves share their scales): the smaller layout there, as
+            // `from_parts` packs it, with the same scales.
             let (c, d, m) = w.unpack();
             let mut w4 = pool.install(|| Self::pack(n, k, &c, &d, &m));
             w4.scales = w.scales;
@@ -344,15 +359,26 @@ impl QWeight {
     }
 }
 
-/// Where each panel's codes start (and, last, the total): `k * PANEL` bytes a panel, half that
-/// for a panel in the 4-bit layout (`four[p]`).
-fn panel_offsets(k: usize, four: &[bool]) -> Vec<usize> {
-    let mut at = Vec::with_capacity(four.len() + 1);
+/// Where each panel's codes start (and, last, the total): `k * PANEL * bits[p] / 8` bytes a panel.
+fn panel_offsets(k: usize, bits: &[usize]) -> Vec<usize> {
+    let mut at = Vec::with_capacity(bits.len() + 1);
     at.push(0);
-    for &f in four {
-        at.push(at.last().copied().unwrap_or(0) + if f { k * PANEL / 2 } else { k * PANEL });
+    for &b in bits {
+        at.push(at.last().copied().unwrap_or(0) + k * PANEL * b / 8);
     }
     at
+}
+
+/// The layout every code of a GGUF type fits: 4 bits for Q4_0, Q4_1, Q4_K, 5 for Q5_0, Q5_1, Q5_K,
+/// 8 for the others. Q6_K too: its 32-wide blocks' codes are `q` (6 bits) only where the block's two
+/// 16-wide halves share a scale, else up to 255 (`gguf::to_blocks`); panels of the former are
+/// repacked in 6 bits.
+fn type_bits(ggml_type: &str) -> usize {
+    match ggml_type {
+        "Q4_0" | "Q4_1" | "Q4_K" => 4,
+        "Q5_0" | "Q5_1" | "Q5_K" => 5,
+        _ => 8,
+    }
 }
 
 /// `codes` cut at the offsets `code_at` into one slice a panel.
@@ -385,24 +411,39 @@ enum MulsMut<'a> {
 
 /// Row `i` of a panel: its codes into the panel's code line `dst` and its `d`, `m` into the
 /// panel's scales `sc` (`pack_codes`, `pack_scales`).
-fn pack_row(dst: &mut [u8], sc: &mut [f32], i: usize, codes: &[u8], d: &[f32], m: &[f32], nibbles: bool) {
-    pack_codes(dst, i, codes, nibbles);
+fn pack_row(dst: &mut [u8], sc: &mut [f32], i: usize, codes: &[u8], d: &[f32], m: &[f32], bits: usize) {
+    pack_codes(dst, i, codes, bits);
     pack_scales(sc, i, d, m);
 }
 
-/// Row `i`'s codes into the panel's code line `dst` (4-byte groups of PANEL rows; as nibbles,
-/// byte b of group pair h holds code 8h+b low and 8h+4+b high).
-fn pack_codes(dst: &mut [u8], i: usize, codes: &[u8], nibbles: bool) {
-    if nibbles {
-        for (h, oct) in codes.chunks_exact(8).enumerate() {
-            let at = &mut dst[h * 4 * PANEL + i * 4..][..4];
-            for b in 0..4 {
-                at[b] = oct[b] | (oct[4 + b] << 4);
+/// Row `i`'s codes (each < 2^bits) into the panel's codes `dst` in the `bits`-bit layout
+/// (`weight::block_codes` reads it back): per 32-wide block, 8-bit: step g's 4 codes at line g,
+/// bytes 4i..4i+4; else the nibble lines (line q: step 2q low, 2q+1 high) and the high bits'
+/// lines (5 bits: bit 4 of step g at bit g; 6 bits: bits 4-5 of step 4L + f at bits 2f, line L).
+fn pack_codes(dst: &mut [u8], i: usize, codes: &[u8], bits: usize) {
+    for (b, blk) in codes.chunks_exact(QBLOCK).enumerate() {
+        let out = &mut dst[b * bits * LINE..][..bits * LINE];
+        if bits == 8 {
+            for (g, quad) in blk.chunks_exact(4).enumerate() {
+                out[g * LINE + i * 4..][..4].copy_from_slice(quad);
             }
+            continue;
         }
-    } else {
-        for (g, quad) in codes.chunks_exact(4).enumerate() {
-            dst[g * 4 * PANEL + i * 4..][..4].copy_from_slice(quad);
+        for j in 0..4 {
+            let c = |g: usize| blk[g * 4 + j];
+            for q in 0..4 {
+                out[q * LINE + i * 4 + j] = (c(2 * q) & 0x0f) | (c(2 * q + 1) << 4);
+            }
+            match bits {
+                5 => out[4 * LINE + i * 4 + j] = (0..8).fold(0, |a, g| a | ((c(g) >> 4) & 1) << g),
+                6 => {
+                    for l in 0..2 {
+                        out[(4 + l) * LINE + i * 4 + j] =
+                            (0..4).fold(0, |a, f| a | ((c(4 * l + f) >> 4) & 3) << (2 * f));
+                    }
+                }
+                _ => {}
+            }
         }
     }
 }

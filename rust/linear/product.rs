@@ -223,31 +223,29 @@ pub(super) fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
         v = Isa::Scalar;
     }
     if v != Isa::Avx512 {
-        return run_panels(v, a, m, p0, np, false);
+        return run_panels(v, a, m, p0, np, 8);
     }
     // The VNNI tile takes one layout a call: runs of panels of one layout (a fused projection of
     // mixed types mixes them). Every column is computed by one tile whichever run holds it.
     let mut s = p0;
     while s < p0 + np {
-        let four = a.w.panel_nibbles(s);
-        let e = (s + 1..p0 + np)
-            .find(|&q| a.w.panel_nibbles(q) != four)
-            .unwrap_or(p0 + np);
-        run_panels(v, a, m, s, e - s, four);
+        let bits = a.w.panel_bits(s);
+        let e = (s + 1..p0 + np).find(|&q| a.w.panel_bits(q) != bits).unwrap_or(p0 + np);
+        run_panels(v, a, m, s, e - s, bits);
         s = e;
     }
 }
 
-/// Panels `p0..p0+np` on the tile of build `v`; for the Avx512 one, all of them 4-bit exactly
-/// when `nib` (the other tiles read each panel's layout themselves).
-fn run_panels(v: Isa, a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
+/// Panels `p0..p0+np` on the tile of build `v`; for the Avx512 one, all of them in the `bits`-bit
+/// layout (the other tiles read each panel's layout themselves).
+fn run_panels(v: Isa, a: &Args, m: usize, p0: usize, np: usize, bits: usize) {
     match v {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             // SAFETY: `variant` gives Avx512 only when AVX-512 F/BW/VNNI are detected, and
-            // `run_job` hands it runs of panels of the layout `nib`; the tile bounds are within
+            // `run_job` hands it runs of panels of the layout `bits`; the tile bounds are within
             // the activations, weights and output sized by `linear_with`.
-            unsafe { x86::job(a, m, p0, np, nib) }
+            unsafe { x86::job(a, m, p0, np, bits) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {

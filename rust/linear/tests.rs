@@ -479,7 +479,7 @@ fn four_bit_layout_equals_the_eight_bit_one_bit_for_bit() {
         let d: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.01).collect();
         let mm: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.05).collect();
         let w4 = QWeight::from_parts(n, k, &codes, &d, &mm).unwrap();
-        let w8 = QWeight::pack_layout(n, k, &codes, &d, &mm, &vec![false; n.div_ceil(PANEL)]);
+        let w8 = QWeight::pack_layout(n, k, &codes, &d, &mm, &vec![8; n.div_ceil(PANEL)]);
         assert!(w4.nibbles() && !w8.nibbles());
         assert!(w4.nbytes() < w8.nbytes());
         assert_eq!(w4.unpack(), (codes.clone(), d.clone(), mm.clone()));
@@ -491,6 +491,180 @@ fn four_bit_layout_equals_the_eight_bit_one_bit_for_bit() {
             assert_eq!(y4, y8, "case {case} isa {isa:?}");
         }
     }
+}
+
+/// Codes `[n, k]` whose panel p's largest code is `tops[p % tops.len()] - 1` (every code below it).
+fn layout_codes(r: &mut Rng, n: usize, k: usize, tops: &[usize]) -> Vec<u8> {
+    let mut codes = vec![0u8; n * k];
+    for p in 0..n.div_ceil(PANEL) {
+        let top = tops[p % tops.len()];
+        let rows = &mut codes[p * PANEL * k..((p + 1) * PANEL).min(n) * k];
+        for c in rows.iter_mut() {
+            *c = r.below(top) as u8;
+        }
+        let at = r.below(rows.len());
+        rows[at] = (top - 1) as u8;
+    }
+    codes
+}
+
+/// Every layout (panels of codes < 16, < 32, < 64, any), alone and mixed in one weight, gives the
+/// products of the same codes in the 8-bit layout bit for bit: every ISA (scalar, avx2, avx512vnni
+/// where the CPU runs it), every tile shape (rows 1..=17 and 33, n not a multiple of 16, k = 32 and
+/// 256 on), one and two digits, contiguous and strided outputs; `unpack` gives the codes back.
+#[test]
+fn every_layout_gives_the_eight_bit_products_bit_for_bit() {
+    let mut r = Rng(0x5b17);
+    let layouts: [&[usize]; 6] = [&[16], &[32], &[64], &[256], &[32, 64, 16, 256], &[64, 64, 32]];
+    let mut case = 0;
+    for tops in layouts {
+        for &(n, k) in &[(1usize, 32usize), (37, 32), (53, 256), (16, 288), (70, 512)] {
+            case += 1;
+            let nb = k / QBLOCK;
+            let codes = layout_codes(&mut r, n, k, tops);
+            let d: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.01).collect();
+            let mm: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.05).collect();
+            let w = QWeight::from_parts(n, k, &codes, &d, &mm).unwrap();
+            let panels = n.div_ceil(PANEL);
+            let bits: Vec<usize> = (0..panels)
+                .map(|p| match tops[p % tops.len()] {
+                    16 => 4,
+                    32 => 5,
+                    64 => 6,
+                    _ => 8,
+                })
+                .collect();
+            for (p, &b) in bits.iter().enumerate() {
+                assert_eq!(w.panel_bits(p), b, "case {case} panel {p}");
+                assert_eq!(
+                    w.code_at[p + 1] - w.code_at[p],
+                    k * PANEL * b / 8,
+                    "case {case} panel {p}"
+                );
+            }
+            assert_eq!(w.unpack(), (codes.clone(), d.clone(), mm.clone()), "case {case}");
+            let w8 = QWeight::pack_layout(n, k, &codes, &d, &mm, &vec![8; panels]);
+            assert_eq!(
+                w.nbytes(),
+                w8.nbytes() - bits.iter().map(|b| k * PANEL * (8 - b) / 8).sum::<usize>()
+            );
+            for digits in [2, 1] {
+                w.set_act_digits(digits).unwrap();
+                w8.set_act_digits(digits).unwrap();
+                for m in (1..=17).chain([33]) {
+                    if m % 3 != case % 3 && m > 9 {
+                        continue; // rows 1..=9 always; the rest in turn
+                    }
+                    let x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 2.0 - 1.0).collect();
+                    let mut want = vec![f32::NAN; m * n];
+                    linear_with(Isa::Scalar, &x, m, &w8, &mut want).unwrap();
+                    let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    for isa in crate::runtime::available_isas() {
+                        let label = format!("case {case} tops {tops:?} [{m}, {n}, {k}] digits {digits} {isa:?}");
+                        let mut y = vec![f32::NAN; m * n];
+                        linear_with(isa, &x, m, &w, &mut y).unwrap();
+                        assert_eq!(bits_of(&y), bits_of(&want), "{label}");
+                        // Strided into a wider output, by `Product` jobs.
+                        let (at, ld) = (3, n + 7);
+                        let mut wide = vec![f32::NAN; m * ld];
+                        let p = Product::strided(isa, &x, m, &w, &mut wide[at..], ld, 2).unwrap();
+                        for j in 0..p.jobs() {
+                            // SAFETY: each job index once, on this thread alone.
+                            unsafe { p.run(j) };
+                        }
+                        drop(p);
+                        for row in 0..m {
+                            let got = &wide[row * ld + at..][..n];
+                            assert_eq!(
+                                bits_of(got),
+                                bits_of(&want[row * n..][..n]),
+                                "{label} strided row {row}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A panel takes the fewest bits that hold its codes, each panel on its own: one code of 16 in a
+/// panel of codes < 16 makes it 5-bit, one of 32 6-bit, one of 64 8-bit.
+#[test]
+fn the_packers_choose_each_panels_layout_by_its_codes() {
+    let (n, k) = (16 * 4 + 3, 64);
+    let nb = k / QBLOCK;
+    let (d, m) = (vec![0.5f32; n * nb], vec![-1f32; n * nb]);
+    let mut r = Rng(0x1a7);
+    let mut codes: Vec<u8> = (0..n * k).map(|_| r.below(16) as u8).collect();
+    // Panel 0 stays 4-bit; panels 1, 2, 3 get one code of 16, 32, 64 (last row, last column);
+    // panel 4 (3 rows) one of 63 in its first row.
+    for (p, top) in [(1, 16u8), (2, 32), (3, 64)] {
+        codes[((p + 1) * PANEL - 1) * k + k - 1] = top;
+    }
+    codes[4 * PANEL * k + 5] = 63;
+    let w = QWeight::from_parts(n, k, &codes, &d, &m).unwrap();
+    let got: Vec<usize> = (0..w.panels()).map(|p| w.panel_bits(p)).collect();
+    assert_eq!(got, [4, 5, 6, 8, 6]);
+    assert_eq!(
+        (w.nibble_panels(), w.bits_panels(5), w.bits_panels(6), w.bits_panels(8)),
+        (1, 1, 2, 1)
+    );
+    assert!(!w.nibbles());
+    assert_eq!(w.codes.len(), k * PANEL * (4 + 5 + 6 + 8 + 6) / 8);
+    assert_eq!(w.unpack().0, codes);
+}
+
+/// GGUF rows take their types' layouts: Q5_0, Q5_1, Q5_K 5 bits; Q6_K rows 6 bits where every
+/// block's two halves share a scale (their codes are then `q`, < 64), else 8; a Q4_K_M-style
+/// fused projection of Q4_K and such Q6_K rows keeps 4 bits in the Q4_K panels and 6 in the Q6_K
+/// ones, with the 8-bit layout's products on every ISA.
+#[test]
+fn gguf_rows_take_their_types_layouts() {
+    let mut r = Rng(0x6b17);
+    for (ty, bits) in [("Q5_0", 5), ("Q5_1", 5), ("Q5_K", 5), ("Q6_K", 8)] {
+        let (n, k) = (40, 256);
+        let w = QWeight::from_gguf(ty, &random_gguf_rows(&mut r, ty, n, k), n, k).unwrap();
+        assert_eq!(w.bits_panels(bits), w.panels(), "{ty}");
+    }
+    // Q6_K with each 32-wide block's two 16-wide scales equal (scales at bytes 192..208).
+    let shared_q6 = |r: &mut Rng, rows: usize, k: usize| {
+        let mut raw = random_gguf_rows(r, "Q6_K", rows, k);
+        for blk in raw.chunks_exact_mut(210) {
+            for j in 0..8 {
+                blk[192 + 2 * j + 1] = blk[192 + 2 * j];
+            }
+        }
+        raw
+    };
+    let k = 512;
+    let (q4, q6) = (random_gguf_rows(&mut r, "Q4_K", 32, k), shared_q6(&mut r, 21, k));
+    let w = QWeight::from_gguf_parts(&[("Q4_K", &q4, 32), ("Q6_K", &q6, 21)], k).unwrap();
+    let got: Vec<usize> = (0..w.panels()).map(|p| w.panel_bits(p)).collect();
+    assert_eq!(got, [4, 4, 6, 6]);
+    let n = 53;
+    let (c, d, m) = w.unpack();
+    assert!(c[32 * k..].iter().all(|&x| x < 64) && c[32 * k..].iter().any(|&x| x >= 32));
+    // from_parts picks the same layout from the codes alone.
+    let wp = QWeight::from_parts(n, k, &c, &d, &m).unwrap();
+    assert_eq!((&wp.codes, &wp.code_at), (&w.codes, &w.code_at));
+    let w8 = QWeight::pack_layout(n, k, &c, &d, &m, &vec![8; w.panels()]);
+    for rows in [1, 8, 19] {
+        let x: Vec<f32> = (0..rows * k).map(|_| r.uniform() * 2.0 - 1.0).collect();
+        let mut want = vec![f32::NAN; rows * n];
+        linear_with(Isa::Scalar, &x, rows, &w8, &mut want).unwrap();
+        for isa in crate::runtime::available_isas() {
+            let mut y = vec![f32::NAN; rows * n];
+            linear_with(isa, &x, rows, &w, &mut y).unwrap();
+            assert_eq!(y, want, "isa {isa:?} rows {rows}");
+        }
+    }
+    // One Q6_K block with different scales in its halves: that panel goes 8-bit, the others stay.
+    let mut q6b = q6.clone();
+    q6b[210 * 16 * (k / 256) + 192 + 1] ^= 0x40; // row 16 (panel 3 of the fused weight), block 0
+    let w = QWeight::from_gguf_parts(&[("Q4_K", &q4, 32), ("Q6_K", &q6b, 21)], k).unwrap();
+    let got: Vec<usize> = (0..w.panels()).map(|p| w.panel_bits(p)).collect();
+    assert_eq!(got, [4, 4, 6, 8]);
 }
 
 /// `rows` random rows of `ty` with finite scales (their f16 fields set to values in [-1, 1)).
@@ -683,7 +857,7 @@ fn mixed_layout_panels_give_the_eight_bit_products() {
         let n = q4 + q6;
         assert_eq!(w.nibble_panels(), nibble_panels, "case {case}");
         let (c, d, m) = w.unpack();
-        let w8 = QWeight::pack_layout(n, k, &c, &d, &m, &vec![false; n.div_ceil(PANEL)]);
+        let w8 = QWeight::pack_layout(n, k, &c, &d, &m, &vec![8; n.div_ceil(PANEL)]);
         assert_eq!(w.codes.len(), w8.codes.len() - nibble_panels * k * PANEL / 2);
         // from_parts picks the same layout from the codes alone.
         let wp = QWeight::from_parts(n, k, &c, &d, &m).unwrap();
@@ -780,10 +954,12 @@ fn grid_scales_give_the_f32_products_bit_for_bit() {
         let raw = random_gguf_rows(&mut r, ty, n, k);
         let w = QWeight::from_gguf(ty, &raw, n, k).unwrap();
         assert_eq!(w.scale_format(), "grid", "case {case}");
-        assert_eq!(w.nibbles(), ty == "Q4_K");
+        // Q4_K 4 bits, Q5_K 5; random Q6_K blocks' halves have different scales: 8.
+        let bits = [4, 5, 8][case % 3];
         let nb = k / QBLOCK;
         let panels = n.div_ceil(PANEL);
-        let codes = panels * PANEL * if w.nibbles() { k / 2 } else { k };
+        assert_eq!(w.bits_panels(bits), panels, "case {case}");
+        let codes = panels * PANEL * k * bits / 8;
         // u8 d and m multipliers (Q6_K: i16 m), f16 bases per 256
         let per_block = if ty == "Q6_K" { 3 } else { 2 };
         assert_eq!(
@@ -886,7 +1062,7 @@ fn strided_outputs_equal_contiguous_ones_and_touch_nothing_else() {
 }
 
 /// Jobs of many panels (the decoder's `Product` hands a thread up to ~100) and row counts past a
-/// row block (`ROW_BLOCK_BYTES`) give every ISA's tiles the scalar bits, in both code layouts.
+/// row block (`ROW_BLOCK_BYTES`) give every ISA's tiles the scalar bits, in every code layout.
 #[test]
 fn long_jobs_and_row_blocks_give_the_scalar_bits() {
     let mut r = Rng(0x7113_0bde);
@@ -902,13 +1078,12 @@ fn long_jobs_and_row_blocks_give_the_scalar_bits() {
             "case exercises nothing"
         );
         let nb = k / QBLOCK;
-        for nibble in [true, false] {
-            let top = if nibble { 16 } else { 256 };
+        for (layout, top) in [(4, 16), (5, 32), (6, 64), (8, 256)] {
             let codes: Vec<u8> = (0..n * k).map(|_| r.below(top) as u8).collect();
             let d: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.01).collect();
             let mm: Vec<f32> = (0..n * nb).map(|_| r.uniform() * 0.05).collect();
             let w = QWeight::from_parts(n, k, &codes, &d, &mm).unwrap();
-            assert_eq!(w.nibbles(), nibble);
+            assert_eq!(w.bits_panels(layout), w.panels());
             let x: Vec<f32> = (0..m * k).map(|_| r.uniform() * 2.0).collect();
             let mut want = vec![f32::NAN; m * n];
             linear_with(Isa::Scalar, &x, m, &w, &mut want).unwrap();
@@ -919,7 +1094,7 @@ fn long_jobs_and_row_blocks_give_the_scalar_bits() {
                 assert_eq!(
                     bits(&got),
                     bits(&want),
-                    "linear {isa:?} n={n} k={k} m={m} nibble={nibble}"
+                    "linear {isa:?} n={n} k={k} m={m} bits={layout}"
                 );
                 let mut got = vec![f32::NAN; m * n];
                 let p = Product::new(isa, &x, m, &w, &mut got, threads).unwrap();
@@ -931,7 +1106,7 @@ fn long_jobs_and_row_blocks_give_the_scalar_bits() {
                 assert_eq!(
                     bits(&got),
                     bits(&want),
-                    "Product {isa:?} n={n} k={k} m={m} nibble={nibble}"
+                    "Product {isa:?} n={n} k={k} m={m} bits={layout}"
                 );
             }
         }

@@ -2,10 +2,18 @@
 //!
 //! | item          | holds                                                                            |
 //! |---------------|----------------------------------------------------------------------------------|
-//! | `QWeight`     | `[n, k]` codes in panels of `PANEL` rows (8-bit, or 4-bit where a panel allows)  |
+//! | `QWeight`     | `[n, k]` codes in panels of `PANEL` rows, each 8-, 6-, 5- or 4-bit (module docs) |
 //! | `Scales`      | each block's `d`, `m` as f32, f16, or integers on an f16 grid (`Grid`, K-quants) |
 //! | `Muls`        | the grid's `m` multipliers (u8, or i16 where Q6_K rows are present)              |
 //! | `unpack`      | back to row-major codes and `d`, `m` (the inverse of `QWeight::from_parts`)      |
+//! | `block_codes` | one block of a panel in any layout as the 8-bit layout holds it                  |
+//!
+//! | layout | a panel's codes when every code of its rows is | bytes a 32-wide block of a panel   |
+//! |--------|------------------------------------------------|------------------------------------|
+//! | 4-bit  | < 16 (Q4_0, Q4_1, Q4_K)                        | 256: 4 nibble lines                |
+//! | 5-bit  | < 32 (Q5_0, Q5_1, Q5_K)                        | 320: 4 nibble lines + 1 bit line   |
+//! | 6-bit  | < 64 (Q6_K blocks whose halves share a scale)  | 384: 4 nibble lines + 2 bit lines  |
+//! | 8-bit  | any                                            | 512: 8 code lines                  |
 //!
 //! Building one: pack.rs. The tiles read the fields and the `Scales` accessors here directly.
 
@@ -19,8 +27,8 @@ use crate::error::{Error, Result};
 pub struct QWeight {
     pub(super) n: usize,
     pub(super) k: usize,
-    /// The panels' codes, one after the other: `k * PANEL` bytes a panel, or `k * PANEL / 2` for a
-    /// panel in the 4-bit layout (two codes a byte, module docs).
+    /// The panels' codes, one after the other: `k * PANEL * bits / 8` bytes a panel of the
+    /// `bits`-bit layout (8, 6, 5 or 4; module docs), so a panel's length names its layout.
     pub(super) codes: Vec<u8>,
     /// Where each panel's codes start in `codes` (`panels + 1` offsets).
     pub(super) code_at: Vec<usize>,
@@ -242,12 +250,16 @@ impl QWeight {
     }
     /// How many panels (16 rows each) hold their codes in the 4-bit layout.
     pub fn nibble_panels(&self) -> usize {
-        (0..self.panels()).filter(|&p| self.panel_nibbles(p)).count()
+        self.bits_panels(4)
     }
-    /// Panel `p` holds its codes in the 4-bit layout.
+    /// How many panels hold their codes in the `bits`-bit layout (4, 5, 6 or 8; else 0).
+    pub fn bits_panels(&self, bits: usize) -> usize {
+        (0..self.panels()).filter(|&p| self.panel_bits(p) == bits).count()
+    }
+    /// The layout of panel `p`'s codes: 4, 5, 6 or 8 bits a code (read off its byte length).
     #[inline]
-    pub(super) fn panel_nibbles(&self, p: usize) -> bool {
-        self.code_at[p + 1] - self.code_at[p] < self.k * PANEL
+    pub(super) fn panel_bits(&self, p: usize) -> usize {
+        (self.code_at[p + 1] - self.code_at[p]) * 8 / (self.k * PANEL)
     }
     /// Panel `p`'s codes.
     #[inline]
@@ -266,25 +278,74 @@ impl QWeight {
         let (n, k, nb) = (self.n, self.k, self.blocks());
         let mut codes = vec![0u8; n * k];
         let (mut d, mut m) = (vec![0f32; n * nb], vec![0f32; n * nb]);
-        for row in 0..n {
-            let (p, i) = (row / PANEL, row % PANEL);
-            let (src, nibbles) = (self.panel_codes(p), self.panel_nibbles(p));
-            for g in 0..k / 4 {
-                let out = &mut codes[row * k + g * 4..][..4];
-                if nibbles {
-                    for (o, &b) in out.iter_mut().zip(&src[g / 2 * 4 * PANEL + i * 4..][..4]) {
-                        *o = (b >> (4 * (g % 2))) & 0x0f;
+        let mut block = [0u8; QBLOCK * PANEL];
+        for p in 0..self.panels() {
+            let (src, bits) = (self.panel_codes(p), self.panel_bits(p));
+            let rows = p * PANEL..((p + 1) * PANEL).min(n);
+            for b in 0..nb {
+                block_codes(src, bits, b, &mut block);
+                for row in rows.clone() {
+                    let i = row % PANEL;
+                    for g in 0..QBLOCK / 4 {
+                        codes[row * k + b * QBLOCK + g * 4..][..4].copy_from_slice(&block[g * LINE + i * 4..][..4]);
                     }
-                } else {
-                    out.copy_from_slice(&src[g * 4 * PANEL + i * 4..][..4]);
                 }
             }
-            for b in 0..nb {
-                let at = (p * nb + b) * 2 * PANEL;
-                d[row * nb + b] = self.scales.at(at + i);
-                m[row * nb + b] = self.scales.at(at + PANEL + i);
+            for row in rows {
+                let i = row % PANEL;
+                for b in 0..nb {
+                    let at = (p * nb + b) * 2 * PANEL;
+                    d[row * nb + b] = self.scales.at(at + i);
+                    m[row * nb + b] = self.scales.at(at + PANEL + i);
+                }
             }
         }
         (codes, d, m)
+    }
+}
+
+/// Bytes of one code line: a 4-wide k step of a panel's 16 rows (byte `4i + j` = row i, k offset j).
+pub(super) const LINE: usize = 4 * PANEL;
+
+/// Block `b` of a panel's codes `src` held in the `bits`-bit layout, into `out` as the 8-bit layout
+/// holds it (k step g's line at `g * LINE`). A block of the `bits`-bit layout is `bits` lines:
+/// four nibble lines (line q: step 2q in the low nibbles, 2q+1 in the high ones; the 4-bit
+/// layout), then for 5 bits one line with bit 4 of step g's codes at bit g, for 6 bits two lines,
+/// line L with bits 4-5 of step 4L + f's codes at bits 2f..2f+1; each byte where the code line
+/// has that code.
+pub(super) fn block_codes(src: &[u8], bits: usize, b: usize, out: &mut [u8; QBLOCK * PANEL]) {
+    let blk = &src[b * bits * LINE..][..bits * LINE];
+    if bits == 8 {
+        out.copy_from_slice(blk);
+        return;
+    }
+    for g in 0..QBLOCK / 4 {
+        let o = &mut out[g * LINE..][..LINE];
+        for (x, &c) in o.iter_mut().zip(&blk[g / 2 * LINE..][..LINE]) {
+            *x = (c >> (4 * (g % 2))) & 0x0f;
+        }
+        match bits {
+            5 => {
+                for (x, &h) in o.iter_mut().zip(&blk[4 * LINE..][..LINE]) {
+                    *x |= ((h >> g) & 1) << 4;
+                }
+            }
+            6 => {
+                for (x, &h) in o.iter_mut().zip(&blk[(4 + g / 4) * LINE..][..LINE]) {
+                    *x |= ((h >> (2 * (g % 4))) & 3) << 4;
+                }
+            }
+            _ => debug_assert_eq!(bits, 4),
+        }
+    }
+}
+
+/// The layout a panel whose largest code is `top` takes: the fewest bits of 4, 5, 6, 8 that hold it.
+pub(super) fn bits_for(top: u8) -> usize {
+    match top {
+        0..16 => 4,
+        16..32 => 5,
+        32..64 => 6,
+        _ => 8,
     }
 }

@@ -32,12 +32,14 @@
 //! block-by-block one was latency-bound (two horizontal reductions a block), so it gains most on a
 //! core it does not share.
 //!
-//! Both code layouts: an 8-bit panel gives one code vector a 64-byte load; a 4-bit panel (`NIB`)
-//! two a 64-byte line (its low nibbles hold k group 2q, its high ones 2q+1: an AND, or a 16-bit
-//! shift and an AND, make the vector the 8-bit layout holds for that group). The codes are the
-//! same u8 numbers either way, so the int32 dots, and with them the results, are the same bits;
-//! 4-bit panels stream half the bytes. The first row tiles of a pass prefetch the code stream
-//! `PREFETCH` (4-bit) or `PREFETCH_8BIT` bytes ahead (as the AVX2 tile does, 4 KiB there).
+//! Every code layout (`BITS`, weight.rs): an 8-bit panel gives one code vector a 64-byte load; a
+//! 4-bit panel two a 64-byte line (its low nibbles hold k group 2q, its high ones 2q+1: an AND, or
+//! a 16-bit shift and an AND, make the vector the 8-bit layout holds for that group); a 5- or 6-bit
+//! panel takes the same nibbles and ORs in the step's high bits from its bit line, shifted to bit 4
+//! (a shift where they are elsewhere, an AND, and one `vpternlogd` for `(nibbles & 0x0f) | high`).
+//! The codes are the same u8 numbers in every layout, so the int32 dots, and with them the results,
+//! are the same bits; a panel streams `BITS / 8` of the 8-bit bytes. The first row tiles of a pass
+//! prefetch the code stream `PREFETCH_BLOCKS` blocks ahead (as the AVX2 tile does, 4 KiB there).
 
 use std::arch::x86_64::*;
 
@@ -45,15 +47,30 @@ use super::{
     tile_order, tiled_step, Args, Muls, Scales, BASE_BUDGET, BASE_CAP, GRID_BLOCKS, PANEL, QBLOCK, TILED_ROWS,
 };
 
-/// How far ahead of the tile the code stream is prefetched. With the 8-row tiles, 8 KiB served
+/// How far ahead of the tile the code stream is prefetched, in blocks of the panel's own layout:
+/// the same time ahead for every layout. For 4-bit panels (8 KiB) with the 8-row tiles, this served
 /// batched decode better than the AVX2 tile's 4 KiB and than 2 KiB; one sequence was the same at
-/// every distance, and 16 KiB gained nothing more.
-const PREFETCH: usize = 8192;
-/// The same for 8-bit panels, which stream twice the code bytes a column: as far ahead in time as
-/// `PREFETCH` is for 4-bit ones: a one-row Q8_0 lm_head on two threads streams about half again as
-/// fast at 16 KiB as at 8 (32 KiB adds little, one thread gains nothing), which shortens a
-/// one-sequence decode step; batched decode is unchanged.
-const PREFETCH_8BIT: usize = 16384;
+/// every distance, and 16 KiB gained nothing more. 8-bit panels (16 KiB): a one-row Q8_0 lm_head
+/// on two threads streams about half again as fast as at 8 KiB (32 KiB adds little, one thread
+/// gains nothing), which shortens a one-sequence decode step; batched decode is unchanged.
+const PREFETCH_BLOCKS: usize = 32;
+
+/// `v` shifted in its 16-bit lanes so that bit `from` (0..8, a constant) of each byte lands at bit 4
+/// (the bits shifted in from a neighbour byte are masked off by the caller).
+macro_rules! to_bit4 {
+    ($v:expr, $from:expr) => {
+        match $from {
+            0 => _mm512_slli_epi16::<4>($v),
+            1 => _mm512_slli_epi16::<3>($v),
+            2 => _mm512_slli_epi16::<2>($v),
+            3 => _mm512_slli_epi16::<1>($v),
+            4 => $v,
+            5 => _mm512_srli_epi16::<1>($v),
+            6 => _mm512_srli_epi16::<2>($v),
+            _ => _mm512_srli_epi16::<3>($v),
+        }
+    };
+}
 
 /// Rows of the largest tile (one panel: 16 int32 sums + 8 f32 accumulators + 1 code vector). Each
 /// code vector meets 16 `vpdpbusd` (the activations as embedded broadcasts), so the tile that
@@ -66,14 +83,13 @@ const _: () = assert!(
     "a tile's rows lie in one group of `QActs::tiled`"
 );
 
-/// All row tiles of panels `p0..p0+np`, every one of them in the 4-bit layout when `nib`, else
-/// in the 8-bit one.
+/// All row tiles of panels `p0..p0+np`, every one of them in the `bits`-bit layout (4, 5, 6 or 8).
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `a` describes activations of `m` rows and an output of
-/// `m × n` floats; `p0 + np <= panels`; panels `p0..p0+np` are 4-bit exactly when `nib`.
+/// `m × n` floats; `p0 + np <= panels`; panels `p0..p0+np` hold their codes in the `bits`-bit layout.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
+pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, bits: usize) {
     tile_order(m, a.w.k, p0, np, TILE_ROWS, |r0, rows, ps, pn, first| {
         // The pass's rows in tiles of 8 (one panel each), then 4, 2, 1 (two panels each).
         let (mut r, mut left, mut first) = (r0, rows, first);
@@ -81,13 +97,17 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
             let take = [8, 4, 2, 1].into_iter().find(|&t| t <= left).unwrap_or(1);
             // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
             // activations (so r..r+take too) and panels ps..ps+pn (pn <= PASS_PANELS = 2)
-            // inside p0..p0+np, all of them 4-bit exactly when `nib`.
+            // inside p0..p0+np, all of them in the `bits`-bit layout.
             unsafe {
-                match (nib, a.acts.digits == 1) {
-                    (true, false) => rows_tile::<true, false>(a, m, r, take, ps, pn, first),
-                    (false, false) => rows_tile::<false, false>(a, m, r, take, ps, pn, first),
-                    (true, true) => rows_tile::<true, true>(a, m, r, take, ps, pn, first),
-                    (false, true) => rows_tile::<false, true>(a, m, r, take, ps, pn, first),
+                match (bits, a.acts.digits == 1) {
+                    (4, false) => rows_tile::<4, false>(a, m, r, take, ps, pn, first),
+                    (5, false) => rows_tile::<5, false>(a, m, r, take, ps, pn, first),
+                    (6, false) => rows_tile::<6, false>(a, m, r, take, ps, pn, first),
+                    (_, false) => rows_tile::<8, false>(a, m, r, take, ps, pn, first),
+                    (4, true) => rows_tile::<4, true>(a, m, r, take, ps, pn, first),
+                    (5, true) => rows_tile::<5, true>(a, m, r, take, ps, pn, first),
+                    (6, true) => rows_tile::<6, true>(a, m, r, take, ps, pn, first),
+                    (_, true) => rows_tile::<8, true>(a, m, r, take, ps, pn, first),
                 }
             }
             r += take;
@@ -103,7 +123,7 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, nib: bool) {
 /// # Safety
 /// As for `tile`, for each panel of the range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn rows_tile<const NIB: bool, const ONE: bool>(
+unsafe fn rows_tile<const BITS: usize, const ONE: bool>(
     a: &Args,
     m: usize,
     r: usize,
@@ -121,10 +141,10 @@ unsafe fn rows_tile<const NIB: bool, const ONE: bool>(
     // SAFETY: forwarded from the caller.
     unsafe {
         match gstep {
-            ROW_DIGITS => rows_tile_gs::<NIB, ONE, ROW_DIGITS>(a, r, take, ps, pn, first, gstep),
-            64 => rows_tile_gs::<NIB, ONE, 64>(a, r, take, ps, pn, first, gstep),
-            8 => rows_tile_gs::<NIB, ONE, 8>(a, r, take, ps, pn, first, gstep),
-            _ => rows_tile_gs::<NIB, ONE, 0>(a, r, take, ps, pn, first, gstep),
+            ROW_DIGITS => rows_tile_gs::<BITS, ONE, ROW_DIGITS>(a, r, take, ps, pn, first, gstep),
+            64 => rows_tile_gs::<BITS, ONE, 64>(a, r, take, ps, pn, first, gstep),
+            8 => rows_tile_gs::<BITS, ONE, 8>(a, r, take, ps, pn, first, gstep),
+            _ => rows_tile_gs::<BITS, ONE, 0>(a, r, take, ps, pn, first, gstep),
         }
     }
 }
@@ -140,7 +160,7 @@ const ROW_DIGITS: usize = 1;
 /// As for `rows_tile`; `gstep` is the rows' group step, and `GS` is 0, `gstep`, or `ROW_DIGITS` when
 /// `tiled` is empty.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn rows_tile_gs<const NIB: bool, const ONE: bool, const GS: usize>(
+unsafe fn rows_tile_gs<const BITS: usize, const ONE: bool, const GS: usize>(
     a: &Args,
     r: usize,
     take: usize,
@@ -152,18 +172,18 @@ unsafe fn rows_tile_gs<const NIB: bool, const ONE: bool, const GS: usize>(
     // SAFETY: forwarded from the caller.
     unsafe {
         match (take, pn) {
-            (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, NIB, GS, ONE>(a, r, p, first, gstep)),
-            (4, 2) => tile::<4, 2, NIB, GS, ONE>(a, r, ps, first, gstep),
-            (4, _) => tile::<4, 1, NIB, GS, ONE>(a, r, ps, first, gstep),
-            (2, 2) => tile::<2, 2, NIB, GS, ONE>(a, r, ps, first, gstep),
-            (2, _) => tile::<2, 1, NIB, GS, ONE>(a, r, ps, first, gstep),
-            (_, 2) => tile::<1, 2, NIB, GS, ONE>(a, r, ps, first, gstep),
-            (_, _) => tile::<1, 1, NIB, GS, ONE>(a, r, ps, first, gstep),
+            (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, BITS, GS, ONE>(a, r, p, first, gstep)),
+            (4, 2) => tile::<4, 2, BITS, GS, ONE>(a, r, ps, first, gstep),
+            (4, _) => tile::<4, 1, BITS, GS, ONE>(a, r, ps, first, gstep),
+            (2, 2) => tile::<2, 2, BITS, GS, ONE>(a, r, ps, first, gstep),
+            (2, _) => tile::<2, 1, BITS, GS, ONE>(a, r, ps, first, gstep),
+            (_, 2) => tile::<1, 2, BITS, GS, ONE>(a, r, ps, first, gstep),
+            (_, _) => tile::<1, 1, BITS, GS, ONE>(a, r, ps, first, gstep),
         }
     }
 }
 
-/// One tile: rows `r0..r0+R` times panels `p0..p0+NP` (4-bit panels when `NIB`); `prefetch`:
+/// One tile: rows `r0..r0+R` times panels `p0..p0+NP` (in the `BITS`-bit layout); `prefetch`:
 /// prefetch the panels' code stream ahead; the activations' group step is `GS`, or `gs` when `GS`
 /// is 0, and `ROW_DIGITS` reads the `hi` / `lo` rows.
 ///
@@ -171,7 +191,7 @@ unsafe fn rows_tile_gs<const NIB: bool, const ONE: bool, const GS: usize>(
 /// As for `job`; rows `r0..r0+R` are inside the activations and `p0 + NP <= panels`; the group
 /// step is that of the rows' group of `tiled` (unless `ROW_DIGITS`, when `tiled` is empty).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize, const ONE: bool>(
+unsafe fn tile<const R: usize, const NP: usize, const BITS: usize, const GS: usize, const ONE: bool>(
     a: &Args,
     r0: usize,
     p0: usize,
@@ -188,9 +208,12 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize
     );
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
+    const { assert!(BITS == 4 || BITS == 5 || BITS == 6 || BITS == 8) };
     let low4 = _mm512_set1_epi8(0x0f);
-    // Code bytes of one 32-wide block of one panel.
-    let block_bytes = if NIB { QBLOCK * PANEL / 2 } else { QBLOCK * PANEL };
+    // Where a 5- or 6-bit code's high bits go.
+    let high = _mm512_set1_epi8(if BITS == 5 { 0x10 } else { 0x30 });
+    // Code bytes of one 32-wide block of one panel: BITS lines of 64.
+    let block_bytes = BITS * 64;
     // SAFETY: panels p0..p0+NP exist (caller): their codes start at their offsets.
     let wp: [*const u8; NP] = std::array::from_fn(|p| unsafe { a.w.codes.as_ptr().add(a.w.code_at[p0 + p]) });
     // Rows r0..r0+R lie in one group of `tiled` (`tile_order` starts passes at multiples of 8 and
@@ -225,15 +248,15 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize
             for w in wp {
                 // Only an address: a prefetch never faults (past the panel's end it fetches the
                 // next one's start).
-                let at = w.wrapping_add(b * block_bytes + if NIB { PREFETCH } else { PREFETCH_8BIT });
+                let at = w.wrapping_add((b + PREFETCH_BLOCKS) * block_bytes);
                 for line in (0..block_bytes).step_by(64) {
                     _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line) as *const i8);
                 }
             }
         }
-        // This block's codes and activations: 8 steps of 4 k, 64 bytes apart in the codes (the
-        // 4-bit layout: two steps a 64-byte line), `gstep` in the activations.
-        // SAFETY: block b < nb of each panel (k*PANEL or k*PANEL/2 bytes from its offset).
+        // This block's codes and activations: 8 steps of 4 k, 64 bytes apart in the 8-bit codes
+        // (the others: two steps a nibble line, then the bit lines), `gstep` in the activations.
+        // SAFETY: block b < nb of each panel (k*PANEL*BITS/8 bytes from its offset).
         let wb: [*const u8; NP] = wp.map(|w| unsafe { w.add(b * block_bytes) });
         let xb: *const i8 = xt.wrapping_add(b * QBLOCK / 4 * gstep);
         // [row][digit][panel]; a single row keeps the even and odd k groups' sums apart (`ib`)
@@ -245,18 +268,29 @@ unsafe fn tile<const R: usize, const NP: usize, const NIB: bool, const GS: usize
         macro_rules! step {
             ($g:literal) => {{
                 let wv: [__m512i; NP] = std::array::from_fn(|p| {
-                    if NIB {
-                        // SAFETY: line g/2 of the block's 4 (see `wb`).
-                        let line = unsafe { _mm512_loadu_si512(wb[p].add($g / 2 * 64) as *const _) };
-                        if $g % 2 == 0 {
-                            _mm512_and_si512(line, low4)
-                        } else {
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(line), low4)
-                        }
-                    } else {
-                        // SAFETY: step g's 64 bytes of the block's 512 (see `wb`).
-                        unsafe { _mm512_loadu_si512(wb[p].add($g * 64) as *const _) }
+                    // SAFETY: line l < BITS of the block's (see `wb`).
+                    let line = |l: usize| unsafe { _mm512_loadu_si512(wb[p].add(l * 64) as *const _) };
+                    if BITS == 8 {
+                        return line($g);
                     }
+                    // Nibble line g/2: step g in its low nibbles when g is even, its high ones when odd.
+                    let nib = if $g % 2 == 0 {
+                        line($g / 2)
+                    } else {
+                        _mm512_srli_epi16::<4>(line($g / 2))
+                    };
+                    if BITS == 4 {
+                        return _mm512_and_si512(nib, low4);
+                    }
+                    // The high bits: 5-bit, bit g of line 4; 6-bit, bits 2(g%4).. of line 4 + g/4.
+                    let (hl, at) = if BITS == 5 {
+                        (line(4), $g)
+                    } else {
+                        (line(4 + $g / 4), 2 * ($g % 4))
+                    };
+                    let hi = _mm512_and_si512(to_bit4!(hl, at), high);
+                    // (nib & 0x0f) | hi: A = nib, B = hi, C = low4 -> (0xf0 & 0xaa) | 0xcc.
+                    _mm512_ternarylogic_epi32::<0xec>(nib, hi, low4)
                 });
                 let sums = if R == 1 && $g % 2 == 1 { &mut ib } else { &mut ia };
                 for (r, row) in sums.iter_mut().enumerate() {

@@ -5,14 +5,14 @@
 use numpy::IntoPyArray;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::args::dim;
 use super::arrays::{f32_2d, out_f32, readonly, readwrite_f32, slice_of, typed, u8_2d};
 use crate::linear as lin;
 
-/// A weight matrix `[n, k]` in the block-quantized 8-bit layout of `rust/linear` (codes
-/// `c`, per-32 block `d`, `m`: `w = d*c + m`), applied as `x @ W.T` on the kernel threads.
+/// A weight matrix `[n, k]` in the block-quantized layout of `rust/linear` (codes `c` held in 4,
+/// 5, 6 or 8 bits, per-32 block `d`, `m`: `w = d*c + m`), applied as `x @ W.T` on the kernel threads.
 #[pyclass(frozen, module = "pagedkv_rs._core")]
 pub struct QLinear {
     w: std::sync::Arc<lin::QWeight>,
@@ -126,6 +126,17 @@ impl QLinear {
     #[getter]
     fn nbytes(&self) -> usize {
         self.w.nbytes()
+    }
+
+    /// How many panels (16 output rows each) hold their codes in each layout: `{4: .., 5: .., 6: ..,
+    /// 8: ..}` (bits a code; a panel takes the fewest that hold its codes).
+    #[getter]
+    fn code_bits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for bits in [4, 5, 6, 8] {
+            d.set_item(bits, self.w.bits_panels(bits))?;
+        }
+        Ok(d)
     }
 
     /// Activation digits of this weight's products: 2 (default), or 1 (llama.cpp's Q8 activations:

@@ -349,3 +349,81 @@ def test_act_digits_are_one_or_two():
         with pytest.raises(ValueError, match="act_digits must be 1 or 2"):
             q.set_act_digits(bad)
         assert q.act_digits == 2
+
+
+# Bytes of a 256-wide K-quant block and where its f16 scales sit (d, dmin / d).
+_K_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+
+def _gguf_rows(rng, ty, n, k, shared_q6_scales=False):
+    """``n`` GGUF rows of ``ty``: gguf-py's own quantizer where it has one (Q5_0, Q5_1), else random
+    K-quant blocks with small finite f16 scales; Q6_K with ``shared_q6_scales``: each 32-wide block's
+    two 16-wide scales equal (its codes are then the file's 6-bit ``q``)."""
+    import gguf
+    from gguf.quants import quantize
+
+    if ty not in _K_BLOCKS:
+        return quantize(_weights(rng, n, k), gguf.GGMLQuantizationType[ty])
+    bb, at = _K_BLOCKS[ty]
+    raw = rng.integers(0, 256, (n, k // 256, bb), dtype=np.uint8)
+    for o in at:
+        raw[..., o : o + 2] = rng.uniform(-0.01, 0.01, raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    if shared_q6_scales:
+        raw[..., 193:208:2] = raw[..., 192:208:2]
+    return raw.reshape(n, -1)
+
+
+# (type, shared Q6_K scales, the layout its panels take): Q5_x in 5 bits; Q6_K in 6 where every block's
+# halves share a scale, else 8 (its 32-wide codes reach 255).
+GGUF_LAYOUTS = [("Q5_0", False, 5), ("Q5_1", False, 5), ("Q5_K", False, 5), ("Q6_K", True, 6), ("Q6_K", False, 8)]
+
+
+@pytest.mark.parametrize("ty,shared,bits", GGUF_LAYOUTS)
+def test_gguf_rows_in_their_own_bits_match_the_float64_reference(isa, ty, shared, bits):
+    """QLinear.from_gguf of Q5_0 / Q5_1 / Q5_K / Q6_K rows holds the file's values in 5 or 6 bits (or
+    8), and its products match the float64 sum over those values on every ISA."""
+    import gguf
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(bits * 7 + shared)
+    n, k = 37, 512
+    raw = _gguf_rows(rng, ty, n, k, shared)
+    q = QLinear.from_gguf(np.ascontiguousarray(raw), ty, k)
+    assert q.code_bits == {b: (3 if b == bits else 0) for b in (4, 5, 6, 8)}
+    scale_bytes = 3 if ty == "Q6_K" else 2  # K-quant integer scales a 32-block (f16 d, m for Q5_0/Q5_1: 4)
+    per_block = 4 if ty in ("Q5_0", "Q5_1") else scale_bytes
+    extra = 4 * (k // 256) if ty in _K_BLOCKS else 0
+    assert q.nbytes == 48 * k * bits // 8 + 48 * (k // 32 * per_block + extra)
+    want = np.asarray(dequantize(raw, gguf.GGMLQuantizationType[ty]), np.float64).reshape(n, k)
+    if bits < 8:  # exact: the file's values (one float32 rounding in gguf-py)
+        np.testing.assert_allclose(_dequant(q), want, rtol=2.0**-23, atol=0)
+    x = (rng.standard_normal((9, k)) * 2).astype(np.float32)
+    got = q(x)
+    ref = reference.qlinear(x, *q.unpack())
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+    with forced_isa("scalar"):
+        np.testing.assert_array_equal(got.view(np.uint32), q(x).view(np.uint32))
+
+
+def test_a_fused_q4_k_m_projection_keeps_each_parts_bits():
+    """A stacked Q4_K q, k + Q6_K v (shared scales) + Q5_K rows: 4-bit panels for q and k, 6 for v, 5 for
+    the Q5_K rows, 8 where a panel mixes Q6_K with them; every SIMD build gives the scalar bits."""
+    rng = np.random.default_rng(34)
+    k = 256
+    parts = [
+        (_gguf_rows(rng, "Q4_K", 32, k), "Q4_K"),
+        (_gguf_rows(rng, "Q6_K", 16, k, True), "Q6_K"),
+        (_gguf_rows(rng, "Q5_K", 20, k), "Q5_K"),
+        (_gguf_rows(rng, "Q6_K", 5, k), "Q6_K"),
+    ]
+    q = QLinear.stack_gguf([(np.ascontiguousarray(r), t) for r, t in parts], k)
+    # panels: 2 of Q4_K, 1 of shared Q6_K, 1 of Q5_K, then Q5_K rows with the other Q6_K rows
+    assert q.code_bits == {4: 2, 5: 1, 6: 1, 8: 1}
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    with forced_isa("scalar"):
+        want = q(x)
+    ref = reference.qlinear(x, *q.unpack())
+    np.testing.assert_allclose(want, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+    for build, isa in SIMD_BUILDS.items():
+        with forced_isa(isa):
+            np.testing.assert_array_equal(q(x).view(np.uint32), want.view(np.uint32), err_msg=build)

@@ -171,8 +171,8 @@ def test_qlinear_blocks_are_ggufs_values(name):
         grid = np.repeat(np.abs(d6) / 2, 8, axis=-1)
     assert (err.max(axis=-1) <= span / 510 * (1 + 1e-5) + grid + rounding.max(axis=-1) * 4).all()
     if name in K_TYPES:  # integer scales: 2 bytes a 32-block and row (Q6_K: 3), plus 4 per 256
-        nibbles, per_block = name == "Q4_K", 3 if name == "Q6_K" else 2
-        assert q.nbytes == 16 * cols * (0.5 if nibbles else 1) + 16 * (cols // 32 * per_block + cols // 256 * 4)
+        bits, per_block = {"Q4_K": 4, "Q5_K": 5}.get(name, 8), 3 if name == "Q6_K" else 2
+        assert q.nbytes == 16 * cols * bits // 8 + 16 * (cols // 32 * per_block + cols // 256 * 4)
     if name in EXACT:
         assert exact.all()
     elif name == "Q6_K":
