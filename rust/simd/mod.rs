@@ -67,4 +67,46 @@ mod tests {
         assert_eq!(exp(1000.0), f32::INFINITY);
         assert!(exp(f32::NAN).is_nan());
     }
+
+    /// `x86::exp256` agrees with `exp` where both are normal and, as it, gives 0 (never a subnormal)
+    /// below -87.3, -inf included.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn exp256_is_accurate_and_never_subnormal() {
+        use std::arch::x86_64::*;
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
+            return;
+        }
+        let xs = [
+            -1000.0,
+            f32::NEG_INFINITY,
+            -103.0,
+            -90.0,
+            -87.31,
+            -87.29,
+            -20.0,
+            0.0,
+            3.5,
+            88.0,
+        ];
+        for chunk in xs.chunks(2) {
+            let mut v = [0f32; 8];
+            v[..chunk.len()].copy_from_slice(chunk);
+            let mut out = [0f32; 8];
+            // SAFETY: AVX2, FMA and F16C detected above; 8 f32 each.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr(), x86::exp256(_mm256_loadu_ps(v.as_ptr()))) };
+            for (&x, &y) in chunk.iter().zip(&out) {
+                assert!(y == 0.0 || y.is_normal(), "exp256({x}) = {y:e}");
+                if x < -87.3 {
+                    assert_eq!(y, 0.0, "exp256({x})");
+                } else {
+                    let want = (x as f64).exp();
+                    assert!(
+                        ((y as f64 - want) / want).abs() < 4e-7,
+                        "exp256({x}) = {y:e}, want {want:e}"
+                    );
+                }
+            }
+        }
+    }
 }
