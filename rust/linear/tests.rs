@@ -649,16 +649,7 @@ fn gguf_rows_take_their_types_layouts() {
     let wp = QWeight::from_parts(n, k, &c, &d, &m).unwrap();
     assert_eq!((&wp.codes, &wp.code_at), (&w.codes, &w.code_at));
     let w8 = QWeight::pack_layout(n, k, &c, &d, &m, &vec![8; w.panels()]);
-    for rows in [1, 8, 19] {
-        let x: Vec<f32> = (0..rows * k).map(|_| r.uniform() * 2.0 - 1.0).collect();
-        let mut want = vec![f32::NAN; rows * n];
-        linear_with(Isa::Scalar, &x, rows, &w8, &mut want).unwrap();
-        for isa in crate::runtime::available_isas() {
-            let mut y = vec![f32::NAN; rows * n];
-            linear_with(isa, &x, rows, &w, &mut y).unwrap();
-            assert_eq!(y, want, "isa {isa:?} rows {rows}");
-        }
-    }
+    same_products_as(&mut r, &w, &w8, &[1, 8, 19], "q6_k halves");
     // One Q6_K block with different scales in its halves: that panel goes 8-bit, the others stay.
     let mut q6b = q6.clone();
     q6b[210 * 16 * (k / 256) + 192 + 1] ^= 0x40; // row 16 (panel 3 of the fused weight), block 0
@@ -862,23 +853,30 @@ fn mixed_layout_panels_give_the_eight_bit_products() {
         // from_parts picks the same layout from the codes alone.
         let wp = QWeight::from_parts(n, k, &c, &d, &m).unwrap();
         assert_eq!((&wp.codes, &wp.code_at), (&w.codes, &w.code_at), "case {case}");
-        for rows in [1, 3, 33] {
-            let x: Vec<f32> = (0..rows * k).map(|_| r.uniform() * 2.0 - 1.0).collect();
-            let mut want = vec![f32::NAN; rows * n];
-            linear_with(Isa::Scalar, &x, rows, &w8, &mut want).unwrap();
-            for isa in crate::runtime::available_isas() {
-                let mut y = vec![f32::NAN; rows * n];
-                linear_with(isa, &x, rows, &w, &mut y).unwrap();
-                assert_eq!(y, want, "case {case} isa {isa:?} rows {rows}");
-                let mut y = vec![f32::NAN; rows * n];
-                let p = Product::new(isa, &x, rows, &w, &mut y, 1).unwrap();
-                for j in 0..p.jobs() {
-                    // SAFETY: each job once, on this thread.
-                    unsafe { p.run(j) };
-                }
-                drop(p);
-                assert_eq!(y, want, "case {case} isa {isa:?} rows {rows} product");
+        same_products_as(&mut r, &w, &w8, &[1, 3, 33], &format!("case {case}"));
+    }
+}
+
+/// `w`'s products of random rows (by `linear` and by one-thread `Product` jobs) on every ISA are
+/// the scalar products of `w8` (the same numbers in the 8-bit layout) bit for bit.
+fn same_products_as(r: &mut Rng, w: &QWeight, w8: &QWeight, row_counts: &[usize], label: &str) {
+    let (n, k) = (w.n, w.k);
+    for &rows in row_counts {
+        let x: Vec<f32> = (0..rows * k).map(|_| r.uniform() * 2.0 - 1.0).collect();
+        let mut want = vec![f32::NAN; rows * n];
+        linear_with(Isa::Scalar, &x, rows, w8, &mut want).unwrap();
+        for isa in crate::runtime::available_isas() {
+            let mut y = vec![f32::NAN; rows * n];
+            linear_with(isa, &x, rows, w, &mut y).unwrap();
+            assert_eq!(y, want, "{label} isa {isa:?} rows {rows}");
+            let mut y = vec![f32::NAN; rows * n];
+            let p = Product::new(isa, &x, rows, w, &mut y, 1).unwrap();
+            for j in 0..p.jobs() {
+                // SAFETY: each job once, on this thread.
+                unsafe { p.run(j) };
             }
+            drop(p);
+            assert_eq!(y, want, "{label} isa {isa:?} rows {rows} product");
         }
     }
 }
