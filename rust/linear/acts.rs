@@ -13,6 +13,7 @@
 //! side by side (`pack_tiled`). Tolerance: none, every quantizer writes the scalar one's bytes
 //! (tests.rs compares them, NaN and infinite blocks included).
 
+use super::weight::SPLIT_ZERO;
 use super::QBLOCK;
 #[cfg(target_arch = "x86_64")]
 use super::{avx2, x86};
@@ -34,6 +35,10 @@ pub struct QActs {
     /// Both digits in the VNNI tile's order (`pack_tiled`): that tile's activations of at least
     /// `TILED_MIN_ROWS` rows hold only these (`hi` and `lo` then empty); empty otherwise.
     pub tiled: Vec<i8>,
+    /// Per row and block, `-SPLIT_ZERO·Σ(R·h + l)` over its first 16 values, then over its last 16
+    /// (wrapping i32): what a split panel's half dots start from (weight.rs); filled by
+    /// `fill_halves` for weights that have split panels, else empty.
+    pub halves: Vec<i32>,
     /// 2, or 1 when only the first digit was taken (`quantize_one`: every `l` 0 and `R` 1, so the
     /// two-digit formula gives the one-digit product exactly and a tile may skip the `l` dots).
     pub digits: usize,
@@ -49,6 +54,7 @@ impl QActs {
             base: vec![0; m * nb],
             qs: vec![0.0; m * nb],
             tiled: Vec::new(),
+            halves: Vec::new(),
             digits: 2,
         }
     }
@@ -74,6 +80,51 @@ impl QActs {
         self.tiled = t;
     }
 }
+
+impl QActs {
+    /// Fill `halves` for `m` rows of `k` from the digits (the `hi` / `lo` rows, else `tiled`), in
+    /// chunks of rows on the rayon pool from `HALVES_PAR_ROWS` rows on. Every sum is exact in i32
+    /// (|R·Σh| <= `BASE_BUDGET`), the product by `SPLIT_ZERO` wraps as the tiles' sums do.
+    pub(super) fn fill_halves(&mut self, m: usize, k: usize) {
+        use rayon::prelude::*;
+        let nb = k / QBLOCK;
+        let mut halves = vec![0i32; m * nb * 2];
+        let rows = self.hi.len() == m * k;
+        let this = &*self;
+        let fill = |r: usize, out: &mut [i32]| {
+            for (b, o) in out.chunks_exact_mut(2).enumerate() {
+                let base = this.base[r * nb + b];
+                for (h, x) in o.iter_mut().enumerate() {
+                    let (mut sh, mut sl) = (0i32, 0i32);
+                    if rows {
+                        let at = r * k + b * QBLOCK + h * QBLOCK / 2;
+                        sh = this.hi[at..][..QBLOCK / 2].iter().map(|&v| v as i32).sum();
+                        sl = this.lo[at..][..QBLOCK / 2].iter().map(|&v| v as i32).sum();
+                    } else {
+                        let g0 = r / TILED_ROWS * TILED_ROWS;
+                        let step = tiled_step(m, g0);
+                        let at = g0 * 2 * k + (r - g0) * 8 + (b * QBLOCK / 4 + h * QBLOCK / 8) * step;
+                        for j in 0..QBLOCK / 8 {
+                            let q = &this.tiled[at + j * step..][..8];
+                            sh += q[..4].iter().map(|&v| v as i32).sum::<i32>();
+                            sl += q[4..].iter().map(|&v| v as i32).sum::<i32>();
+                        }
+                    }
+                    *x = base.wrapping_mul(sh).wrapping_add(sl).wrapping_mul(-SPLIT_ZERO);
+                }
+            }
+        };
+        if m >= HALVES_PAR_ROWS {
+            halves.par_chunks_mut(2 * nb).enumerate().for_each(|(r, o)| fill(r, o));
+        } else {
+            halves.chunks_mut(2 * nb).enumerate().for_each(|(r, o)| fill(r, o));
+        }
+        self.halves = halves;
+    }
+}
+
+/// Rows from which `fill_halves` runs in chunks on the rayon pool.
+const HALVES_PAR_ROWS: usize = 16;
 
 /// The digit and scale buffers of some whole rows of a `QActs` (`rows_mut`, `split`): what a
 /// quantizer fills, so that chunks of rows can be quantized in parallel in place.
@@ -324,6 +375,7 @@ pub(super) fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize, one: b
             base: vec![0; m * nb],
             qs: vec![0.0; m * nb],
             tiled: vec![0; 2 * m * k],
+            halves: Vec::new(),
             digits: if one { 1 } else { 2 },
         };
         let chunk = chunk.max(1).next_multiple_of(TILED_ROWS);
@@ -378,6 +430,7 @@ pub(super) fn quantize_par(v: Isa, x: &[f32], m: usize, k: usize, tiled: bool, o
         base: Vec::new(),
         qs: Vec::new(),
         tiled: Vec::new(),
+        halves: Vec::new(),
         digits: if one { 1 } else { 2 },
     };
     for p in parts {

@@ -81,6 +81,17 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
             // activations and panels inside p0..p0+np; panel p's scales are panel sp of `sc`, its
             // codes in the layout `panel_bits` reads off their length.
             unsafe {
+                if a.w.panel_split(p) {
+                    // Split panels (6-bit, weight.rs): the wide mode a half panel at a time.
+                    if rows == 2 {
+                        wide_half::<2, 6, true>(a, sc, sp, r0, p, 0, first);
+                        wide_half::<2, 6, true>(a, sc, sp, r0, p, 1, false);
+                    } else {
+                        wide_half::<1, 6, true>(a, sc, sp, r0, p, 0, first);
+                        wide_half::<1, 6, true>(a, sc, sp, r0, p, 1, false);
+                    }
+                    continue;
+                }
                 match (a.w.panel_bits(p), rows) {
                     (4, 2) => tile::<2, 4>(a, sc, sp, r0, p, first),
                     (4, _) => tile::<1, 4>(a, sc, sp, r0, p, first),
@@ -104,8 +115,8 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
 unsafe fn wide_pair<const BITS: usize>(a: &Args, sc: &Scales, sp: usize, r0: usize, p: usize, prefetch: bool) {
     // SAFETY: forwarded from the caller.
     unsafe {
-        wide_half::<2, BITS>(a, sc, sp, r0, p, 0, prefetch);
-        wide_half::<2, BITS>(a, sc, sp, r0, p, 1, false);
+        wide_half::<2, BITS, false>(a, sc, sp, r0, p, 0, prefetch);
+        wide_half::<2, BITS, false>(a, sc, sp, r0, p, 1, false);
     }
 }
 
@@ -179,20 +190,29 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
                 let bp = base.as_ptr().add(blk / GRID_BLOCKS * 2 * PANEL + j);
                 let db = _mm256_cvtph_ps(_mm_loadu_si128(bp as *const __m128i));
                 let mb = _mm256_cvtph_ps(_mm_loadu_si128(bp.add(PANEL) as *const __m128i));
-                let dm = _mm_loadl_epi64(dmul.as_ptr().add(blk * PANEL + j) as *const __m128i);
-                let mm = match mmul {
-                    Muls::U8(v) => {
-                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().add(blk * PANEL + j) as *const __m128i))
-                    }
-                    Muls::I16(v) => {
-                        _mm256_cvtepi16_epi32(_mm_loadu_si128(v.as_ptr().add(blk * PANEL + j) as *const __m128i))
-                    }
-                };
                 (
-                    _mm256_mul_ps(db, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(dm))),
-                    _mm256_mul_ps(mb, _mm256_cvtepi32_ps(mm)),
+                    _mm256_mul_ps(db, _mm256_cvtepi32_ps(muls8(dmul, blk * PANEL + j))),
+                    _mm256_mul_ps(mb, _mm256_cvtepi32_ps(muls8(mmul, blk * PANEL + j))),
                 )
             }
+        }
+    }
+}
+
+/// Eight grid multipliers from index `at`, as i32.
+///
+/// # Safety
+/// AVX2 is available and `at + 8 <= m.len()`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn muls8(m: &Muls, at: usize) -> __m256i {
+    debug_assert!(at + 8 <= m.len());
+    // SAFETY: 8 multipliers from `at` (contract).
+    unsafe {
+        match m {
+            Muls::U8(v) => _mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().add(at) as *const __m128i)),
+            Muls::I8(v) => _mm256_cvtepi8_epi32(_mm_loadl_epi64(v.as_ptr().add(at) as *const __m128i)),
+            Muls::I16(v) => _mm256_cvtepi16_epi32(_mm_loadu_si128(v.as_ptr().add(at) as *const __m128i)),
         }
     }
 }
@@ -311,12 +331,14 @@ unsafe fn tile<const R: usize, const BITS: usize>(
 /// `BITS`-bit layout, 5, 6 or 8): the same integer sums and the same two FMAs a block as
 /// `tile::<R, BITS>`, in the same order, so
 /// the same bits; one 32-byte code vector a group instead of two keeps its 8 i16 sums (R = 2), the
-/// unpacked codes and one broadcast in registers (the two-vector form spilled them).
+/// unpacked codes and one broadcast in registers (the two-vector form spilled them). `SPLIT`: a
+/// split panel (weight.rs), each block's two halves summed and folded in turn as the scalar tile
+/// folds them.
 ///
 /// # Safety
-/// As for `tile`, and `v < 2`.
+/// As for `tile`, and `v < 2`; `SPLIT` only for a split panel, with `QActs::halves` filled.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn wide_half<const R: usize, const BITS: usize>(
+unsafe fn wide_half<const R: usize, const BITS: usize, const SPLIT: bool>(
     a: &Args,
     sc: &Scales,
     sp: usize,
@@ -344,48 +366,61 @@ unsafe fn wide_half<const R: usize, const BITS: usize>(
                 _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
             }
         }
-        // i16 pair sums [row][digit] of the codes' low and high halves.
-        let mut lo = [[_mm256_setzero_si256(); 2]; R];
-        let mut hi = [[_mm256_setzero_si256(); 2]; R];
-        for g in 0..QBLOCK / 4 {
-            let kk = b * QBLOCK + g * 4;
-            // SAFETY: block b of panel p (BITS lines from b*block_bytes), its half v.
-            let (cl, ch) = unsafe { split::<BITS>(codes.add(b * block_bytes), g) };
-            for r in 0..R {
-                for (digit, xq) in [xh, xl].into_iter().enumerate() {
-                    // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
-                    let x4 = unsafe { std::ptr::read_unaligned(xq.add((r0 + r) * k + kk) as *const i32) };
-                    let xv = _mm256_set1_epi32(x4);
-                    lo[r][digit] = _mm256_add_epi16(lo[r][digit], _mm256_maddubs_epi16(cl, xv));
-                    hi[r][digit] = _mm256_add_epi16(hi[r][digit], _mm256_maddubs_epi16(ch, xv));
-                }
-            }
-        }
         // SAFETY: block b of panel p: 16 `d` then 16 `m`; half v is 8 of each.
         let (dv, mv) = unsafe { load_scales(sc, scales + b * 2 * PANEL) };
-        for r in 0..R {
-            let rb = (r0 + r) * nb + b;
-            // SAFETY: rb < m * nb: one scale of row r0+r's block b each.
-            let (s, base, qs) = unsafe {
-                (
-                    _mm256_set1_ps(*a.acts.s.get_unchecked(rb)),
-                    *a.acts.base.get_unchecked(rb) as i16,
-                    _mm256_set1_ps(*a.acts.qs.get_unchecked(rb)),
-                )
-            };
-            // As in `tile`: R·Σc·h + Σc·l.
-            let dot = _mm256_add_epi32(
-                _mm256_add_epi32(
-                    _mm256_madd_epi16(lo[r][0], _mm256_set1_epi16(base)),
-                    _mm256_madd_epi16(lo[r][1], _mm256_set1_epi16(1)),
-                ),
-                _mm256_add_epi32(
-                    _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0], _mm256_set1_epi16(base))),
-                    _mm256_madd_epi16(hi[r][1], _mm256_set1_epi16(16)),
-                ),
-            );
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, s), acc[r]);
-            acc[r] = _mm256_fmadd_ps(mv, qs, acc[r]);
+        // The block's k steps in one run, or (split) steps 0-3 then 4-7, each folded at its end.
+        let runs = if SPLIT { 2 } else { 1 };
+        for h in 0..runs {
+            // i16 pair sums [row][digit] of the codes' low and high halves.
+            let mut lo = [[_mm256_setzero_si256(); 2]; R];
+            let mut hi = [[_mm256_setzero_si256(); 2]; R];
+            for g in h * 8 / runs..(h + 1) * 8 / runs {
+                let kk = b * QBLOCK + g * 4;
+                // SAFETY: block b of panel p (BITS lines from b*block_bytes), its half v.
+                let (cl, ch) = unsafe { split::<BITS>(codes.add(b * block_bytes), g) };
+                for r in 0..R {
+                    for (digit, xq) in [xh, xl].into_iter().enumerate() {
+                        // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
+                        let x4 = unsafe { std::ptr::read_unaligned(xq.add((r0 + r) * k + kk) as *const i32) };
+                        let xv = _mm256_set1_epi32(x4);
+                        lo[r][digit] = _mm256_add_epi16(lo[r][digit], _mm256_maddubs_epi16(cl, xv));
+                        hi[r][digit] = _mm256_add_epi16(hi[r][digit], _mm256_maddubs_epi16(ch, xv));
+                    }
+                }
+            }
+            for r in 0..R {
+                let rb = (r0 + r) * nb + b;
+                // SAFETY: rb < m * nb: one scale of row r0+r's block b each.
+                let (s, base, qs) = unsafe {
+                    (
+                        _mm256_set1_ps(*a.acts.s.get_unchecked(rb)),
+                        *a.acts.base.get_unchecked(rb) as i16,
+                        _mm256_set1_ps(*a.acts.qs.get_unchecked(rb)),
+                    )
+                };
+                // As in `tile`: R·Σc·h + Σc·l.
+                let dot = _mm256_add_epi32(
+                    _mm256_add_epi32(
+                        _mm256_madd_epi16(lo[r][0], _mm256_set1_epi16(base)),
+                        _mm256_madd_epi16(lo[r][1], _mm256_set1_epi16(1)),
+                    ),
+                    _mm256_add_epi32(
+                        _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0], _mm256_set1_epi16(base))),
+                        _mm256_madd_epi16(hi[r][1], _mm256_set1_epi16(16)),
+                    ),
+                );
+                if SPLIT {
+                    // The half's offset (`QActs::halves`, filled for split panels: contract), then
+                    // d_h·s with d_0, d_1 in the `d` and `m` slots.
+                    let off = _mm256_set1_epi32(a.acts.halves[rb * 2 + h]);
+                    let d = if h == 0 { dv } else { mv };
+                    let dot = _mm256_add_epi32(dot, off);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, s), acc[r]);
+                } else {
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, s), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(mv, qs, acc[r]);
+                }
+            }
         }
     }
     let col = p * PANEL + v * 8;

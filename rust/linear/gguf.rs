@@ -10,7 +10,9 @@
 //! | Q8_0 | 32 / 34                  | d·q (q i8)                             | exact: c = q + 128, m = -128d     |
 //! | Q4_K | 256 / 144                | (d·sc_j)·q - dmin·mn_j, 8 sub-blocks   | exact: d = d·sc_j, m = -dmin·mn_j |
 //! | Q5_K | 256 / 176                | as Q4_K with a 5th bit                 | exact                             |
-//! | Q6_K | 256 / 210                | (d·s_i)·(q - 32), 16 sub-blocks of 16  | exact when the integers s·(q - 32)|
+//! | Q6_K | 256 / 210                | (d·s_i)·(q - 32), 16 sub-blocks of 16  | exact as two halves (split panels:|
+//! |      |                          |                                        | `to_split_blocks`); onto one `d`: |
+//! |      |                          |                                        | exact when the integers s·(q - 32)|
 //! |      |                          |                                        | of the 32 fit one 8-bit grid, else|
 //! |      |                          |                                        | 8-bit requantized on d's integer  |
 //! |      |                          |                                        | grid: ≤ (max-min)/510 + d/2       |
@@ -141,7 +143,7 @@ pub fn to_blocks(
     d: &mut [f32],
     m: &mut [f32],
 ) -> Result<usize> {
-    to_blocks_with(ggml_type, raw, n, k, codes, d, m, None)
+    to_blocks_with(ggml_type, raw, n, k, codes, d, m, None, false)
 }
 
 /// The integer form of a K-quant 32-wide block's scales: `d = d_base·d_mul`, `m = m_base·m_mul`
@@ -150,7 +152,7 @@ pub fn to_blocks(
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GridScale {
     pub d_base: f16,
-    pub d_mul: u8,
+    pub d_mul: i16,
     pub m_base: f16,
     pub m_mul: i16,
 }
@@ -194,7 +196,27 @@ pub fn to_grid_blocks(
             grid.len()
         )));
     }
-    to_blocks_with(ggml_type, raw, n, k, codes, d, m, Some(grid))
+    to_blocks_with(ggml_type, raw, n, k, codes, d, m, Some(grid), false)
+}
+
+/// GGUF Q6_K rows as the halves of split panels (`QWeight`'s module docs): codes `[n, k]` the
+/// file's 6-bit `q` (`w = d_h·(q - 32)`), `d` and `m` `[n, k/32]` each 32-wide block's two
+/// halves' scales `d·s_2j`, `d·s_2j+1` (exact f32 products), and with `grid` (`[n, k/32]`) the same
+/// as `GridScale`s (`d_base` = `m_base` = the f16 `d`, the multipliers the i8 sub-block scales).
+#[allow(clippy::too_many_arguments)]
+pub fn to_split_blocks(
+    raw: &[u8],
+    n: usize,
+    k: usize,
+    codes: &mut [u8],
+    d: &mut [f32],
+    m: &mut [f32],
+    grid: Option<&mut [GridScale]>,
+) -> Result<()> {
+    if grid.as_deref().is_some_and(|g| g.len() != d.len()) {
+        return Err(Error::Invalid(format!("need {} grid scales", d.len())));
+    }
+    to_blocks_with("Q6_K", raw, n, k, codes, d, m, grid, true).map(|_| ())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -207,6 +229,7 @@ fn to_blocks_with(
     d: &mut [f32],
     m: &mut [f32],
     mut grid: Option<&mut [GridScale]>,
+    split: bool,
 ) -> Result<usize> {
     check_raw(ggml_type, raw, n, k)?;
     if !k.is_multiple_of(BLOCK) {
@@ -254,7 +277,9 @@ fn to_blocks_with(
                     }
                 }
                 Unit::K4 | Unit::K5 | Unit::Q6K => {
-                    let (gs, exact) = if unit == Unit::Q6K {
+                    let (gs, exact) = if unit == Unit::Q6K && split {
+                        (q6_k_halves(blk, j, c), true)
+                    } else if unit == Unit::Q6K {
                         q6_k_sub(blk, j, c)
                     } else {
                         (k_sub(blk, j, unit == Unit::K5, c), true)
@@ -529,7 +554,7 @@ fn k_sub(b: &[u8], j: usize, five: bool, c: &mut [u8]) -> GridScale {
     // Both products are exact in f32 (11-bit f16 mantissas times 6-bit integers).
     GridScale {
         d_base: d,
-        d_mul: sc,
+        d_mul: sc as i16,
         m_base: -dmin,
         m_mul: mn as i16,
     }
@@ -579,6 +604,21 @@ fn gcd(a: i32, b: i32) -> i32 {
         if b == 0 {
             return (a << shift) as i32;
         }
+    }
+}
+
+/// Sub-block `j` (32 wide) of a Q6_K block as the two halves of a split panel's block: `c` the
+/// 6-bit `q` as stored, the halves' scales `d·s0`, `d·s1` as `GridScale` (`d`, `m`).
+fn q6_k_halves(b: &[u8], j: usize, c: &mut [u8]) -> GridScale {
+    let d = f16_bits(b, 208);
+    for (l, x) in c.iter_mut().enumerate() {
+        *x = (q6_value(b, j * BLOCK + l) + 32) as u8;
+    }
+    GridScale {
+        d_base: d,
+        d_mul: b[192 + 2 * j] as i8 as i16,
+        m_base: d,
+        m_mul: b[192 + 2 * j + 1] as i8 as i16,
     }
 }
 
@@ -633,7 +673,7 @@ fn q6_k_sub(b: &[u8], j: usize, c: &mut [u8]) -> (GridScale, bool) {
     }
     let gs = GridScale {
         d_base: d,
-        d_mul: t as u8,
+        d_mul: t as i16,
         m_base: d,
         m_mul: lo as i16,
     };

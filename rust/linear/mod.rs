@@ -76,9 +76,13 @@
 //! Q5_1, Q5_K; bit 4 of step g at bit g), two for 6 (< 64; bits 4-5 of step 4L + f at bits 2f..2f+1
 //! of line L). A block is then 256, 320, 384 or 512 bytes, so a panel's byte length names its layout,
 //! and the weights take about their GGUF file size. Panels choose on their own, so a fused projection
-//! of mixed types (a Q4_K_M QKV: Q4_K q and k, Q6_K v) keeps 4-bit codes where its rows allow. A Q6_K
-//! block's 32 codes are its 6-bit `q` only where the block's two 16-wide halves share a scale (else
-//! they reach 255 on the block's integer grid, gguf.rs): most real Q6_K panels stay 8-bit.
+//! of mixed types (a Q4_K_M QKV: Q4_K q and k, Q6_K v) keeps 4-bit codes where its rows allow. Q6_K
+//! rows take split panels (weight.rs): the file's 6-bit `q`, each 16-wide half of a block with its
+//! own scale, `w = d_h·(q - 32)`; a tile sums each half from the half's offset
+//! `-32·Σ(R·h + l)` (`QActs::halves`, from the activations alone) and folds the two in turn,
+//! `cvt(dot_0)·(d_0·s)` then `cvt(dot_1)·(d_1·s)` (no `m·qs` term). A Q6_K row that shares a panel
+//! with rows of another type is folded onto one scale a block instead (gguf.rs: exact only where
+//! the halves' scales allow, else requantized to 8 bits).
 //! Every tile reads every layout (the AVX2 one runs its exact single-`vpmaddubsw` mode on 4-bit
 //! panels and its `16·hi + lo` split, with the stored nibbles and high bits as the halves, on the
 //! others; the VNNI one rebuilds each step's 8-bit code vector: a mask, and for 5 and 6 bits a shift
@@ -190,11 +194,14 @@ fn linear_ld(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32], ld: Op
     let out_ptr = SendPtr(out.as_mut_ptr());
     pool.install(|| {
         let one = w.act_digits() == 1;
-        let acts = match variant(isa) {
+        let mut acts = match variant(isa) {
             Isa::Scalar if one => quantize_one(x, m, k, false),
             Isa::Scalar => quantize_acts(x, m, k),
             v => quantize_par(v, x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS, one),
         };
+        if !w.split.is_empty() {
+            acts.fill_halves(m, k);
+        }
         let jobs = w.panels().div_ceil(JOB_PANELS);
         (0..jobs).into_par_iter().for_each(|j| {
             let a = Args {

@@ -15,7 +15,7 @@
 //! (`Scales`).
 
 use super::gguf;
-use super::weight::{bits_for, Muls, QWeight, Scales, GRID_BLOCKS, LINE};
+use super::weight::{bits_for, block_codes, Muls, QWeight, Scales, GRID_BLOCKS, LINE};
 use super::{PANEL, QBLOCK};
 use crate::error::{Error, Result};
 
@@ -84,6 +84,7 @@ impl QWeight {
             codes: pc,
             code_at,
             scales: Scales::compact(ps),
+            split: Vec::new(),
             act_digits: 2.into(),
         }
     }
@@ -142,14 +143,29 @@ impl QWeight {
         let nb = k / QBLOCK;
         let panels = n.div_ceil(PANEL);
         let part_of = |row: usize| starts.partition_point(|s| s.0 <= row) - 1;
+        let rows_of = |p: usize| p * PANEL..((p + 1) * PANEL).min(n);
+        // Split panels (weight.rs): every row Q6_K, held exactly in 6 bits.
+        let split: Vec<bool> = (0..panels)
+            .map(|p| rows_of(p).all(|r| parts[part_of(r)].0 == "Q6_K"))
+            .collect();
         let bits: Vec<usize> = (0..panels)
             .map(|p| {
-                (p * PANEL..((p + 1) * PANEL).min(n))
-                    .map(|r| type_bits(parts[part_of(r)].0))
-                    .max()
-                    .unwrap_or(8)
+                if split[p] {
+                    return 6;
+                }
+                rows_of(p).map(|r| type_bits(parts[part_of(r)].0)).max().unwrap_or(8)
             })
             .collect();
+        // The grid's multipliers: i16 where a Q6_K row shares a panel with other types (its
+        // requantized step and minimum), else i8 with split panels (their sub-block scales), else u8.
+        let q6_mixed = (0..panels).any(|p| !split[p] && rows_of(p).any(|r| parts[part_of(r)].0 == "Q6_K"));
+        let muls = if q6_mixed {
+            MulKind::I16
+        } else if split.iter().any(|&s| s) {
+            MulKind::I8
+        } else {
+            MulKind::U8
+        };
         let code_at = panel_offsets(k, &bits);
         // Legacy types only (Q4_0..Q8_0): f16 scales straight from the file's bits.
         let legacy: Option<Vec<gguf::Legacy>> = if grid {
@@ -161,23 +177,15 @@ impl QWeight {
         let pass = |half: bool| -> Result<(QWeight, bool, bool)> {
             let mut pc = vec![0u8; code_at[panels]];
             let (mut ps, mut ph) = (Vec::new(), Vec::new());
-            // The m multipliers: mn (6-bit) for Q4_K/Q5_K, min v (|v| <= 4096) for Q6_K.
-            let wide_m = parts.iter().any(|p| p.0 == "Q6_K");
-            let (mut base, mut dmul, mut m8, mut m16) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut base = Vec::new();
+            let (mut dmul, mut mmul) = (Muls::U8(Vec::new()), Muls::U8(Vec::new()));
             // Each panel's own slices of the scales.
             let chunks: Vec<PanelScales> = if grid {
                 base = vec![half::f16::ZERO; panels * nb / GRID_BLOCKS * 2 * PANEL];
-                dmul = vec![0u8; panels * nb * PANEL];
-                let mchunks: Vec<MulsMut> = if wide_m {
-                    m16 = vec![0i16; panels * nb * PANEL];
-                    m16.chunks_mut(nb * PANEL).map(MulsMut::I16).collect()
-                } else {
-                    m8 = vec![0u8; panels * nb * PANEL];
-                    m8.chunks_mut(nb * PANEL).map(MulsMut::U8).collect()
-                };
+                (dmul, mmul) = (muls.zeros(panels * nb * PANEL), muls.zeros(panels * nb * PANEL));
                 base.chunks_mut(nb / GRID_BLOCKS * 2 * PANEL)
-                    .zip(dmul.chunks_mut(nb * PANEL))
-                    .zip(mchunks)
+                    .zip(muls_chunks(&mut dmul, nb * PANEL))
+                    .zip(muls_chunks(&mut mmul, nb * PANEL))
                     .map(|((base, dmul), mmul)| PanelScales::Grid { base, dmul, mmul })
                     .collect()
             } else if half {
@@ -219,7 +227,9 @@ impl QWeight {
                                 let src = &raw[(row - first) * rb..][..rb];
                                 // The row's codes into `c`; its d, m into `d`, `m` (checked finite).
                                 let mut decode = |g: &mut [gguf::GridScale]| -> Result<()> {
-                                    if grid {
+                                    if split[p] {
+                                        gguf::to_split_blocks(src, 1, k, c, d, m, grid.then_some(g)).map(|()| 0)
+                                    } else if grid {
                                         gguf::to_grid_blocks(ty, src, 1, k, c, d, m, g)
                                     } else {
                                         gguf::to_blocks(ty, src, 1, k, c, d, m)
@@ -256,12 +266,9 @@ impl QWeight {
                                     PanelScales::Grid { base, dmul, mmul } => {
                                         decode(g)?;
                                         for (b, gs) in g.iter().enumerate() {
-                                            dmul[b * PANEL + i] = gs.d_mul;
-                                            match mmul {
-                                                MulsMut::I16(v) => v[b * PANEL + i] = gs.m_mul,
-                                                // Q4_K/Q5_K: mn is a 6-bit integer.
-                                                MulsMut::U8(v) => v[b * PANEL + i] = gs.m_mul as u8,
-                                            }
+                                            // In range of the kind chosen above (`muls`).
+                                            dmul.set(b * PANEL + i, gs.d_mul);
+                                            mmul.set(b * PANEL + i, gs.m_mul);
                                             if b % GRID_BLOCKS == 0 {
                                                 let at = b / GRID_BLOCKS * 2 * PANEL + i;
                                                 base[at] = gs.d_base;
@@ -273,6 +280,10 @@ impl QWeight {
                                 // The widest a type gives (a Q6_K block's codes reach 255 where
                                 // its two halves' scales differ) sets the layout below.
                                 top = top.max(c.iter().copied().max().unwrap_or(0));
+                                if split[p] {
+                                    // Split panels keep the 6-bit layout (no other reads halves).
+                                    top = top.max(32);
+                                }
                                 if bits_for(top) > bits[p] {
                                     return Err(Error::Invalid(format!(
                                         "internal: a {ty} row gave code {top}, past its {}-bit layout",
@@ -287,7 +298,6 @@ impl QWeight {
                     .try_reduce(|| (false, true), |a, b| Ok((a.0 || b.0, a.1 && b.1)))
             })?;
             let scales = if grid {
-                let mmul = if wide_m { Muls::I16(m16) } else { Muls::U8(m8) };
                 Scales::Grid { base, dmul, mmul }
             } else if half {
                 Scales::F16(ph)
@@ -300,6 +310,11 @@ impl QWeight {
                 codes: pc,
                 code_at: code_at.clone(),
                 scales,
+                split: if split.iter().any(|&s| s) {
+                    split.clone()
+                } else {
+                    Vec::new()
+                },
                 act_digits: 2.into(),
             };
             Ok((w, small, exact))
@@ -313,10 +328,7 @@ impl QWeight {
             // A panel whose codes all fit fewer bits than its types call for (constant blocks, a
             // Q6_K panel whose blocks' halves share their scales): the smaller layout there, as
             // `from_parts` packs it, with the same scales.
-            let (c, d, m) = w.unpack();
-            let mut w4 = pool.install(|| Self::pack(n, k, &c, &d, &m));
-            w4.scales = w.scales;
-            return Ok(w4);
+            return Ok(pool.install(|| w.repacked()));
         }
         Ok(w)
     }
@@ -359,6 +371,56 @@ impl QWeight {
     }
 }
 
+impl QWeight {
+    /// The same weight with each panel that is not split in the fewest bits that hold its codes
+    /// (`bits_for`), the scales as they are (on the caller's rayon pool).
+    fn repacked(self) -> Self {
+        use rayon::prelude::*;
+        let (k, nb) = (self.k, self.blocks());
+        let bits: Vec<usize> = (0..self.panels())
+            .into_par_iter()
+            .map(|p| {
+                if self.panel_split(p) {
+                    return self.panel_bits(p);
+                }
+                let mut block = [0u8; QBLOCK * PANEL];
+                let top = (0..nb).fold(0u8, |t, b| {
+                    block_codes(self.panel_codes(p), self.panel_bits(p), b, &mut block);
+                    t.max(block.iter().copied().max().unwrap_or(0))
+                });
+                bits_for(top)
+            })
+            .collect();
+        let code_at = panel_offsets(k, &bits);
+        let mut codes = vec![0u8; code_at[bits.len()]];
+        split_panels(&mut codes, &code_at)
+            .into_par_iter()
+            .enumerate()
+            .for_each(|(p, dst)| {
+                let (src, from) = (self.panel_codes(p), self.panel_bits(p));
+                if from == bits[p] {
+                    dst.copy_from_slice(src);
+                    return;
+                }
+                // Each row's codes, row-major, through the 8-bit layout of each block.
+                let mut block = [0u8; QBLOCK * PANEL];
+                let mut rows = vec![0u8; PANEL * k];
+                for b in 0..nb {
+                    block_codes(src, from, b, &mut block);
+                    for i in 0..PANEL {
+                        for g in 0..QBLOCK / 4 {
+                            rows[i * k + b * QBLOCK + g * 4..][..4].copy_from_slice(&block[g * LINE + i * 4..][..4]);
+                        }
+                    }
+                }
+                for i in 0..PANEL {
+                    pack_codes(dst, i, &rows[i * k..][..k], bits[p]);
+                }
+            });
+        QWeight { codes, code_at, ..self }
+    }
+}
+
 /// Where each panel's codes start (and, last, the total): `k * PANEL * bits[p] / 8` bytes a panel.
 fn panel_offsets(k: usize, bits: &[usize]) -> Vec<usize> {
     let mut at = Vec::with_capacity(bits.len() + 1);
@@ -369,10 +431,11 @@ fn panel_offsets(k: usize, bits: &[usize]) -> Vec<usize> {
     at
 }
 
-/// The layout every code of a GGUF type fits: 4 bits for Q4_0, Q4_1, Q4_K, 5 for Q5_0, Q5_1, Q5_K,
-/// 8 for the others. Q6_K too: its 32-wide blocks' codes are `q` (6 bits) only where the block's two
-/// 16-wide halves share a scale, else up to 255 (`gguf::to_blocks`); panels of the former are
-/// repacked in 6 bits.
+/// The layout every code of a GGUF type fits outside split panels: 4 bits for Q4_0, Q4_1, Q4_K, 5
+/// for Q5_0, Q5_1, Q5_K, 8 for the others. Q6_K too: a Q6_K row in a panel with rows of other
+/// types is folded onto one `d` a 32-wide block, whose codes are `q` (6 bits) only where the
+/// block's two 16-wide halves share a scale, else up to 255 (`gguf::to_blocks`); panels of the
+/// former are repacked in 6 bits.
 fn type_bits(ggml_type: &str) -> usize {
     match ggml_type {
         "Q4_0" | "Q4_1" | "Q4_K" => 4,
@@ -398,15 +461,54 @@ enum PanelScales<'a> {
     F16(&'a mut [half::f16]),
     Grid {
         base: &'a mut [half::f16],
-        dmul: &'a mut [u8],
+        dmul: MulsMut<'a>,
         mmul: MulsMut<'a>,
     },
 }
 
-/// One panel's part of the `m` multipliers while it is packed.
+/// Which integer type a weight's grid multipliers take (`Scales::Grid`).
+#[derive(Clone, Copy)]
+enum MulKind {
+    U8,
+    I8,
+    I16,
+}
+
+impl MulKind {
+    fn zeros(self, len: usize) -> Muls {
+        match self {
+            MulKind::U8 => Muls::U8(vec![0; len]),
+            MulKind::I8 => Muls::I8(vec![0; len]),
+            MulKind::I16 => Muls::I16(vec![0; len]),
+        }
+    }
+}
+
+/// One panel's part of the `d` or `m` multipliers while it is packed.
 enum MulsMut<'a> {
     U8(&'a mut [u8]),
+    I8(&'a mut [i8]),
     I16(&'a mut [i16]),
+}
+
+impl MulsMut<'_> {
+    /// Store `v`, which the kind holds (`MulKind` was chosen from the rows' types).
+    fn set(&mut self, i: usize, v: i16) {
+        match self {
+            MulsMut::U8(s) => s[i] = v as u8,
+            MulsMut::I8(s) => s[i] = v as i8,
+            MulsMut::I16(s) => s[i] = v,
+        }
+    }
+}
+
+/// `m` cut into panels' parts of `len` multipliers.
+fn muls_chunks(m: &mut Muls, len: usize) -> Vec<MulsMut<'_>> {
+    match m {
+        Muls::U8(v) => v.chunks_mut(len).map(MulsMut::U8).collect(),
+        Muls::I8(v) => v.chunks_mut(len).map(MulsMut::I8).collect(),
+        Muls::I16(v) => v.chunks_mut(len).map(MulsMut::I16).collect(),
+    }
 }
 
 /// Row `i` of a panel: its codes into the panel's code line `dst` and its `d`, `m` into the

@@ -176,6 +176,10 @@ impl<'a> Product<'a> {
             Isa::Avx512 if m >= TILED_MIN_ROWS => quantize_tiled(x, m, k, m, one),
             v => quantize_fast(v, x, m, k, one),
         };
+        let mut acts = acts;
+        if !w.split.is_empty() {
+            acts.fill_halves(m, k);
+        }
         let panels_per_job = JOB_PANELS.max(w.panels().div_ceil(4 * threads.max(1)));
         Ok(Product {
             isa,
@@ -223,29 +227,32 @@ pub(super) fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
         v = Isa::Scalar;
     }
     if v != Isa::Avx512 {
-        return run_panels(v, a, m, p0, np, 8);
+        return run_panels(v, a, m, p0, np, (8, false));
     }
-    // The VNNI tile takes one layout a call: runs of panels of one layout (a fused projection of
-    // mixed types mixes them). Every column is computed by one tile whichever run holds it.
+    // The VNNI tile takes one layout a call: runs of panels of one layout, split or not (a fused
+    // projection of mixed types mixes them). Every column is computed by one tile whichever run
+    // holds it.
+    let kind = |p: usize| (a.w.panel_bits(p), a.w.panel_split(p));
     let mut s = p0;
     while s < p0 + np {
-        let bits = a.w.panel_bits(s);
-        let e = (s + 1..p0 + np).find(|&q| a.w.panel_bits(q) != bits).unwrap_or(p0 + np);
-        run_panels(v, a, m, s, e - s, bits);
+        let (bits, split) = kind(s);
+        let e = (s + 1..p0 + np).find(|&q| kind(q) != (bits, split)).unwrap_or(p0 + np);
+        run_panels(v, a, m, s, e - s, (bits, split));
         s = e;
     }
 }
 
 /// Panels `p0..p0+np` on the tile of build `v`; for the Avx512 one, all of them in the `bits`-bit
-/// layout (the other tiles read each panel's layout themselves).
-fn run_panels(v: Isa, a: &Args, m: usize, p0: usize, np: usize, bits: usize) {
+/// layout and split as `split` says (the other tiles read each panel's layout themselves).
+fn run_panels(v: Isa, a: &Args, m: usize, p0: usize, np: usize, (bits, split): (usize, bool)) {
     match v {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => {
             // SAFETY: `variant` gives Avx512 only when AVX-512 F/BW/VNNI are detected, and
-            // `run_job` hands it runs of panels of the layout `bits`; the tile bounds are within
-            // the activations, weights and output sized by `linear_with`.
-            unsafe { x86::job(a, m, p0, np, bits) }
+            // `run_job` hands it runs of panels of the layout `bits`, split or not as `split` says
+            // (with `halves` filled where a panel is split); the tile bounds are within the
+            // activations, weights and output sized by `linear_with`.
+            unsafe { x86::job(a, m, p0, np, bits, split) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {

@@ -5,7 +5,9 @@
 //! | scalar  | one row x one panel a step | `QActs::hi`, `lo` rows; a block of any layout as 8 bits   |
 //!
 //! The integer dots of a block are exact in i32; the float steps (`(R·Σc·h + Σc·l)` converted,
-//! then `mul_add` by `d·s` and `m·qs`) run in the order the SIMD tiles run them. Tolerance: the
+//! then `mul_add` by `d·s` and `m·qs`) run in the order the SIMD tiles run them. A split panel's
+//! block (weight.rs) is two such dots, one a 16-wide half, each started from the half's
+//! `QActs::halves` offset and folded in turn: `mul_add` by `d_0·s`, then by `d_1·s`. Tolerance: the
 //! SIMD tiles equal it bit for bit, and it is within 1e-5 relative of a float64 sum over the
 //! unpacked weights (tests.rs).
 
@@ -17,7 +19,7 @@ use super::{PANEL, QBLOCK};
 /// the SIMD tiles; `mul_add` is a correctly rounded libm `fmaf` here).
 pub(super) fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
     let (k, nb, n) = (a.w.k, a.w.blocks(), a.w.n);
-    let (codes, bits) = (a.w.panel_codes(p), a.w.panel_bits(p));
+    let (codes, bits, split) = (a.w.panel_codes(p), a.w.panel_bits(p), a.w.panel_split(p));
     let scales = p * nb * 2 * PANEL; // this panel's first scale
     let mut block = [0u8; QBLOCK * PANEL];
     for r in r0..r0 + mr {
@@ -33,14 +35,16 @@ pub(super) fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
             };
             // Integer dots of the panel's 16 rows with both digits, 4 k at a time (the loop over
             // 64 contiguous code bytes vectorizes).
-            let (mut dh, mut dl) = ([0i32; PANEL], [0i32; PANEL]);
+            // Split: [half] (k steps 0-3, 4-7); else the whole block in [0].
+            let (mut dh, mut dl) = ([[0i32; PANEL]; 2], [[0i32; PANEL]; 2]);
             for g in 0..QBLOCK / 4 {
                 let c = &c[g * LINE..][..LINE];
                 let (xh, xl) = (&hi[b * QBLOCK + g * 4..][..4], &lo[b * QBLOCK + g * 4..][..4]);
+                let h = usize::from(split && g >= QBLOCK / 8);
                 for i in 0..PANEL {
                     for j in 0..4 {
-                        dh[i] += c[i * 4 + j] as i32 * xh[j] as i32;
-                        dl[i] += c[i * 4 + j] as i32 * xl[j] as i32;
+                        dh[h][i] += c[i * 4 + j] as i32 * xh[j] as i32;
+                        dl[h][i] += c[i * 4 + j] as i32 * xl[j] as i32;
                     }
                 }
             }
@@ -48,8 +52,17 @@ pub(super) fn tile_scalar(a: &Args, r0: usize, mr: usize, p: usize) {
             let rb = r * nb + b;
             let (s, base, qs) = (a.acts.s[rb], a.acts.base[rb], a.acts.qs[rb]);
             for i in 0..PANEL {
+                if split {
+                    // w = d_h·(c - SPLIT_ZERO): each half's dot from its offset (exact in i32).
+                    for (h, &d) in [sc[i], sc[PANEL + i]].iter().enumerate() {
+                        let off = a.acts.halves[rb * 2 + h];
+                        let dot = base.wrapping_mul(dh[h][i]).wrapping_add(dl[h][i].wrapping_add(off));
+                        acc[i] = (dot as f32).mul_add(d * s, acc[i]);
+                    }
+                    continue;
+                }
                 let (d, m) = (sc[i], sc[PANEL + i]);
-                acc[i] = ((base * dh[i] + dl[i]) as f32).mul_add(d * s, acc[i]);
+                acc[i] = ((base * dh[0][i] + dl[0][i]) as f32).mul_add(d * s, acc[i]);
                 acc[i] = m.mul_add(qs, acc[i]);
             }
         }

@@ -10,35 +10,36 @@ fn random_weight(r: &mut Rng, n: usize, k: usize) -> QWeight {
     QWeight::from_f32(&w, n, k).unwrap()
 }
 
-/// y[r, n] in float64 from the unpacked weights and the quantized activations (of as many digits as
-/// the weight's products take).
+/// y[r, n] in float64 from the weights' values (`dequantize`) and the quantized activations (of as
+/// many digits as the weight's products take).
 fn reference(x: &[f32], m: usize, w: &QWeight) -> Vec<f64> {
+    reference_and_size(x, m, w).0
+}
+
+/// `reference`, and beside each output the sum of its terms' magnitudes (what f32 sums round against).
+fn reference_and_size(x: &[f32], m: usize, w: &QWeight) -> (Vec<f64>, Vec<f64>) {
     let (n, k) = (w.n(), w.k());
-    let nb = k / QBLOCK;
-    let (codes, d, mm) = w.unpack();
+    let wv = w.dequantize();
     let a = if w.act_digits() == 1 {
         quantize_one(x, m, k, false)
     } else {
         quantize_acts(x, m, k)
     };
-    let mut y = vec![0f64; m * n];
+    // The activations' values s·(R·h + l), exact in f64.
+    let xq: Vec<f64> = (0..m * k)
+        .map(|i| {
+            let rb = i / QBLOCK;
+            a.s[rb] as f64 * (a.base[rb] as f64 * a.hi[i] as f64 + a.lo[i] as f64)
+        })
+        .collect();
+    let (mut y, mut size) = (vec![0f64; m * n], vec![0f64; m * n]);
     for r in 0..m {
         for c in 0..n {
-            let mut acc = 0f64;
-            for b in 0..nb {
-                let dot = |q: &[i8]| -> f64 {
-                    (b * QBLOCK..(b + 1) * QBLOCK)
-                        .map(|j| codes[c * k + j] as i64 * q[r * k + j] as i64)
-                        .sum::<i64>() as f64
-                };
-                let (rb, cb) = (r * nb + b, c * nb + b);
-                acc += d[cb] as f64 * a.s[rb] as f64 * (a.base[rb] as f64 * dot(&a.hi) + dot(&a.lo))
-                    + mm[cb] as f64 * a.qs[rb] as f64;
-            }
-            y[r * n + c] = acc;
+            y[r * n + c] = (0..k).map(|j| wv[c * k + j] * xq[r * k + j]).sum();
+            size[r * n + c] = (0..k).map(|j| (wv[c * k + j] * xq[r * k + j]).abs()).sum();
         }
     }
-    y
+    (y, size)
 }
 
 #[test]
@@ -615,17 +616,25 @@ fn the_packers_choose_each_panels_layout_by_its_codes() {
     assert_eq!(w.unpack().0, codes);
 }
 
-/// GGUF rows take their types' layouts: Q5_0, Q5_1, Q5_K 5 bits; Q6_K rows 6 bits where every
-/// block's two halves share a scale (their codes are then `q`, < 64), else 8; a Q4_K_M-style
-/// fused projection of Q4_K and such Q6_K rows keeps 4 bits in the Q4_K panels and 6 in the Q6_K
-/// ones, with the 8-bit layout's products on every ISA.
+/// GGUF rows take their types' layouts: Q5_0, Q5_1, Q5_K 5 bits; Q6_K rows split 6-bit panels
+/// (each block's two halves with their own scales: the file's values exactly). A Q6_K row that
+/// shares a panel with rows of another type is folded onto one scale a 32-wide block: 6 bits where
+/// every such block's halves share a scale (codes `q`, < 64), else 8.
 #[test]
 fn gguf_rows_take_their_types_layouts() {
     let mut r = Rng(0x6b17);
-    for (ty, bits) in [("Q5_0", 5), ("Q5_1", 5), ("Q5_K", 5), ("Q6_K", 8)] {
+    for (ty, bits) in [("Q5_0", 5), ("Q5_1", 5), ("Q5_K", 5), ("Q6_K", 6)] {
         let (n, k) = (40, 256);
-        let w = QWeight::from_gguf(ty, &random_gguf_rows(&mut r, ty, n, k), n, k).unwrap();
+        let raw = random_gguf_rows(&mut r, ty, n, k);
+        let w = QWeight::from_gguf(ty, &raw, n, k).unwrap();
         assert_eq!(w.bits_panels(bits), w.panels(), "{ty}");
+        assert_eq!(w.split_panels(), if ty == "Q6_K" { w.panels() } else { 0 }, "{ty}");
+        // The values are the file's (Q6_K's products of its fields are exact in f32; the others'
+        // sums round once there).
+        let mut want = vec![0f32; n * k];
+        gguf::dequantize(ty, &raw, n, k, &mut want).unwrap();
+        let close = |a: f64, b: f32| a == b as f64 || (ty != "Q6_K" && (a - b as f64).abs() <= (b.abs() as f64) * 6e-8);
+        assert!(w.dequantize().iter().zip(&want).all(|(&a, &b)| close(a, b)), "{ty}");
     }
     // Q6_K with each 32-wide block's two 16-wide scales equal (scales at bytes 192..208).
     let shared_q6 = |r: &mut Rng, rows: usize, k: usize| {
@@ -638,24 +647,71 @@ fn gguf_rows_take_their_types_layouts() {
         raw
     };
     let k = 512;
-    let (q4, q6) = (random_gguf_rows(&mut r, "Q4_K", 32, k), shared_q6(&mut r, 21, k));
-    let w = QWeight::from_gguf_parts(&[("Q4_K", &q4, 32), ("Q6_K", &q6, 21)], k).unwrap();
-    let got: Vec<usize> = (0..w.panels()).map(|p| w.panel_bits(p)).collect();
-    assert_eq!(got, [4, 4, 6, 6]);
-    let n = 53;
-    let (c, d, m) = w.unpack();
-    assert!(c[32 * k..].iter().all(|&x| x < 64) && c[32 * k..].iter().any(|&x| x >= 32));
-    // from_parts picks the same layout from the codes alone.
-    let wp = QWeight::from_parts(n, k, &c, &d, &m).unwrap();
-    assert_eq!((&wp.codes, &wp.code_at), (&w.codes, &w.code_at));
-    let w8 = QWeight::pack_layout(n, k, &c, &d, &m, &vec![8; w.panels()]);
-    same_products_as(&mut r, &w, &w8, &[1, 8, 19], "q6_k halves");
-    // One Q6_K block with different scales in its halves: that panel goes 8-bit, the others stay.
+    // 24 Q4_K rows: panel 1 holds 8 of them and 8 Q6_K rows (folded: 6 bits), panels 2, 3 split.
+    let (q4, q6) = (random_gguf_rows(&mut r, "Q4_K", 24, k), shared_q6(&mut r, 29, k));
+    let w = QWeight::from_gguf_parts(&[("Q4_K", &q4, 24), ("Q6_K", &q6, 29)], k).unwrap();
+    let got: Vec<(usize, bool)> = (0..w.panels()).map(|p| (w.panel_bits(p), w.panel_split(p))).collect();
+    assert_eq!(got, [(4, false), (6, false), (6, true), (6, true)]);
+    same_products_everywhere(&mut r, &w, &[1, 8, 19], "q4_k + q6_k");
+    // One folded Q6_K block with different scales in its halves: that panel goes 8-bit.
     let mut q6b = q6.clone();
-    q6b[210 * 16 * (k / 256) + 192 + 1] ^= 0x40; // row 16 (panel 3 of the fused weight), block 0
-    let w = QWeight::from_gguf_parts(&[("Q4_K", &q4, 32), ("Q6_K", &q6b, 21)], k).unwrap();
-    let got: Vec<usize> = (0..w.panels()).map(|p| w.panel_bits(p)).collect();
-    assert_eq!(got, [4, 4, 6, 8]);
+    q6b[210 * 3 * (k / 256) + 192 + 1] ^= 0x40; // Q6_K row 3 (panel 1 of the fused weight), block 0
+    let w = QWeight::from_gguf_parts(&[("Q4_K", &q4, 24), ("Q6_K", &q6b, 29)], k).unwrap();
+    let got: Vec<(usize, bool)> = (0..w.panels()).map(|p| (w.panel_bits(p), w.panel_split(p))).collect();
+    assert_eq!(got, [(4, false), (8, false), (6, true), (6, true)]);
+    same_products_everywhere(&mut r, &w, &[2, 9], "q4_k + q6_k, 8-bit fold");
+    // Split panels take 6 bits and 2 bytes of scales a block and column, plus 4 a super-block.
+    let w = QWeight::from_gguf("Q6_K", &q6[..210 * 16 * (k / 256)], 16, k).unwrap();
+    assert_eq!(w.nbytes(), 16 * k * 6 / 8 + 16 * (k / 32 * 2 + k / 256 * 4));
+}
+
+/// Split panels (GGUF Q6_K rows) on every ISA, every tile (8, 4, 2, 1 rows; tiled and row digits;
+/// one and two digits), grid and f32 scales: the scalar products within 1e-5 of the float64 sum
+/// over the file's values, every ISA's bit for bit; edge codes and scales (q 0 and 63, sub-block
+/// scales -128 and 127, digits at ±127) included.
+#[test]
+fn split_panels_give_the_scalar_bits_and_the_files_values() {
+    let mut r = Rng(0x06b6);
+    for case in 0..6 {
+        let n = [16, 17, 40, 33, 1, 48][case];
+        let k = 256 * (1 + case % 3);
+        let mut raw = random_gguf_rows(&mut r, "Q6_K", n, k);
+        if case % 2 == 1 {
+            // Every q at 63 or 0 (ql 0xff / 0x00, qh all ones / zeros), scales at the i8 ends.
+            for (i, blk) in raw.chunks_exact_mut(210).enumerate() {
+                let v = if i % 2 == 0 { 0xff } else { 0x00 };
+                blk[..192].fill(v);
+                for (j, sc) in blk[192..208].iter_mut().enumerate() {
+                    *sc = if j % 2 == 0 { 0x80 } else { 0x7f };
+                }
+            }
+        }
+        let w = QWeight::from_gguf("Q6_K", &raw, n, k).unwrap();
+        assert_eq!(
+            (w.split_panels(), w.scale_format()),
+            (w.panels(), "grid"),
+            "case {case}"
+        );
+        same_products_everywhere(&mut r, &w, &[1, 2, 3, 4, 8, 9, 16, 33], &format!("case {case}"));
+        same_products_as_f32_scales(&mut r, &w, 9, &format!("case {case} f32"));
+        // Mixed with a 32-wide type (no grid): f32 scales, the same split panels and values.
+        let q8 = random_gguf_rows(&mut r, "Q8_0", 16, k);
+        let wm = QWeight::from_gguf_parts(&[("Q6_K", &raw, n), ("Q8_0", &q8, 16)], k).unwrap();
+        assert_ne!(wm.scale_format(), "grid");
+        assert_eq!(wm.split_panels(), n / PANEL, "case {case}");
+        same_products_everywhere(&mut r, &wm, &[1, 8, 11], &format!("case {case} mixed"));
+    }
+    // Activations at the digits' edges (one outlier a block, ±127 digits).
+    let raw = random_gguf_rows(&mut r, "Q6_K", 32, 512);
+    let w = QWeight::from_gguf("Q6_K", &raw, 32, 512).unwrap();
+    let x = edge_acts(&mut r, 9, 512);
+    let mut want = vec![f32::NAN; 9 * 32];
+    linear_with(Isa::Scalar, &x, 9, &w, &mut want).unwrap();
+    for isa in crate::runtime::available_isas() {
+        let mut y = vec![f32::NAN; 9 * 32];
+        linear_with(isa, &x, 9, &w, &mut y).unwrap();
+        assert_eq!(y, want, "edge acts {isa:?}");
+    }
 }
 
 /// `rows` random rows of `ty` with finite scales (their f16 fields set to values in [-1, 1)).
@@ -735,11 +791,12 @@ fn legacy_f16_scales_equal_the_f32_route_at_the_edges() {
 
 /// The one-pass panel packer of `from_gguf_parts` gives what decoding every row first and then
 /// `from_parts` gives: the same codes, scales and layout (nibbles exactly when every code < 16).
+/// (Q6_K rows take split panels, which `from_parts` does not make: `split_panels_*` below.)
 #[test]
 fn gguf_parts_pack_as_decode_then_from_parts() {
     let mut r = Rng(0x57ac);
     let types = [
-        "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32",
+        "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "F16", "BF16", "F32",
     ];
     for case in 0..40 {
         let k = 256 * (1 + r.below(3));
@@ -826,14 +883,21 @@ fn gguf_parts_pack_as_decode_then_from_parts() {
 }
 
 /// Each panel picks its code layout: a fused weight of Q4_K rows then Q6_K rows keeps the 4-bit
-/// layout in the panels of Q4_K rows only (a panel holding both is 8-bit), and gives the products of
-/// the all-8-bit layout bit for bit on every ISA, by `linear` and by `Product` jobs.
+/// layout in the panels of Q4_K rows only, split 6-bit panels where every row is Q6_K, and the
+/// 8-bit one where a panel holds both; every ISA gives the scalar products bit for bit, by `linear`
+/// and by `Product` jobs, and where no panel is split, those of the all-8-bit layout.
 #[test]
 fn mixed_layout_panels_give_the_eight_bit_products() {
     let mut r = Rng(0x3141);
-    for (case, (q4, q6, nibble_panels)) in [(32, 16, 2), (20, 12, 1), (16, 40, 1), (8, 8, 0), (48, 0, 3)]
-        .into_iter()
-        .enumerate()
+    for (case, (q4, q6, nibble_panels, split_panels)) in [
+        (32, 16, 2, 1),
+        (20, 12, 1, 0),
+        (16, 40, 1, 3),
+        (8, 8, 0, 0),
+        (48, 0, 3, 0),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let k = 256 * (1 + case % 2);
         let (a, b) = (
@@ -847,6 +911,11 @@ fn mixed_layout_panels_give_the_eight_bit_products() {
         let w = QWeight::from_gguf_parts(&parts, k).unwrap();
         let n = q4 + q6;
         assert_eq!(w.nibble_panels(), nibble_panels, "case {case}");
+        assert_eq!(w.split_panels(), split_panels, "case {case}");
+        same_products_everywhere(&mut r, &w, &[1, 3, 9, 33], &format!("case {case}"));
+        if split_panels > 0 {
+            continue;
+        }
         let (c, d, m) = w.unpack();
         let w8 = QWeight::pack_layout(n, k, &c, &d, &m, &vec![8; n.div_ceil(PANEL)]);
         assert_eq!(w.codes.len(), w8.codes.len() - nibble_panels * k * PANEL / 2);
@@ -854,6 +923,42 @@ fn mixed_layout_panels_give_the_eight_bit_products() {
         let wp = QWeight::from_parts(n, k, &c, &d, &m).unwrap();
         assert_eq!((&wp.codes, &wp.code_at), (&w.codes, &w.code_at), "case {case}");
         same_products_as(&mut r, &w, &w8, &[1, 3, 33], &format!("case {case}"));
+    }
+}
+
+/// `w`'s scalar products of random rows (each of `row_counts`, two digits then one) are within
+/// 1e-5 of the float64 sum over its values (`reference`; relative to its terms' magnitudes), and every ISA's (by `linear` and by
+/// one-thread `Product` jobs) are the scalar ones bit for bit.
+fn same_products_everywhere(r: &mut Rng, w: &QWeight, row_counts: &[usize], label: &str) {
+    let (n, k) = (w.n, w.k);
+    for digits in [2, 1] {
+        let w = w.clone();
+        w.set_act_digits(digits).unwrap();
+        for &rows in row_counts {
+            let x: Vec<f32> = (0..rows * k).map(|_| r.uniform() * 2.0 - 1.0).collect();
+            let mut want = vec![f32::NAN; rows * n];
+            linear_with(Isa::Scalar, &x, rows, &w, &mut want).unwrap();
+            let (y64, size) = reference_and_size(&x, rows, &w);
+            for (i, ((&a, &b), &sz)) in want.iter().zip(&y64).zip(&size).enumerate() {
+                assert!(
+                    (a as f64 - b).abs() <= 1e-5 * (1.0 + sz),
+                    "{label} digits {digits} rows {rows} elem {i}: {a} vs {b} (terms' size {sz})"
+                );
+            }
+            for isa in crate::runtime::available_isas() {
+                let mut y = vec![f32::NAN; rows * n];
+                linear_with(isa, &x, rows, &w, &mut y).unwrap();
+                assert_eq!(y, want, "{label} digits {digits} isa {isa:?} rows {rows}");
+                let mut y = vec![f32::NAN; rows * n];
+                let p = Product::new(isa, &x, rows, &w, &mut y, 2).unwrap();
+                for j in (0..p.jobs()).rev() {
+                    // SAFETY: each job once, on this thread.
+                    unsafe { p.run(j) };
+                }
+                drop(p);
+                assert_eq!(y, want, "{label} digits {digits} isa {isa:?} rows {rows} product");
+            }
+        }
     }
 }
 
@@ -939,8 +1044,8 @@ fn half_scales_give_the_f32_products_bit_for_bit() {
 }
 
 /// K-quant weights hold integer scales on the f16 super-block grid (`Scales::Grid`): the same
-/// products as the same numbers held as f32, bit for bit, on every ISA, in both code layouts and
-/// for long jobs; 3 bytes a block and column plus 4 per 256 (Q4_K: 0.61 bytes a weight).
+/// products as the same numbers held as f32, bit for bit, on every ISA, in every code layout (Q6_K's
+/// split panels too) and for long jobs; 2 bytes a block and column plus 4 per 256.
 #[test]
 fn grid_scales_give_the_f32_products_bit_for_bit() {
     let mut r = Rng(0x9e1d);
@@ -952,14 +1057,14 @@ fn grid_scales_give_the_f32_products_bit_for_bit() {
         let raw = random_gguf_rows(&mut r, ty, n, k);
         let w = QWeight::from_gguf(ty, &raw, n, k).unwrap();
         assert_eq!(w.scale_format(), "grid", "case {case}");
-        // Q4_K 4 bits, Q5_K 5; random Q6_K blocks' halves have different scales: 8.
-        let bits = [4, 5, 8][case % 3];
+        // Q4_K 4 bits, Q5_K 5, Q6_K 6 (split panels).
+        let bits = [4, 5, 6][case % 3];
         let nb = k / QBLOCK;
         let panels = n.div_ceil(PANEL);
         assert_eq!(w.bits_panels(bits), panels, "case {case}");
         let codes = panels * PANEL * k * bits / 8;
-        // u8 d and m multipliers (Q6_K: i16 m), f16 bases per 256
-        let per_block = if ty == "Q6_K" { 3 } else { 2 };
+        // u8 d and m multipliers (Q6_K: i8), f16 bases per 256
+        let per_block = 2;
         assert_eq!(
             w.nbytes(),
             codes + panels * PANEL * (per_block * nb + 4 * nb / 8),

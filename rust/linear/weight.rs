@@ -4,16 +4,22 @@
 //! |---------------|----------------------------------------------------------------------------------|
 //! | `QWeight`     | `[n, k]` codes in panels of `PANEL` rows, each 8-, 6-, 5- or 4-bit (module docs) |
 //! | `Scales`      | each block's `d`, `m` as f32, f16, or integers on an f16 grid (`Grid`, K-quants) |
-//! | `Muls`        | the grid's `m` multipliers (u8, or i16 where Q6_K rows are present)              |
+//! | `Muls`        | the grid's `d` and `m` multipliers (u8; i8 or i16 where Q6_K rows are present)   |
 //! | `unpack`      | back to row-major codes and `d`, `m` (the inverse of `QWeight::from_parts`)      |
+//! | `dequantize`  | the weights' values, split panels included                                      |
 //! | `block_codes` | one block of a panel in any layout as the 8-bit layout holds it                  |
 //!
 //! | layout | a panel's codes when every code of its rows is | bytes a 32-wide block of a panel   |
 //! |--------|------------------------------------------------|------------------------------------|
 //! | 4-bit  | < 16 (Q4_0, Q4_1, Q4_K)                        | 256: 4 nibble lines                |
 //! | 5-bit  | < 32 (Q5_0, Q5_1, Q5_K)                        | 320: 4 nibble lines + 1 bit line   |
-//! | 6-bit  | < 64 (Q6_K blocks whose halves share a scale)  | 384: 4 nibble lines + 2 bit lines  |
+//! | 6-bit  | < 64 (GGUF Q6_K: split panels, below)          | 384: 4 nibble lines + 2 bit lines  |
 //! | 8-bit  | any                                            | 512: 8 code lines                  |
+//!
+//! A split panel (`QWeight::split`, GGUF Q6_K rows) holds each 32-wide block as two 16-wide halves
+//! with scales of their own, `w = d_h·(c - SPLIT_ZERO)` (h = 0 for k steps 0-3, 1 for 4-7), in the
+//! 6-bit layout: its `d` slot holds `d_0` and its `m` slot `d_1`, and the offset is taken from the
+//! activations' half sums (`QActs::halves`), so the file's values are held exactly in its 6 bits.
 //!
 //! Building one: pack.rs. The tiles read the fields and the `Scales` accessors here directly.
 
@@ -34,6 +40,8 @@ pub struct QWeight {
     pub(super) code_at: Vec<usize>,
     /// `panels * (k / QBLOCK) * 2 * PANEL` scales.
     pub(super) scales: Scales,
+    /// Which panels are split (module docs): one flag a panel, or empty when none is.
+    pub(super) split: Vec<bool>,
     /// Activation digits its products quantize `x` into (1 or 2; module docs, "Activations"):
     /// chosen per matrix by the model's measured error, changed in place (`set_act_digits`) by
     /// whoever holds the weight, a decoder included (it shares the `Arc`).
@@ -48,6 +56,7 @@ impl Clone for QWeight {
             codes: self.codes.clone(),
             code_at: self.code_at.clone(),
             scales: self.scales.clone(),
+            split: self.split.clone(),
             act_digits: AtomicU8::new(self.act_digits.load(Ordering::Relaxed)),
         }
     }
@@ -58,26 +67,28 @@ impl Clone for QWeight {
 /// f16 is exact, so both give the same products bit for bit.
 ///
 /// `Grid` (GGUF K-quants, `gguf::GridScale`): per panel and 256-wide super-block, PANEL f16 `d`
-/// bases then PANEL `m` bases; per panel and block, PANEL u8 `d` multipliers and PANEL `m`
-/// multipliers (u8 for Q4_K/Q5_K, i16 where Q6_K rows are present); `d = base·mul` and
+/// bases then PANEL `m` bases; per panel and block, PANEL `d` multipliers and PANEL `m`
+/// multipliers (u8 for Q4_K/Q5_K; i8 where Q6_K rows are present, all in split panels: their
+/// sub-block scales; i16 where some Q6_K row shares a panel with other types); `d = base·mul` and
 /// `m = base·mul` are exact f32 products, so again the same products bit for bit, in 2 bytes a
-/// block and column (3 with Q6_K) plus 4 per 256 instead of 8: a Q4_K weight takes 0.58 B/weight
-/// (file: 0.5625), not 0.75.
+/// block and column (4 with i16) plus 4 per 256 instead of 8: a Q4_K weight takes 0.58 B/weight
+/// (file: 0.5625), not 0.75, a Q6_K one 0.83 (file: 0.82).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Scales {
     F32(Vec<f32>),
     F16(Vec<half::f16>),
     Grid {
         base: Vec<half::f16>,
-        dmul: Vec<u8>,
+        dmul: Muls,
         mmul: Muls,
     },
 }
 
-/// The `m` multipliers of `Scales::Grid`.
+/// The `d` or `m` multipliers of `Scales::Grid`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Muls {
     U8(Vec<u8>),
+    I8(Vec<i8>),
     I16(Vec<i16>),
 }
 
@@ -86,14 +97,35 @@ impl Muls {
     fn at(&self, i: usize) -> f32 {
         match self {
             Muls::U8(v) => v[i] as f32,
+            Muls::I8(v) => v[i] as f32,
             Muls::I16(v) => v[i] as f32,
+        }
+    }
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Muls::U8(v) => v.len(),
+            Muls::I8(v) => v.len(),
+            Muls::I16(v) => v.len(),
         }
     }
     fn nbytes(&self) -> usize {
         match self {
-            Muls::U8(v) => v.len(),
             Muls::I16(v) => 2 * v.len(),
+            m => m.len(),
         }
+    }
+    /// Prefetch into L1 the line holding multiplier `i` (only an address: never faults).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn prefetch(&self, i: usize) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let p = match self {
+            Muls::U8(v) => v.as_ptr().wrapping_add(i),
+            Muls::I8(v) => v.as_ptr().wrapping_add(i) as *const u8,
+            Muls::I16(v) => v.as_ptr().wrapping_add(i) as *const u8,
+        };
+        // SAFETY: SSE is part of the x86-64 baseline; a prefetch only names an address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
     }
 }
 
@@ -142,7 +174,7 @@ impl Scales {
         match self {
             Scales::F32(v) => 4 * v.len(),
             Scales::F16(v) => 2 * v.len(),
-            Scales::Grid { base, dmul, mmul } => 2 * base.len() + dmul.len() + mmul.nbytes(),
+            Scales::Grid { base, dmul, mmul } => 2 * base.len() + dmul.nbytes() + mmul.nbytes(),
         }
     }
     /// Prefetch into L1 the scales of flat block `blk + SCALE_PREFETCH_BLOCKS` (`blk` is
@@ -165,11 +197,8 @@ impl Scales {
             Scales::F16(v) => line(v.as_ptr().wrapping_add(ahead * 2 * PANEL) as *const u8),
             // PANEL multipliers of each kind a block (the bases, one pair a super-block, follow).
             Scales::Grid { dmul, mmul, .. } => {
-                line(dmul.as_ptr().wrapping_add(ahead * PANEL));
-                match mmul {
-                    Muls::U8(m) => line(m.as_ptr().wrapping_add(ahead * PANEL)),
-                    Muls::I16(m) => line(m.as_ptr().wrapping_add(ahead * PANEL) as *const u8),
-                }
+                dmul.prefetch(ahead * PANEL);
+                mmul.prefetch(ahead * PANEL);
             }
         }
     }
@@ -201,7 +230,7 @@ impl Scales {
                 let (blk, j) = (i / (2 * PANEL), i % (2 * PANEL));
                 let b = base[blk / GRID_BLOCKS * 2 * PANEL + j].to_f32();
                 if j < PANEL {
-                    b * dmul[blk * PANEL + j] as f32
+                    b * dmul.at(blk * PANEL + j)
                 } else {
                     b * mmul.at(blk * PANEL + j - PANEL)
                 }
@@ -273,7 +302,38 @@ impl QWeight {
         self.n.div_ceil(PANEL)
     }
 
-    /// Row-major codes `[n, k]`, `d` and `m` `[n, k/32]` (the inverse of `from_parts`).
+    /// True when panel `p` is split (module docs).
+    #[inline]
+    pub(super) fn panel_split(&self, p: usize) -> bool {
+        self.split.get(p).copied().unwrap_or(false)
+    }
+    /// How many panels are split (GGUF Q6_K rows held exactly; module docs).
+    pub fn split_panels(&self) -> usize {
+        self.split.iter().filter(|&&s| s).count()
+    }
+
+    /// The weights' values `[n, k]`, row-major: `d·c + m` for each block, `d_h·(c - SPLIT_ZERO)`
+    /// for each half of a split panel's (exact in f64, as every product reads them).
+    pub fn dequantize(&self) -> Vec<f64> {
+        let (n, k, nb) = (self.n, self.k, self.blocks());
+        let (codes, d, m) = self.unpack();
+        let mut w = vec![0f64; n * k];
+        for row in 0..n {
+            let split = self.panel_split(row / PANEL);
+            for (j, v) in w[row * k..][..k].iter_mut().enumerate() {
+                let (b, c) = (row * nb + j / QBLOCK, codes[row * k + j] as f64);
+                *v = match (split, j % QBLOCK < QBLOCK / 2) {
+                    (true, true) => d[b] as f64 * (c - SPLIT_ZERO as f64),
+                    (true, false) => m[b] as f64 * (c - SPLIT_ZERO as f64),
+                    (false, _) => d[b] as f64 * c + m[b] as f64,
+                };
+            }
+        }
+        w
+    }
+
+    /// Row-major codes `[n, k]`, `d` and `m` `[n, k/32]` (the inverse of `from_parts`); for the rows
+    /// of a split panel, `d` and `m` are the halves' scales `d_0`, `d_1` (module docs).
     pub fn unpack(&self) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
         let (n, k, nb) = (self.n, self.k, self.blocks());
         let mut codes = vec![0u8; n * k];
@@ -303,6 +363,9 @@ impl QWeight {
         (codes, d, m)
     }
 }
+
+/// A split panel's code of the weight 0 (GGUF Q6_K's `q - 32`).
+pub(super) const SPLIT_ZERO: i32 = 32;
 
 /// Bytes of one code line: a 4-wide k step of a panel's 16 rows (byte `4i + j` = row i, k offset j).
 pub(super) const LINE: usize = 4 * PANEL;

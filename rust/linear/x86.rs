@@ -83,13 +83,15 @@ const _: () = assert!(
     "a tile's rows lie in one group of `QActs::tiled`"
 );
 
-/// All row tiles of panels `p0..p0+np`, every one of them in the `bits`-bit layout (4, 5, 6 or 8).
+/// All row tiles of panels `p0..p0+np`, every one of them in the `bits`-bit layout (4, 5, 6 or 8)
+/// and split or not as `split` says (split: 6 bits).
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `a` describes activations of `m` rows and an output of
-/// `m × n` floats; `p0 + np <= panels`; panels `p0..p0+np` hold their codes in the `bits`-bit layout.
+/// `m × n` floats; `p0 + np <= panels`; panels `p0..p0+np` hold their codes in the `bits`-bit layout,
+/// split as `split` says, and `QActs::halves` is filled when they are split.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, bits: usize) {
+pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, bits: usize, split: bool) {
     tile_order(m, a.w.k, p0, np, TILE_ROWS, |r0, rows, ps, pn, first| {
         // The pass's rows in tiles of 8 (one panel each), then 4, 2, 1 (two panels each).
         let (mut r, mut left, mut first) = (r0, rows, first);
@@ -99,15 +101,17 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, bits: usize) 
             // activations (so r..r+take too) and panels ps..ps+pn (pn <= PASS_PANELS = 2)
             // inside p0..p0+np, all of them in the `bits`-bit layout.
             unsafe {
-                match (bits, a.acts.digits == 1) {
-                    (4, false) => rows_tile::<4, false>(a, m, r, take, ps, pn, first),
-                    (5, false) => rows_tile::<5, false>(a, m, r, take, ps, pn, first),
-                    (6, false) => rows_tile::<6, false>(a, m, r, take, ps, pn, first),
-                    (_, false) => rows_tile::<8, false>(a, m, r, take, ps, pn, first),
-                    (4, true) => rows_tile::<4, true>(a, m, r, take, ps, pn, first),
-                    (5, true) => rows_tile::<5, true>(a, m, r, take, ps, pn, first),
-                    (6, true) => rows_tile::<6, true>(a, m, r, take, ps, pn, first),
-                    (_, true) => rows_tile::<8, true>(a, m, r, take, ps, pn, first),
+                match (bits, a.acts.digits == 1, split) {
+                    (_, false, true) => rows_tile::<6, false, true>(a, m, r, take, ps, pn, first),
+                    (_, true, true) => rows_tile::<6, true, true>(a, m, r, take, ps, pn, first),
+                    (4, false, _) => rows_tile::<4, false, false>(a, m, r, take, ps, pn, first),
+                    (5, false, _) => rows_tile::<5, false, false>(a, m, r, take, ps, pn, first),
+                    (6, false, _) => rows_tile::<6, false, false>(a, m, r, take, ps, pn, first),
+                    (_, false, _) => rows_tile::<8, false, false>(a, m, r, take, ps, pn, first),
+                    (4, true, _) => rows_tile::<4, true, false>(a, m, r, take, ps, pn, first),
+                    (5, true, _) => rows_tile::<5, true, false>(a, m, r, take, ps, pn, first),
+                    (6, true, _) => rows_tile::<6, true, false>(a, m, r, take, ps, pn, first),
+                    (_, true, _) => rows_tile::<8, true, false>(a, m, r, take, ps, pn, first),
                 }
             }
             r += take;
@@ -123,7 +127,7 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, bits: usize) 
 /// # Safety
 /// As for `tile`, for each panel of the range.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn rows_tile<const BITS: usize, const ONE: bool>(
+unsafe fn rows_tile<const BITS: usize, const ONE: bool, const SPLIT: bool>(
     a: &Args,
     m: usize,
     r: usize,
@@ -141,10 +145,10 @@ unsafe fn rows_tile<const BITS: usize, const ONE: bool>(
     // SAFETY: forwarded from the caller.
     unsafe {
         match gstep {
-            ROW_DIGITS => rows_tile_gs::<BITS, ONE, ROW_DIGITS>(a, r, take, ps, pn, first, gstep),
-            64 => rows_tile_gs::<BITS, ONE, 64>(a, r, take, ps, pn, first, gstep),
-            8 => rows_tile_gs::<BITS, ONE, 8>(a, r, take, ps, pn, first, gstep),
-            _ => rows_tile_gs::<BITS, ONE, 0>(a, r, take, ps, pn, first, gstep),
+            ROW_DIGITS => rows_tile_gs::<BITS, ONE, SPLIT, ROW_DIGITS>(a, r, take, ps, pn, first, gstep),
+            64 => rows_tile_gs::<BITS, ONE, SPLIT, 64>(a, r, take, ps, pn, first, gstep),
+            8 => rows_tile_gs::<BITS, ONE, SPLIT, 8>(a, r, take, ps, pn, first, gstep),
+            _ => rows_tile_gs::<BITS, ONE, SPLIT, 0>(a, r, take, ps, pn, first, gstep),
         }
     }
 }
@@ -160,7 +164,7 @@ const ROW_DIGITS: usize = 1;
 /// As for `rows_tile`; `gstep` is the rows' group step, and `GS` is 0, `gstep`, or `ROW_DIGITS` when
 /// `tiled` is empty.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn rows_tile_gs<const BITS: usize, const ONE: bool, const GS: usize>(
+unsafe fn rows_tile_gs<const BITS: usize, const ONE: bool, const SPLIT: bool, const GS: usize>(
     a: &Args,
     r: usize,
     take: usize,
@@ -172,26 +176,34 @@ unsafe fn rows_tile_gs<const BITS: usize, const ONE: bool, const GS: usize>(
     // SAFETY: forwarded from the caller.
     unsafe {
         match (take, pn) {
-            (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, BITS, GS, ONE>(a, r, p, first, gstep)),
-            (4, 2) => tile::<4, 2, BITS, GS, ONE>(a, r, ps, first, gstep),
-            (4, _) => tile::<4, 1, BITS, GS, ONE>(a, r, ps, first, gstep),
-            (2, 2) => tile::<2, 2, BITS, GS, ONE>(a, r, ps, first, gstep),
-            (2, _) => tile::<2, 1, BITS, GS, ONE>(a, r, ps, first, gstep),
-            (_, 2) => tile::<1, 2, BITS, GS, ONE>(a, r, ps, first, gstep),
-            (_, _) => tile::<1, 1, BITS, GS, ONE>(a, r, ps, first, gstep),
+            (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, BITS, GS, ONE, SPLIT>(a, r, p, first, gstep)),
+            (4, 2) => tile::<4, 2, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
+            (4, _) => tile::<4, 1, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
+            (2, 2) => tile::<2, 2, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
+            (2, _) => tile::<2, 1, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
+            (_, 2) => tile::<1, 2, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
+            (_, _) => tile::<1, 1, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
         }
     }
 }
 
 /// One tile: rows `r0..r0+R` times panels `p0..p0+NP` (in the `BITS`-bit layout); `prefetch`:
 /// prefetch the panels' code stream ahead; the activations' group step is `GS`, or `gs` when `GS`
-/// is 0, and `ROW_DIGITS` reads the `hi` / `lo` rows.
+/// is 0, and `ROW_DIGITS` reads the `hi` / `lo` rows. `SPLIT`: split panels (weight.rs), each
+/// block's k steps 0-3 and 4-7 summed from the half's `QActs::halves` offset and folded in turn.
 ///
 /// # Safety
 /// As for `job`; rows `r0..r0+R` are inside the activations and `p0 + NP <= panels`; the group
 /// step is that of the rows' group of `tiled` (unless `ROW_DIGITS`, when `tiled` is empty).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile<const R: usize, const NP: usize, const BITS: usize, const GS: usize, const ONE: bool>(
+unsafe fn tile<
+    const R: usize,
+    const NP: usize,
+    const BITS: usize,
+    const GS: usize,
+    const ONE: bool,
+    const SPLIT: bool,
+>(
     a: &Args,
     r0: usize,
     p0: usize,
@@ -264,6 +276,23 @@ unsafe fn tile<const R: usize, const NP: usize, const BITS: usize, const GS: usi
         // at the block's end (exact integer sums: the same dots).
         let mut ia = [[[_mm512_setzero_si512(); NP]; 2]; R];
         let mut ib = [[[_mm512_setzero_si512(); NP]; 2]; R];
+        // Split: each half's sums start from its offset (`QActs::halves`, filled for split panels
+        // (contract)) in the digit that is added unscaled (`l`, or `h` alone for one digit).
+        macro_rules! start_half {
+            ($h:literal) => {{
+                for (r, row) in ia.iter_mut().enumerate() {
+                    let off = _mm512_set1_epi32(a.acts.halves[((r0 + r) * nb + b) * 2 + $h]);
+                    *row = [[_mm512_setzero_si512(); NP]; 2];
+                    row[if ONE { 0 } else { 1 }] = [off; NP];
+                }
+                if R == 1 {
+                    ib = [[[_mm512_setzero_si512(); NP]; 2]; R];
+                }
+            }};
+        }
+        if SPLIT {
+            start_half!(0);
+        }
         // One 4-wide k step `g` (a literal: every offset below is a constant).
         macro_rules! step {
             ($g:literal) => {{
@@ -313,73 +342,65 @@ unsafe fn tile<const R: usize, const NP: usize, const BITS: usize, const GS: usi
                 }
             }};
         }
+        // The block's scales, [panel] (`d`, `m`; split: `d_0`, `d_1`).
+        let mut scl = [(_mm512_setzero_ps(), _mm512_setzero_ps()); NP];
+        // The sums so far folded into `acc`: the whole block, or (split) half `h`.
+        macro_rules! fold {
+            ($h:literal) => {{
+                if R == 1 {
+                    for (row, odd) in ia.iter_mut().zip(&ib) {
+                        for (digit, od) in row.iter_mut().zip(odd) {
+                            for (s, o) in digit.iter_mut().zip(od) {
+                                *s = _mm512_add_epi32(*s, *o);
+                            }
+                        }
+                    }
+                }
+                if $h == 0 {
+                    for (p, sc) in scl.iter_mut().enumerate() {
+                        // SAFETY: block b of panel p0+p: 2*PANEL scales inside the scales.
+                        *sc = unsafe { block_scales(&a.w.scales, p0 + p, nb, b) };
+                    }
+                }
+                for (p, &(dv, mv)) in scl.iter().enumerate() {
+                    for r in 0..R {
+                        let rb = (r0 + r) * nb + b;
+                        let s = _mm512_set1_ps(a.acts.s[rb]);
+                        // R·Σc·h + Σc·l: exact in i32 (mod.rs).
+                        let dot = if ONE {
+                            ia[r][0][p] // R = 1, Σc·l = 0: the same integer
+                        } else {
+                            let base = _mm512_set1_epi32(a.acts.base[rb]);
+                            _mm512_add_epi32(_mm512_mullo_epi32(ia[r][0][p], base), ia[r][1][p])
+                        };
+                        if SPLIT {
+                            let d = if $h == 0 { dv } else { mv };
+                            acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, s), acc[r][p]);
+                        } else {
+                            let qs = _mm512_set1_ps(a.acts.qs[rb]);
+                            acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, s), acc[r][p]);
+                            acc[r][p] = _mm512_fmadd_ps(mv, qs, acc[r][p]);
+                        }
+                    }
+                }
+            }};
+        }
         step!(0);
         step!(1);
         step!(2);
         step!(3);
+        if SPLIT {
+            fold!(0);
+            start_half!(1);
+        }
         step!(4);
         step!(5);
         step!(6);
         step!(7);
-        if R == 1 {
-            for (row, odd) in ia.iter_mut().zip(&ib) {
-                for (digit, od) in row.iter_mut().zip(odd) {
-                    for (s, o) in digit.iter_mut().zip(od) {
-                        *s = _mm512_add_epi32(*s, *o);
-                    }
-                }
-            }
-        }
-        for p in 0..NP {
-            // SAFETY: block b of panel p0+p: 2*PANEL scales inside the scales.
-            let (dv, mv) = unsafe {
-                let at = ((p0 + p) * nb + b) * 2 * PANEL;
-                match &a.w.scales {
-                    Scales::F32(v) => (
-                        _mm512_loadu_ps(v.as_ptr().add(at)),
-                        _mm512_loadu_ps(v.as_ptr().add(at + PANEL)),
-                    ),
-                    Scales::F16(v) => (
-                        _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i)),
-                        _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at + PANEL) as *const __m256i)),
-                    ),
-                    Scales::Grid { base, dmul, mmul } => {
-                        // As the AVX2 `load_scales`: base·mul, the block's 16 multipliers and its
-                        // super-block's 16 + 16 bases.
-                        let blk = (p0 + p) * nb + b;
-                        let bp = base.as_ptr().add(blk / GRID_BLOCKS * 2 * PANEL);
-                        let db = _mm512_cvtph_ps(_mm256_loadu_si256(bp as *const __m256i));
-                        let mb = _mm512_cvtph_ps(_mm256_loadu_si256(bp.add(PANEL) as *const __m256i));
-                        let dm = _mm_loadu_si128(dmul.as_ptr().add(blk * PANEL) as *const __m128i);
-                        let mm = match mmul {
-                            Muls::U8(v) => {
-                                _mm512_cvtepu8_epi32(_mm_loadu_si128(v.as_ptr().add(blk * PANEL) as *const __m128i))
-                            }
-                            Muls::I16(v) => {
-                                _mm512_cvtepi16_epi32(_mm256_loadu_si256(v.as_ptr().add(blk * PANEL) as *const __m256i))
-                            }
-                        };
-                        (
-                            _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(dm))),
-                            _mm512_mul_ps(mb, _mm512_cvtepi32_ps(mm)),
-                        )
-                    }
-                }
-            };
-            for r in 0..R {
-                let rb = (r0 + r) * nb + b;
-                let s = _mm512_set1_ps(a.acts.s[rb]);
-                let qs = _mm512_set1_ps(a.acts.qs[rb]);
-                // R·Σc·h + Σc·l: exact in i32 (mod.rs).
-                let dot = if ONE {
-                    ia[r][0][p] // R = 1, Σc·l = 0: the same integer
-                } else {
-                    let base = _mm512_set1_epi32(a.acts.base[rb]);
-                    _mm512_add_epi32(_mm512_mullo_epi32(ia[r][0][p], base), ia[r][1][p])
-                };
-                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, s), acc[r][p]);
-                acc[r][p] = _mm512_fmadd_ps(mv, qs, acc[r][p]);
-            }
+        if SPLIT {
+            fold!(1);
+        } else {
+            fold!(0);
         }
     }
     for p in 0..NP {
@@ -390,6 +411,60 @@ unsafe fn tile<const R: usize, const NP: usize, const BITS: usize, const GS: usi
             // SAFETY: row r0+r < m, columns col..col+valid < n of the output (rows `a.ld` apart); this
             // job alone writes these columns.
             unsafe { _mm512_mask_storeu_ps(a.out.add((r0 + r) * a.ld + col), mask, row[p]) };
+        }
+    }
+}
+
+/// Block `b` (of `nb` a panel) of panel `p`'s scales as f32: its 16 `d`, then its 16 `m` (split
+/// panels: `d_0`, `d_1`); integer scales as `Scales::at` computes them.
+///
+/// # Safety
+/// AVX-512 F is available; panel `p` and block `b` are inside the scales.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn block_scales(scales: &Scales, p: usize, nb: usize, b: usize) -> (__m512, __m512) {
+    let blk = p * nb + b;
+    let at = blk * 2 * PANEL;
+    // SAFETY: block `blk`'s 2*PANEL scales exist (contract): the f32 / f16 values from `at`, the
+    // grid's 16 multipliers of each kind from blk*PANEL and its super-block's 16 + 16 bases.
+    unsafe {
+        match scales {
+            Scales::F32(v) => (
+                _mm512_loadu_ps(v.as_ptr().add(at)),
+                _mm512_loadu_ps(v.as_ptr().add(at + PANEL)),
+            ),
+            Scales::F16(v) => (
+                _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i)),
+                _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at + PANEL) as *const __m256i)),
+            ),
+            Scales::Grid { base, dmul, mmul } => {
+                // As the AVX2 `load_scales`: base·mul.
+                let bp = base.as_ptr().add(blk / GRID_BLOCKS * 2 * PANEL);
+                let db = _mm512_cvtph_ps(_mm256_loadu_si256(bp as *const __m256i));
+                let mb = _mm512_cvtph_ps(_mm256_loadu_si256(bp.add(PANEL) as *const __m256i));
+                (
+                    _mm512_mul_ps(db, _mm512_cvtepi32_ps(muls16(dmul, blk * PANEL))),
+                    _mm512_mul_ps(mb, _mm512_cvtepi32_ps(muls16(mmul, blk * PANEL))),
+                )
+            }
+        }
+    }
+}
+
+/// Sixteen grid multipliers from index `at`, as i32.
+///
+/// # Safety
+/// AVX-512 F is available and `at + 16 <= m.len()`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn muls16(m: &Muls, at: usize) -> __m512i {
+    debug_assert!(at + 16 <= m.len());
+    // SAFETY: 16 multipliers from `at` (contract).
+    unsafe {
+        match m {
+            Muls::U8(v) => _mm512_cvtepu8_epi32(_mm_loadu_si128(v.as_ptr().add(at) as *const __m128i)),
+            Muls::I8(v) => _mm512_cvtepi8_epi32(_mm_loadu_si128(v.as_ptr().add(at) as *const __m128i)),
+            Muls::I16(v) => _mm512_cvtepi16_epi32(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i)),
         }
     }
 }

@@ -139,6 +139,21 @@ impl QLinear {
         Ok(d)
     }
 
+    /// How many panels are split: GGUF Q6_K rows held exactly, each 32-wide block as two 16-wide
+    /// halves with scales of their own (`w = d_h*(c - 32)`), which `unpack` cannot express.
+    #[getter]
+    fn split_panels(&self) -> usize {
+        self.w.split_panels()
+    }
+
+    /// The weights' values, float64 `[n, k]` (exactly what the products read; every layout).
+    fn dequantize<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let (n, k) = (self.w.n(), self.w.k());
+        let w = py.detach(|| self.w.dequantize());
+        let a = numpy::ndarray::Array2::from_shape_vec((n, k), w).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(a.into_pyarray(py).into_any())
+    }
+
     /// Activation digits of this weight's products: 2 (default), or 1 (llama.cpp's Q8 activations:
     /// half the integer work of a compute-bound product, ~2 significant digits less).
     #[getter]
@@ -154,8 +169,16 @@ impl QLinear {
         self.w.set_act_digits(d).map_err(PyErr::from)
     }
 
-    /// `(codes uint8 [n, k], d float32 [n, k/32], m float32 [n, k/32])`.
+    /// `(codes uint8 [n, k], d float32 [n, k/32], m float32 [n, k/32])`; ValueError for a weight
+    /// with split panels (`split_panels`; `dequantize` gives its values).
     fn unpack<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        if self.w.split_panels() > 0 {
+            return Err(PyValueError::new_err(format!(
+                "this weight has {} split panels (GGUF Q6_K: two scales a 32-wide block), which codes, d and m \
+                 cannot express; use dequantize() for its values",
+                self.w.split_panels()
+            )));
+        }
         let (n, nb) = (self.w.n(), self.w.k() / lin::QBLOCK);
         let (c, d, m) = py.detach(|| self.w.unpack());
         let shaped = |v: Vec<f32>| numpy::ndarray::Array2::from_shape_vec((n, nb), v);

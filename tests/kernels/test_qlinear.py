@@ -373,15 +373,15 @@ def _gguf_rows(rng, ty, n, k, shared_q6_scales=False):
     return raw.reshape(n, -1)
 
 
-# (type, shared Q6_K scales, the layout its panels take): Q5_x in 5 bits; Q6_K in 6 where every block's
-# halves share a scale, else 8 (its 32-wide codes reach 255).
-GGUF_LAYOUTS = [("Q5_0", False, 5), ("Q5_1", False, 5), ("Q5_K", False, 5), ("Q6_K", True, 6), ("Q6_K", False, 8)]
+# (type, shared Q6_K scales, the layout its panels take): Q5_x in 5 bits; Q6_K in split 6-bit panels, its
+# 16-wide halves' scales equal or not.
+GGUF_LAYOUTS = [("Q5_0", False, 5), ("Q5_1", False, 5), ("Q5_K", False, 5), ("Q6_K", True, 6), ("Q6_K", False, 6)]
 
 
 @pytest.mark.parametrize("ty,shared,bits", GGUF_LAYOUTS)
 def test_gguf_rows_in_their_own_bits_match_the_float64_reference(isa, ty, shared, bits):
-    """QLinear.from_gguf of Q5_0 / Q5_1 / Q5_K / Q6_K rows holds the file's values in 5 or 6 bits (or
-    8), and its products match the float64 sum over those values on every ISA."""
+    """QLinear.from_gguf of Q5_0 / Q5_1 / Q5_K / Q6_K rows holds the file's values in 5 or 6 bits (Q6_K:
+    split panels), and its products match the float64 sum over those values on every ISA."""
     import gguf
     from gguf.quants import dequantize
 
@@ -390,23 +390,24 @@ def test_gguf_rows_in_their_own_bits_match_the_float64_reference(isa, ty, shared
     raw = _gguf_rows(rng, ty, n, k, shared)
     q = QLinear.from_gguf(np.ascontiguousarray(raw), ty, k)
     assert q.code_bits == {b: (3 if b == bits else 0) for b in (4, 5, 6, 8)}
-    scale_bytes = 3 if ty == "Q6_K" else 2  # K-quant integer scales a 32-block (f16 d, m for Q5_0/Q5_1: 4)
+    assert q.split_panels == (3 if ty == "Q6_K" else 0)
+    scale_bytes = 2  # K-quant integer scales a 32-block (f16 d, m for Q5_0/Q5_1: 4)
     per_block = 4 if ty in ("Q5_0", "Q5_1") else scale_bytes
     extra = 4 * (k // 256) if ty in _K_BLOCKS else 0
     assert q.nbytes == 48 * k * bits // 8 + 48 * (k // 32 * per_block + extra)
     want = np.asarray(dequantize(raw, gguf.GGMLQuantizationType[ty]), np.float64).reshape(n, k)
-    if bits < 8:  # exact: the file's values (one float32 rounding in gguf-py)
-        np.testing.assert_allclose(_dequant(q), want, rtol=2.0**-23, atol=0)
+    # exact: the file's values (one float32 rounding in gguf-py)
+    np.testing.assert_allclose(q.dequantize(), want, rtol=2.0**-23, atol=0)
     x = (rng.standard_normal((9, k)) * 2).astype(np.float32)
     got = q(x)
-    ref = reference.qlinear(x, *q.unpack())
+    ref = reference.qlinear_values(x, q.dequantize())
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
     with forced_isa("scalar"):
         np.testing.assert_array_equal(got.view(np.uint32), q(x).view(np.uint32))
 
 
 def test_a_fused_q4_k_m_projection_keeps_each_parts_bits():
-    """A stacked Q4_K q, k + Q6_K v (shared scales) + Q5_K rows: 4-bit panels for q and k, 6 for v, 5 for
+    """A stacked Q4_K q, k + Q6_K v + Q5_K rows: 4-bit panels for q and k, split 6-bit ones for v, 5 for
     the Q5_K rows, 8 where a panel mixes Q6_K with them; every SIMD build gives the scalar bits."""
     rng = np.random.default_rng(34)
     k = 256
@@ -418,11 +419,13 @@ def test_a_fused_q4_k_m_projection_keeps_each_parts_bits():
     ]
     q = QLinear.stack_gguf([(np.ascontiguousarray(r), t) for r, t in parts], k)
     # panels: 2 of Q4_K, 1 of shared Q6_K, 1 of Q5_K, then Q5_K rows with the other Q6_K rows
-    assert q.code_bits == {4: 2, 5: 1, 6: 1, 8: 1}
+    assert (q.code_bits, q.split_panels) == ({4: 2, 5: 1, 6: 1, 8: 1}, 1)
+    with pytest.raises(ValueError, match="split panels"):
+        q.unpack()
     x = rng.standard_normal((11, k)).astype(np.float32)
     with forced_isa("scalar"):
         want = q(x)
-    ref = reference.qlinear(x, *q.unpack())
+    ref = reference.qlinear_values(x, q.dequantize())
     np.testing.assert_allclose(want, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
     for build, isa in SIMD_BUILDS.items():
         with forced_isa(isa):

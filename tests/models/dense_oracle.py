@@ -50,11 +50,9 @@ class DenseOracle:
         if isinstance(lin, FloatLinear):
             return (x32 @ lin.w_t).astype(np.float64)
         assert isinstance(lin, Int8Linear), type(lin)
-        if id(lin) not in self._dequant:  # W[n, k] = d[n, k/32] * codes + m[n, k/32]
-            codes, dq, mq = lin.q.unpack()
-            n, k = codes.shape
-            w = codes.reshape(n, -1, 32) * dq[..., None].astype(np.float64) + mq[..., None]
-            self._dequant[id(lin)] = (lin, np.ascontiguousarray(w.reshape(n, k).T, np.float32))
+        if id(lin) not in self._dequant:  # W[n, k]: the values the products read
+            w = lin.q.dequantize()
+            self._dequant[id(lin)] = (lin, np.ascontiguousarray(w.T, np.float32))
         w_t = self._dequant[id(lin)][1]
         hi, lo, s, base, _ = reference.quantize_activations(x32)
         t, k = hi.shape

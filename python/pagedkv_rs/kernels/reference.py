@@ -317,6 +317,19 @@ def qlinear(x: np.ndarray, codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> n
     return y.astype(np.float32)
 
 
+def qlinear_values(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ W.T`` with the weights' values ``w[n, k]`` as given (``QLinear.dequantize()``: every
+    layout, split Q6_K panels too) and x quantized as :func:`quantize_activations` does; float64
+    sums, returned as float32 ``[rows, n]``."""
+    hi, lo, s, base, _ = quantize_activations(x)
+    rows, k = hi.shape
+    nb = k // QBLOCK
+    xq = s[..., None].astype(np.float64) * (
+        base[..., None].astype(np.float64) * hi.reshape(rows, nb, QBLOCK) + lo.reshape(rows, nb, QBLOCK)
+    )
+    return (xq.reshape(rows, k) @ np.asarray(w, np.float64).T).astype(np.float32)
+
+
 # ---- row-wise ops of a Llama layer (spec of pagedkv_rs.rms_norm / silu_and_mul) ----------------
 
 

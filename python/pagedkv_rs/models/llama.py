@@ -255,8 +255,9 @@ class LlamaWeights:
     Built tensor by tensor from the memory-mapped file; no whole-model float32 copy exists.
     ``weights="float32"``: every projection is dequantized straight into its fused float32 array
     and run by numpy's BLAS. ``weights="int8"``: ``pagedkv_rs.QLinear`` over the file's own blocks
-    (exactly for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K; Q6_K exactly where its scales allow, float
-    tensors and the other Q6_K blocks requantized to 8 bits per 32-wide block).
+    (exactly for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K; float tensors requantized to 8 bits per
+    32-wide block, and so are Q6_K rows where a fused projection puts them in one 16-row panel
+    with rows of another type).
     ``"auto"`` (default) picks int8 where a SIMD kernel runs (AVX-512 VNNI or AVX2), float32 elsewhere. In both
     formats the embedding is read per token from the file's rows; the ``lm_head`` (tied or not) follows
     the weight format.
