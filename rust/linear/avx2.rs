@@ -81,18 +81,16 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
             // activations and panels inside p0..p0+np; panel p's scales are panel sp of `sc`, its
             // codes in the layout `panel_bits` reads off their length.
             unsafe {
-                if a.w.panel_split(p) {
+                match (a.w.panel_bits(p), rows) {
                     // Split panels (6-bit, weight.rs): the wide mode a half panel at a time.
-                    if rows == 2 {
+                    (_, 2) if a.w.panel_split(p) => {
                         wide_half::<2, 6, true>(a, sc, sp, r0, p, 0, first);
                         wide_half::<2, 6, true>(a, sc, sp, r0, p, 1, false);
-                    } else {
+                    }
+                    (_, _) if a.w.panel_split(p) => {
                         wide_half::<1, 6, true>(a, sc, sp, r0, p, 0, first);
                         wide_half::<1, 6, true>(a, sc, sp, r0, p, 1, false);
                     }
-                    continue;
-                }
-                match (a.w.panel_bits(p), rows) {
                     (4, 2) => tile::<2, 4>(a, sc, sp, r0, p, first),
                     (4, _) => tile::<1, 4>(a, sc, sp, r0, p, first),
                     (5, 2) => wide_pair::<5>(a, sc, sp, r0, p, first),
@@ -158,6 +156,18 @@ unsafe fn split<const BITS: usize>(blk: *const u8, g: usize) -> (__m256i, __m256
     (lo, hi)
 }
 
+/// Eight grid multipliers `$m` (`Muls`) from index `$at`, as i32 (in an `unsafe` block: they exist).
+/// A macro, not a function: a call left out of line in a tile spills every live ymm register.
+macro_rules! muls8 {
+    ($m:expr, $at:expr) => {
+        match $m {
+            Muls::U8(v) => _mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().add($at) as *const __m128i)),
+            Muls::I8(v) => _mm256_cvtepi8_epi32(_mm_loadl_epi64(v.as_ptr().add($at) as *const __m128i)),
+            Muls::I16(v) => _mm256_cvtepi16_epi32(_mm_loadu_si128(v.as_ptr().add($at) as *const __m128i)),
+        }
+    };
+}
+
 /// Eight `d` at scale index `at` and the eight `m` PANEL after them, as f32.
 ///
 /// # Safety
@@ -191,28 +201,10 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
                 let db = _mm256_cvtph_ps(_mm_loadu_si128(bp as *const __m128i));
                 let mb = _mm256_cvtph_ps(_mm_loadu_si128(bp.add(PANEL) as *const __m128i));
                 (
-                    _mm256_mul_ps(db, _mm256_cvtepi32_ps(muls8(dmul, blk * PANEL + j))),
-                    _mm256_mul_ps(mb, _mm256_cvtepi32_ps(muls8(mmul, blk * PANEL + j))),
+                    _mm256_mul_ps(db, _mm256_cvtepi32_ps(muls8!(dmul, blk * PANEL + j))),
+                    _mm256_mul_ps(mb, _mm256_cvtepi32_ps(muls8!(mmul, blk * PANEL + j))),
                 )
             }
-        }
-    }
-}
-
-/// Eight grid multipliers from index `at`, as i32.
-///
-/// # Safety
-/// AVX2 is available and `at + 8 <= m.len()`.
-#[target_feature(enable = "avx2")]
-#[inline]
-unsafe fn muls8(m: &Muls, at: usize) -> __m256i {
-    debug_assert!(at + 8 <= m.len());
-    // SAFETY: 8 multipliers from `at` (contract).
-    unsafe {
-        match m {
-            Muls::U8(v) => _mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().add(at) as *const __m128i)),
-            Muls::I8(v) => _mm256_cvtepi8_epi32(_mm_loadl_epi64(v.as_ptr().add(at) as *const __m128i)),
-            Muls::I16(v) => _mm256_cvtepi16_epi32(_mm_loadu_si128(v.as_ptr().add(at) as *const __m128i)),
         }
     }
 }

@@ -72,6 +72,51 @@ macro_rules! to_bit4 {
     };
 }
 
+/// Sixteen grid multipliers `$m` (`Muls`) from index `$at`, as i32 (in an `unsafe` block: they exist).
+macro_rules! muls16 {
+    ($m:expr, $at:expr) => {
+        match $m {
+            Muls::U8(v) => _mm512_cvtepu8_epi32(_mm_loadu_si128(v.as_ptr().add($at) as *const __m128i)),
+            Muls::I8(v) => _mm512_cvtepi8_epi32(_mm_loadu_si128(v.as_ptr().add($at) as *const __m128i)),
+            Muls::I16(v) => _mm512_cvtepi16_epi32(_mm256_loadu_si256(v.as_ptr().add($at) as *const __m256i)),
+        }
+    };
+}
+
+/// Block `$b` (of `$nb` a panel) of panel `$p`'s scales `$scales` as f32: its 16 `d`, then its 16
+/// `m` (split panels: `d_0`, `d_1`); integer scales as `Scales::at` computes them. A macro, not a
+/// function: a call the compiler leaves out of line inside a tile makes every live zmm register
+/// spill around it (all of them are caller-saved).
+///
+/// Safety (of the caller's `unsafe` block): AVX-512 F; panel `$p` and block `$b` are inside the scales.
+macro_rules! block_scales {
+    ($scales:expr, $p:expr, $nb:expr, $b:expr) => {{
+        let blk = $p * $nb + $b;
+        let at = blk * 2 * PANEL;
+        match $scales {
+            Scales::F32(v) => (
+                _mm512_loadu_ps(v.as_ptr().add(at)),
+                _mm512_loadu_ps(v.as_ptr().add(at + PANEL)),
+            ),
+            Scales::F16(v) => (
+                _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i)),
+                _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at + PANEL) as *const __m256i)),
+            ),
+            Scales::Grid { base, dmul, mmul } => {
+                // As the AVX2 `load_scales`: base·mul, the block's 16 multipliers of each kind and
+                // its super-block's 16 + 16 bases.
+                let bp = base.as_ptr().add(blk / GRID_BLOCKS * 2 * PANEL);
+                let db = _mm512_cvtph_ps(_mm256_loadu_si256(bp as *const __m256i));
+                let mb = _mm512_cvtph_ps(_mm256_loadu_si256(bp.add(PANEL) as *const __m256i));
+                (
+                    _mm512_mul_ps(db, _mm512_cvtepi32_ps(muls16!(dmul, blk * PANEL))),
+                    _mm512_mul_ps(mb, _mm512_cvtepi32_ps(muls16!(mmul, blk * PANEL))),
+                )
+            }
+        }
+    }};
+}
+
 /// Rows of the largest tile (one panel: 16 int32 sums + 8 f32 accumulators + 1 code vector). Each
 /// code vector meets 16 `vpdpbusd` (the activations as embedded broadcasts), so the tile that
 /// streams a panel in from memory computes 8 rows meanwhile; at 8 rows a pass is that one tile,
@@ -330,9 +375,27 @@ unsafe fn tile<
                         } else {
                             xb.wrapping_add($g * gstep + r * 8 + d * 4)
                         };
-                        // SAFETY: step g of row r0+r, digit d: 4 bytes of block b in the row's `hi`
-                        // / `lo` (rows r0..r0+R of m, `run_job` checked m·k bytes), or in the rows'
+                        // `at`: step g of row r0+r, digit d: 4 bytes of block b in the row's `hi` /
+                        // `lo` (rows r0..r0+R of m, `run_job` checked m·k bytes), or in the rows'
                         // group of `tiled` (`run_job` checked 2·m·k bytes; the group holds step g).
+                        if NP == 1 {
+                            // The broadcast as the instruction's memory operand, pinned: left to the
+                            // compiler, the 8-row tile's 64 broadcasts of a block were at times all
+                            // loaded up front and spilled, halving its speed.
+                            // SAFETY: `vpdpbusd` with a 4-byte broadcast reads the 4 bytes at `at`
+                            // (above: inside the activations); AVX-512 VNNI is enabled here.
+                            unsafe {
+                                std::arch::asm!(
+                                    "vpdpbusd {acc}, {w}, dword ptr [{x}]{{1to16}}",
+                                    acc = inout(zmm_reg) digit[0],
+                                    w = in(zmm_reg) wv[0],
+                                    x = in(reg) at,
+                                    options(pure, readonly, nostack, preserves_flags),
+                                )
+                            };
+                            continue;
+                        }
+                        // SAFETY: the 4 bytes at `at` (above: inside the activations).
                         let x4 = unsafe { std::ptr::read_unaligned(at as *const i32) };
                         let xv = _mm512_set1_epi32(x4);
                         for (acc_i, w) in digit.iter_mut().zip(&wv) {
@@ -342,9 +405,8 @@ unsafe fn tile<
                 }
             }};
         }
-        // The block's scales, [panel] (`d`, `m`; split: `d_0`, `d_1`).
-        let mut scl = [(_mm512_setzero_ps(), _mm512_setzero_ps()); NP];
-        // The sums so far folded into `acc`: the whole block, or (split) half `h`.
+        // The sums so far folded into `acc`: the whole block, or (split) half `h`, with the block's
+        // scales (`d`, `m`; split: `d_0`, `d_1`).
         macro_rules! fold {
             ($h:literal) => {{
                 if R == 1 {
@@ -356,13 +418,9 @@ unsafe fn tile<
                         }
                     }
                 }
-                if $h == 0 {
-                    for (p, sc) in scl.iter_mut().enumerate() {
-                        // SAFETY: block b of panel p0+p: 2*PANEL scales inside the scales.
-                        *sc = unsafe { block_scales(&a.w.scales, p0 + p, nb, b) };
-                    }
-                }
-                for (p, &(dv, mv)) in scl.iter().enumerate() {
+                for p in 0..NP {
+                    // SAFETY: block b of panel p0+p: 2*PANEL scales inside the scales.
+                    let (dv, mv) = unsafe { block_scales!(&a.w.scales, p0 + p, nb, b) };
                     for r in 0..R {
                         let rb = (r0 + r) * nb + b;
                         let s = _mm512_set1_ps(a.acts.s[rb]);
@@ -411,60 +469,6 @@ unsafe fn tile<
             // SAFETY: row r0+r < m, columns col..col+valid < n of the output (rows `a.ld` apart); this
             // job alone writes these columns.
             unsafe { _mm512_mask_storeu_ps(a.out.add((r0 + r) * a.ld + col), mask, row[p]) };
-        }
-    }
-}
-
-/// Block `b` (of `nb` a panel) of panel `p`'s scales as f32: its 16 `d`, then its 16 `m` (split
-/// panels: `d_0`, `d_1`); integer scales as `Scales::at` computes them.
-///
-/// # Safety
-/// AVX-512 F is available; panel `p` and block `b` are inside the scales.
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn block_scales(scales: &Scales, p: usize, nb: usize, b: usize) -> (__m512, __m512) {
-    let blk = p * nb + b;
-    let at = blk * 2 * PANEL;
-    // SAFETY: block `blk`'s 2*PANEL scales exist (contract): the f32 / f16 values from `at`, the
-    // grid's 16 multipliers of each kind from blk*PANEL and its super-block's 16 + 16 bases.
-    unsafe {
-        match scales {
-            Scales::F32(v) => (
-                _mm512_loadu_ps(v.as_ptr().add(at)),
-                _mm512_loadu_ps(v.as_ptr().add(at + PANEL)),
-            ),
-            Scales::F16(v) => (
-                _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i)),
-                _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at + PANEL) as *const __m256i)),
-            ),
-            Scales::Grid { base, dmul, mmul } => {
-                // As the AVX2 `load_scales`: base·mul.
-                let bp = base.as_ptr().add(blk / GRID_BLOCKS * 2 * PANEL);
-                let db = _mm512_cvtph_ps(_mm256_loadu_si256(bp as *const __m256i));
-                let mb = _mm512_cvtph_ps(_mm256_loadu_si256(bp.add(PANEL) as *const __m256i));
-                (
-                    _mm512_mul_ps(db, _mm512_cvtepi32_ps(muls16(dmul, blk * PANEL))),
-                    _mm512_mul_ps(mb, _mm512_cvtepi32_ps(muls16(mmul, blk * PANEL))),
-                )
-            }
-        }
-    }
-}
-
-/// Sixteen grid multipliers from index `at`, as i32.
-///
-/// # Safety
-/// AVX-512 F is available and `at + 16 <= m.len()`.
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn muls16(m: &Muls, at: usize) -> __m512i {
-    debug_assert!(at + 16 <= m.len());
-    // SAFETY: 16 multipliers from `at` (contract).
-    unsafe {
-        match m {
-            Muls::U8(v) => _mm512_cvtepu8_epi32(_mm_loadu_si128(v.as_ptr().add(at) as *const __m128i)),
-            Muls::I8(v) => _mm512_cvtepi8_epi32(_mm_loadu_si128(v.as_ptr().add(at) as *const __m128i)),
-            Muls::I16(v) => _mm512_cvtepi16_epi32(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i)),
         }
     }
 }
