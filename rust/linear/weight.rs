@@ -114,18 +114,17 @@ impl Muls {
             m => m.len(),
         }
     }
-    /// Prefetch into L1 the line holding multiplier `i` (only an address: never faults).
+    /// The address of multiplier `i` (only an address: for prefetches), without a branch: every
+    /// variant is a `Vec` of 1- or 2-byte integers.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    fn prefetch(&self, i: usize) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let p = match self {
-            Muls::U8(v) => v.as_ptr().wrapping_add(i),
-            Muls::I8(v) => v.as_ptr().wrapping_add(i) as *const u8,
-            Muls::I16(v) => v.as_ptr().wrapping_add(i) as *const u8,
+    fn addr(&self, i: usize) -> *const u8 {
+        let (p, width) = match self {
+            Muls::U8(v) => (v.as_ptr(), 1),
+            Muls::I8(v) => (v.as_ptr() as *const u8, 1),
+            Muls::I16(v) => (v.as_ptr() as *const u8, 2),
         };
-        // SAFETY: SSE is part of the x86-64 baseline; a prefetch only names an address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+        p.wrapping_add(i * width)
     }
 }
 
@@ -197,8 +196,8 @@ impl Scales {
             Scales::F16(v) => line(v.as_ptr().wrapping_add(ahead * 2 * PANEL) as *const u8),
             // PANEL multipliers of each kind a block (the bases, one pair a super-block, follow).
             Scales::Grid { dmul, mmul, .. } => {
-                dmul.prefetch(ahead * PANEL);
-                mmul.prefetch(ahead * PANEL);
+                line(dmul.addr(ahead * PANEL));
+                line(mmul.addr(ahead * PANEL));
             }
         }
     }
