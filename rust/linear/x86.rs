@@ -316,6 +316,8 @@ unsafe fn tile<
         // SAFETY: block b < nb of each panel (k*PANEL*BITS/8 bytes from its offset).
         let wb: [*const u8; NP] = wp.map(|w| unsafe { w.add(b * block_bytes) });
         let xb: *const i8 = xt.wrapping_add(b * QBLOCK / 4 * gstep);
+        // Rows: block b of each row's `hi` and `lo` (only addresses; unused when tiled).
+        let xr: [[*const i8; 2]; R] = std::array::from_fn(|r| [xh, xl].map(|x| x.wrapping_add(r * k + b * QBLOCK)));
         // [row][digit][panel]; a single row keeps the even and odd k groups' sums apart (`ib`)
         // so that 4·NP dependency chains, not 2·NP, hide `vpdpbusd`'s latency; the two are added
         // at the block's end (exact integer sums: the same dots).
@@ -337,6 +339,66 @@ unsafe fn tile<
         }
         if SPLIT {
             start_half!(0);
+        }
+        // Row `r` (a literal; none when the tile has fewer rows) of a k step of the tiled digits,
+        // whose 8 bytes a row start at `xg`: its digits' dots with the panels' code vectors `w`,
+        // each broadcast the instruction's memory operand at a constant offset from `xg` (pinned in
+        // `asm!`: left to the compiler, a block's broadcasts were at times all loaded up front and
+        // spilled, which halved the 8-row tile).
+        macro_rules! tiled_dots {
+            ($sums:expr, $w:expr, $xg:expr, $r:literal) => {
+                if let Some(row) = $sums.get_mut($r) {
+                    for (p, w) in $w.iter().enumerate() {
+                        // SAFETY: step g of row r0+r's digits, 4 bytes each at offsets 8r and 8r + 4
+                        // from `xg` inside the rows' group of `tiled` (`run_job` checked 2·m·k
+                        // bytes; the group holds step g); AVX-512 VNNI is enabled here.
+                        unsafe {
+                            std::arch::asm!(
+                                "vpdpbusd {acc}, {w}, dword ptr [{x} + {off}]{{1to16}}",
+                                acc = inout(zmm_reg) row[0][p],
+                                w = in(zmm_reg) *w,
+                                x = in(reg) $xg,
+                                off = const $r * 8,
+                                options(pure, readonly, nostack, preserves_flags),
+                            );
+                            if !ONE {
+                                std::arch::asm!(
+                                    "vpdpbusd {acc}, {w}, dword ptr [{x} + {off}]{{1to16}}",
+                                    acc = inout(zmm_reg) row[1][p],
+                                    w = in(zmm_reg) *w,
+                                    x = in(reg) $xg,
+                                    off = const $r * 8 + 4,
+                                    options(pure, readonly, nostack, preserves_flags),
+                                );
+                            }
+                        }
+                    }
+                }
+            };
+        }
+        // `tiled_dots` for the `hi` / `lo` rows: row `r`'s digits of step `g` (literals) at constant
+        // offsets 4g from the row's block in each (`xr`).
+        macro_rules! rows_dots {
+            ($sums:expr, $w:expr, $g:literal, $r:literal) => {
+                if let Some(row) = $sums.get_mut($r) {
+                    for (d, digit) in row.iter_mut().enumerate().take(if ONE { 1 } else { 2 }) {
+                        for (acc, w) in digit.iter_mut().zip(&$w) {
+                            // SAFETY: step g of block b of row r0+r in its `hi` / `lo` row (rows
+                            // r0..r0+R of m, `run_job` checked m·k bytes); AVX-512 VNNI is enabled.
+                            unsafe {
+                                std::arch::asm!(
+                                    "vpdpbusd {acc}, {w}, dword ptr [{x} + {off}]{{1to16}}",
+                                    acc = inout(zmm_reg) *acc,
+                                    w = in(zmm_reg) *w,
+                                    x = in(reg) xr[$r][d],
+                                    off = const $g * 4,
+                                    options(pure, readonly, nostack, preserves_flags),
+                                )
+                            };
+                        }
+                    }
+                }
+            };
         }
         // One 4-wide k step `g` (a literal: every offset below is a constant).
         macro_rules! step {
@@ -367,41 +429,27 @@ unsafe fn tile<
                     _mm512_ternarylogic_epi32::<0xec>(nib, hi, low4)
                 });
                 let sums = if R == 1 && $g % 2 == 1 { &mut ib } else { &mut ia };
-                for (r, row) in sums.iter_mut().enumerate() {
-                    // One digit (`ONE`): every `l` is 0, its dots too; skipped.
-                    for (d, digit) in row.iter_mut().enumerate().take(if ONE { 1 } else { 2 }) {
-                        let at = if rows {
-                            [xh, xl][d].wrapping_add(r * k + b * QBLOCK + $g * 4)
-                        } else {
-                            xb.wrapping_add($g * gstep + r * 8 + d * 4)
-                        };
-                        // `at`: step g of row r0+r, digit d: 4 bytes of block b in the row's `hi` /
-                        // `lo` (rows r0..r0+R of m, `run_job` checked m·k bytes), or in the rows'
-                        // group of `tiled` (`run_job` checked 2·m·k bytes; the group holds step g).
-                        if NP == 1 {
-                            // The broadcast as the instruction's memory operand, pinned: left to the
-                            // compiler, the 8-row tile's 64 broadcasts of a block were at times all
-                            // loaded up front and spilled, halving its speed.
-                            // SAFETY: `vpdpbusd` with a 4-byte broadcast reads the 4 bytes at `at`
-                            // (above: inside the activations); AVX-512 VNNI is enabled here.
-                            unsafe {
-                                std::arch::asm!(
-                                    "vpdpbusd {acc}, {w}, dword ptr [{x}]{{1to16}}",
-                                    acc = inout(zmm_reg) digit[0],
-                                    w = in(zmm_reg) wv[0],
-                                    x = in(reg) at,
-                                    options(pure, readonly, nostack, preserves_flags),
-                                )
-                            };
-                            continue;
-                        }
-                        // SAFETY: the 4 bytes at `at` (above: inside the activations).
-                        let x4 = unsafe { std::ptr::read_unaligned(at as *const i32) };
-                        let xv = _mm512_set1_epi32(x4);
-                        for (acc_i, w) in digit.iter_mut().zip(&wv) {
-                            *acc_i = _mm512_dpbusd_epi32(*acc_i, *w, xv);
-                        }
-                    }
+                if !rows {
+                    // The tiled digits: step g of the group at `xg`, each row's 8 bytes at a
+                    // constant offset from it.
+                    let xg = xb.wrapping_add($g * gstep);
+                    tiled_dots!(sums, wv, xg, 0);
+                    tiled_dots!(sums, wv, xg, 1);
+                    tiled_dots!(sums, wv, xg, 2);
+                    tiled_dots!(sums, wv, xg, 3);
+                    tiled_dots!(sums, wv, xg, 4);
+                    tiled_dots!(sums, wv, xg, 5);
+                    tiled_dots!(sums, wv, xg, 6);
+                    tiled_dots!(sums, wv, xg, 7);
+                } else {
+                    rows_dots!(sums, wv, $g, 0);
+                    rows_dots!(sums, wv, $g, 1);
+                    rows_dots!(sums, wv, $g, 2);
+                    rows_dots!(sums, wv, $g, 3);
+                    rows_dots!(sums, wv, $g, 4);
+                    rows_dots!(sums, wv, $g, 5);
+                    rows_dots!(sums, wv, $g, 6);
+                    rows_dots!(sums, wv, $g, 7);
                 }
             }};
         }
