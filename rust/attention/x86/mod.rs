@@ -164,14 +164,18 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
 #[inline(always)]
 unsafe fn attend_tiles<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State, sc: &mut Scratch) {
     let (g, d, bs) = (ctx.group, ctx.shape.head_dim, ctx.shape.block_size);
-    let kbuf = grown(&mut sc.kbuf, TILE * d);
-    let vbuf = grown(&mut sc.vbuf, TILE * d);
     // The AVX-512 build takes the unit's queries as vector lanes (`lanes_tile`) when head_dim is
     // a multiple of 16 and no soft cap applies: per KV head, its queries transposed once.
     let lanes = WIDE && d % 16 == 0 && ctx.params.soft_cap.is_none();
     let rows = u.row1 - u.row0;
     let lw = (rows * g).div_ceil(16) * 16;
     let nh = u.h1 - u.h0;
+    // Rows of the widened tiles `ld` floats apart: for the lanes kernel one line more than
+    // head_dim, so that a column block of the tile's rows spreads over the L1 sets (at a stride of
+    // 1 KiB they fell into a quarter of them and evicted each other before their next use).
+    let ld = if lanes { d + 16 } else { d };
+    let kbuf = grown(&mut sc.kbuf, TILE * ld);
+    let vbuf = grown(&mut sc.vbuf, TILE * ld);
     let (qt, sl, qbuf) = if lanes {
         let qt = grown(&mut sc.qt, nh * d * lw);
         for (hi, t) in qt.chunks_exact_mut(d * lw).enumerate() {
@@ -210,8 +214,16 @@ unsafe fn attend_tiles<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State, sc
             let mut at = 0;
             for &(blk, off, m) in &pieces[..np] {
                 let base = ctx.shape.offset(blk, h, off);
-                widen(ctx.k, base, m * d, &mut kbuf[at * d..(at + m) * d]);
-                widen(ctx.v, base, m * d, &mut vbuf[at * d..(at + m) * d]);
+                if ld == d {
+                    widen(ctx.k, base, m * d, &mut kbuf[at * d..(at + m) * d]);
+                    widen(ctx.v, base, m * d, &mut vbuf[at * d..(at + m) * d]);
+                } else {
+                    for r in 0..m {
+                        let row = (at + r) * ld;
+                        widen(ctx.k, base + r * d, d, &mut kbuf[row..row + d]);
+                        widen(ctx.v, base + r * d, d, &mut vbuf[row..row + d]);
+                    }
+                }
                 at += m;
             }
             let sg = [Seg {
@@ -220,8 +232,8 @@ unsafe fn attend_tiles<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State, sc
                 n,
             }];
             if lanes {
-                // SAFETY: WIDE: AVX-512 F enabled and detected (`attend_avx512`); kbuf/vbuf hold n*d
-                // f32 written just above; qt[h - h0] is this head's [d, lw] transposed queries.
+                // SAFETY: WIDE: AVX-512 F enabled and detected (`attend_avx512`); kbuf/vbuf hold n
+                // rows of d f32, ld apart, written just above; qt[h - h0] is this head's [d, lw] transposed queries.
                 unsafe {
                     lanes_tile(
                         ctx,
@@ -229,8 +241,9 @@ unsafe fn attend_tiles<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State, sc
                         st,
                         &qt[(h - u.h0) * d * lw..(h - u.h0 + 1) * d * lw],
                         lw,
-                        &kbuf[..n * d],
-                        &vbuf[..n * d],
+                        &kbuf[..n * ld],
+                        &vbuf[..n * ld],
+                        ld,
                         t,
                         h,
                         sl,

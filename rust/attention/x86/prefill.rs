@@ -171,17 +171,23 @@ pub(super) unsafe fn transpose_queries(ctx: &Ctx, u: &Unit, h: usize, scale: f32
     assert!(u.row1 * hq * d <= ctx.q.q.len() && (h + 1) * g <= hq);
     let (sv, qp, tp) = (_mm512_set1_ps(scale), ctx.q.q.as_ptr(), qt.as_mut_ptr());
     for q0 in (0..lw).step_by(16) {
-        // Element offsets of the block's 16 queries (None: a padding column).
-        let mut src = [None; 16];
-        for (l, at) in src.iter_mut().enumerate().take(nq.saturating_sub(q0)) {
+        // Element offsets of the block's 16 queries; padding columns (past nq) read as zeros.
+        let qn = 16.min(nq - q0);
+        let mut src = [0usize; 16];
+        for (l, at) in src.iter_mut().enumerate().take(qn) {
             let (i, j) = ((q0 + l) / g, (q0 + l) % g);
-            *at = Some(((u.row0 + i) * hq + h * g + j) * d);
+            *at = ((u.row0 + i) * hq + h * g + j) * d;
         }
         for c0 in (0..d).step_by(16) {
             let mut r = [_mm512_setzero_ps(); 16];
-            for (x, at) in r.iter_mut().zip(src) {
-                if let Some(at) = at {
+            if qn == 16 {
+                for (x, &at) in r.iter_mut().zip(&src) {
                     // SAFETY: at + d <= row1 * hq * d <= q.len() (asserted), c0 + 16 <= d.
+                    *x = _mm512_mul_ps(sv, unsafe { _mm512_loadu_ps(qp.add(at + c0)) });
+                }
+            } else {
+                for (x, &at) in r.iter_mut().zip(&src).take(qn) {
+                    // SAFETY: as above.
                     *x = _mm512_mul_ps(sv, unsafe { _mm512_loadu_ps(qp.add(at + c0)) });
                 }
             }
@@ -287,7 +293,7 @@ impl LaneVec {
 }
 
 /// Prefill tile with the queries as vector lanes (AVX-512, head_dim % 16 == 0, no soft cap): keys
-/// `t..t+n` of KV head `h` (`k`, `v`: `[n, d]` f32), against this head's `rows * group` queries,
+/// `t..t+n` of KV head `h` (`k`, `v`: `n` rows of `d` f32, `ld` apart), against this head's `rows * group` queries,
 /// 16 a vector (`qt`: `[d, lw]`, query `i * group + j` = row `i`, group head `j`). A key's logits
 /// for 16 queries are one zmm summed over head_dim from `qt` and the key's broadcast elements (no
 /// horizontal sums), in 4 partial sums (`PARTS`), each over every key of the tile before the next,
@@ -299,7 +305,7 @@ impl LaneVec {
 ///
 /// # Safety
 /// The CPU supports AVX-512 F (and AVX2 + FMA + F16C); `qt.len() == d * lw`, `lw >= rows * group`,
-/// `k.len() == v.len() == n * d` with `n <= TILE`, `sl.len() >= TILE * 64`; `ctx` validated.
+/// `k.len() == v.len() == n * ld` with `n <= TILE` and `ld >= d`, `sl.len() >= TILE * 64`; `ctx` validated.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) unsafe fn lanes_tile(
@@ -310,14 +316,16 @@ pub(super) unsafe fn lanes_tile(
     lw: usize,
     k: &[f32],
     v: &[f32],
+    ld: usize,
     t: usize,
     h: usize,
     sl: &mut [f32],
 ) {
     let (g, d) = (ctx.group, ctx.shape.head_dim);
-    let n = k.len() / d;
+    let n = k.len() / ld;
     let nq = (u.row1 - u.row0) * g;
-    assert!(qt.len() == d * lw && lw >= nq && v.len() == n * d && n <= TILE && sl.len() >= TILE * 64);
+    assert!(qt.len() == d * lw && lw >= nq && ld >= d && k.len() == n * ld && v.len() == n * ld);
+    assert!(n <= TILE && sl.len() >= TILE * 64);
     for q0 in (0..nq).step_by(32) {
         // SAFETY: AVX-512 F (contract).
         let va = unsafe { LaneVec::new(ctx, u, q0, nq, t, n, h) };
@@ -347,56 +355,58 @@ pub(super) unsafe fn lanes_tile(
             unsafe {
                 if vb.is_some() {
                     while j + 12 <= jhi {
-                        lane_logits::<2, 12>(qp, lw, k, d, j, part, sl);
+                        lane_logits::<2, 12>(qp, lw, k, d, ld, j, part, sl);
                         j += 12;
                     }
                     while j + 4 <= jhi {
-                        lane_logits::<2, 4>(qp, lw, k, d, j, part, sl);
+                        lane_logits::<2, 4>(qp, lw, k, d, ld, j, part, sl);
                         j += 4;
                     }
                     while j < jhi {
-                        lane_logits::<2, 1>(qp, lw, k, d, j, part, sl);
+                        lane_logits::<2, 1>(qp, lw, k, d, ld, j, part, sl);
                         j += 1;
                     }
                 } else {
                     while j + 16 <= jhi {
-                        lane_logits::<1, 16>(qp, lw, k, d, j, part, sl);
+                        lane_logits::<1, 16>(qp, lw, k, d, ld, j, part, sl);
                         j += 16;
                     }
                     while j + 4 <= jhi {
-                        lane_logits::<1, 4>(qp, lw, k, d, j, part, sl);
+                        lane_logits::<1, 4>(qp, lw, k, d, ld, j, part, sl);
                         j += 4;
                     }
                     while j < jhi {
-                        lane_logits::<1, 1>(qp, lw, k, d, j, part, sl);
+                        lane_logits::<1, 1>(qp, lw, k, d, ld, j, part, sl);
                         j += 1;
                     }
                 }
             }
         }
         // SAFETY: AVX-512 F (contract); vector b's two tiles at sl[b * 2 * TILE * 16..].
-        unsafe { lane_softmax_pv(st, &va, d, v, &mut sl[..2 * TILE * 16]) };
+        unsafe { lane_softmax(st, &va, d, &mut sl[..2 * TILE * 16]) };
         if let Some(b) = &vb {
             // SAFETY: as above.
-            unsafe { lane_softmax_pv(st, b, d, v, &mut sl[2 * TILE * 16..4 * TILE * 16]) };
+            unsafe { lane_softmax(st, b, d, &mut sl[2 * TILE * 16..4 * TILE * 16]) };
         }
+        // SAFETY: as above; v holds n >= jhi rows, ld apart.
+        unsafe { lanes_pv(st, [Some(&va), vb.as_ref()], d, v, ld, sl) };
     }
 }
 
 /// One vector's logits, summed from the two tiles of `sl` (`[2, TILE, 16]`: parts 0 + 1, parts
-/// 2 + 3; rows `jlo..jhi` written) into the first and masked to each lane's keys, its online
-/// softmax, then `acc += p v` for its lanes.
+/// 2 + 3; rows `jlo..jhi` written) into the first and masked to each lane's keys, and its online
+/// softmax: the first tile then holds its probabilities, its lanes' `acc` rows are rescaled.
 ///
 /// # Safety
-/// The CPU supports AVX-512 F; `sl.len() >= 2 * TILE * 16`, `v` holds `vec.jhi` rows of `d`; `vec.ms`
-/// are distinct query rows of `st` (`[*, d]`).
+/// The CPU supports AVX-512 F; `sl.len() >= 2 * TILE * 16`; `vec.ms` are distinct query rows of
+/// `st` (`[*, d]`).
 #[inline(always)]
-unsafe fn lane_softmax_pv(st: &mut State, vec: &LaneVec, d: usize, v: &[f32], sl: &mut [f32]) {
+unsafe fn lane_softmax(st: &mut State, vec: &LaneVec, d: usize, sl: &mut [f32]) {
     let (lanes, ms, jlo, jhi) = (vec.lanes, &vec.ms, vec.jlo, vec.jhi);
     if jlo >= jhi {
         return;
     }
-    assert!(sl.len() >= 2 * TILE * 16 && jhi <= TILE && jhi * d <= v.len());
+    assert!(sl.len() >= 2 * TILE * 16 && jhi <= TILE);
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     // Each lane's keys [lo, hi) keep their logits, the rest -inf; the max of each lane.
     let mut tmax = ninf;
@@ -450,30 +460,50 @@ unsafe fn lane_softmax_pv(st: &mut State, vec: &LaneVec, d: usize, v: &[f32], sl
         }
         (st.max[m], st.sum[m]) = (nw[l], ns[l]);
     }
-    // acc[m] += sum_j p[j][lane] v[j]: 4 lanes x 4 column vectors a block (16 chains).
-    let mut l0 = 0;
-    while l0 < lanes {
-        let lb = 4.min(lanes - l0);
-        let mut c = 0;
-        while c < d {
-            let wide = c + 64 <= d;
-            // SAFETY: lanes l0..l0+lb hold state rows ms[..] of st.acc ([nq, d]), columns
-            // c..c+64 (or c..c+16) inside d; rows jlo..jhi of sl and v inside n.
-            unsafe {
-                match (lb, wide) {
-                    (4, true) => lane_pv::<4, 4>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
-                    (3, true) => lane_pv::<3, 4>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
-                    (2, true) => lane_pv::<2, 4>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
-                    (_, true) => lane_pv::<1, 4>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
-                    (4, false) => lane_pv::<4, 1>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
-                    (3, false) => lane_pv::<3, 1>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
-                    (2, false) => lane_pv::<2, 1>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
-                    (_, false) => lane_pv::<1, 1>(st, &ms[l0..], d, c, v, sl, l0, jlo, jhi),
-                }
+}
+
+/// `acc[m] += sum_j p[j][lane] v[j]` for the lanes of up to two vectors (vector `i`'s
+/// probabilities in `sl` at `i * 2 * TILE * 16`, rows of 16): 64 columns of head_dim at a time,
+/// for every 4 lanes of both vectors (4 lanes x 4 column vectors a block, 16 chains), so that
+/// those columns of the V tile stay in L1 while they serve all 32 queries.
+///
+/// # Safety
+/// The CPU supports AVX-512 F; `sl.len() >= 4 * TILE * 16` when the second vector is given, else
+/// `2 * TILE * 16`; `v` holds each vector's `jhi` rows of `d`, `ld` apart; the vectors' `ms` are distinct query
+/// rows of `st` (`[*, d]`).
+#[inline(always)]
+unsafe fn lanes_pv(st: &mut State, vecs: [Option<&LaneVec>; 2], d: usize, v: &[f32], ld: usize, sl: &[f32]) {
+    let mut c = 0;
+    while c < d {
+        let wide = c + 64 <= d;
+        for (i, vec) in vecs.iter().enumerate() {
+            let Some(vec) = vec else { continue };
+            let (lanes, ms, jlo, jhi) = (vec.lanes, &vec.ms, vec.jlo, vec.jhi);
+            if jlo >= jhi {
+                continue;
             }
-            c += if wide { 64 } else { 16 };
+            let sv = &sl[i * 2 * TILE * 16..(i * 2 + 1) * TILE * 16];
+            let mut l0 = 0;
+            while l0 < lanes {
+                let lb = 4.min(lanes - l0);
+                // SAFETY: lanes l0..l0+lb hold state rows ms[..] of st.acc ([nq, d]), columns
+                // c..c+64 (or c..c+16) inside d; rows jlo..jhi of sv and v inside n (contract).
+                unsafe {
+                    match (lb, wide) {
+                        (4, true) => lane_pv::<4, 4>(st, &ms[l0..], d, c, v, ld, sv, l0, jlo, jhi),
+                        (3, true) => lane_pv::<3, 4>(st, &ms[l0..], d, c, v, ld, sv, l0, jlo, jhi),
+                        (2, true) => lane_pv::<2, 4>(st, &ms[l0..], d, c, v, ld, sv, l0, jlo, jhi),
+                        (_, true) => lane_pv::<1, 4>(st, &ms[l0..], d, c, v, ld, sv, l0, jlo, jhi),
+                        (4, false) => lane_pv::<4, 1>(st, &ms[l0..], d, c, v, ld, sv, l0, jlo, jhi),
+                        (3, false) => lane_pv::<3, 1>(st, &ms[l0..], d, c, v, ld, sv, l0, jlo, jhi),
+                        (2, false) => lane_pv::<2, 1>(st, &ms[l0..], d, c, v, ld, sv, l0, jlo, jhi),
+                        (_, false) => lane_pv::<1, 1>(st, &ms[l0..], d, c, v, ld, sv, l0, jlo, jhi),
+                    }
+                }
+                l0 += lb;
+            }
         }
-        l0 += lb;
+        c += if wide { 64 } else { 16 };
     }
 }
 
@@ -491,7 +521,7 @@ const PARTS: usize = 4;
 ///
 /// # Safety
 /// AVX-512 F; `qp` points to `d` rows of `16 * QB` readable f32 at stride `lw`; `part < PARTS`;
-/// `j + KB <= k.len() / d` and `j + KB <= TILE`; `sl` holds `QB * 2 * TILE * 16` f32.
+/// key rows `ld` apart in `k`, `j + KB <= k.len() / ld` and `j + KB <= TILE`; `sl` holds `QB * 2 * TILE * 16` f32.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn lane_logits<const QB: usize, const KB: usize>(
@@ -499,12 +529,13 @@ unsafe fn lane_logits<const QB: usize, const KB: usize>(
     lw: usize,
     k: &[f32],
     d: usize,
+    ld: usize,
     j: usize,
     part: usize,
     sl: &mut [f32],
 ) {
-    debug_assert!((j + KB) * d <= k.len() && j + KB <= TILE && part < PARTS && sl.len() >= QB * 2 * TILE * 16);
-    let kp = k.as_ptr().wrapping_add(j * d);
+    debug_assert!((j + KB) * ld <= k.len() && j + KB <= TILE && part < PARTS && sl.len() >= QB * 2 * TILE * 16);
+    let kp = k.as_ptr().wrapping_add(j * ld);
     let mut acc = [[_mm512_setzero_ps(); KB]; QB];
     for c in (part..d).step_by(PARTS) {
         let mut qv = [_mm512_setzero_ps(); QB];
@@ -514,7 +545,7 @@ unsafe fn lane_logits<const QB: usize, const KB: usize>(
         }
         for x in 0..KB {
             // SAFETY: key j + x < n, element c < d: inside k (contract).
-            let kv = _mm512_set1_ps(unsafe { *kp.add(x * d + c) });
+            let kv = _mm512_set1_ps(unsafe { *kp.add(x * ld + c) });
             for (row, q) in acc.iter_mut().zip(&qv) {
                 row[x] = _mm512_fmadd_ps(*q, kv, row[x]);
             }
@@ -541,7 +572,7 @@ unsafe fn lane_logits<const QB: usize, const KB: usize>(
 ///
 /// # Safety
 /// AVX-512 F; `ms[..LB]` are distinct query rows of `st.acc` (`[*, d]`); `c + 16 * CW <= d`;
-/// `jhi * d <= v.len()`, `jhi * 16 <= sl.len()`, `l0 + LB <= 16`.
+/// rows `ld` apart in `v`, `jhi * ld <= v.len()`, `jhi * 16 <= sl.len()`, `l0 + LB <= 16`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn lane_pv<const LB: usize, const CW: usize>(
@@ -550,12 +581,13 @@ unsafe fn lane_pv<const LB: usize, const CW: usize>(
     d: usize,
     c: usize,
     v: &[f32],
+    ld: usize,
     sl: &[f32],
     l0: usize,
     jlo: usize,
     jhi: usize,
 ) {
-    debug_assert!(ms.len() >= LB && c + 16 * CW <= d && jhi * d <= v.len() && l0 + LB <= 16);
+    debug_assert!(ms.len() >= LB && c + 16 * CW <= d && jhi * ld <= v.len() && l0 + LB <= 16);
     let mut a = [[_mm512_setzero_ps(); CW]; LB];
     for (r, row) in a.iter_mut().enumerate() {
         let ap = st.acc[ms[r] * d + c..].as_ptr();
@@ -569,7 +601,7 @@ unsafe fn lane_pv<const LB: usize, const CW: usize>(
         let mut vv = [_mm512_setzero_ps(); CW];
         for (w, x) in vv.iter_mut().enumerate() {
             // SAFETY: j < jhi and c + 16 * w + 16 <= d: inside v.
-            *x = unsafe { _mm512_loadu_ps(vp.add(j * d + c + 16 * w)) };
+            *x = unsafe { _mm512_loadu_ps(vp.add(j * ld + c + 16 * w)) };
         }
         for (r, row) in a.iter_mut().enumerate() {
             // SAFETY: row j < jhi of sl, lane l0 + r < 16.
