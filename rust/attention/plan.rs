@@ -289,15 +289,19 @@ pub(super) fn run(isa: Isa, ctx: &Ctx, units: &[Vec<Unit>], out: &mut [f32]) {
     use rayon::prelude::*;
     let d = ctx.shape.head_dim;
     let optr = OutPtr(out.as_mut_ptr());
-    let flat: Vec<(usize, Unit)> = units
+    // (item, piece, unit), costliest first: a thread's last units are then cheap ones, so at the
+    // end neither thread waits long for the other (a causal prefill's row chunks differ in keys
+    // as much as in number).
+    let mut flat: Vec<(usize, usize, Unit)> = units
         .iter()
         .enumerate()
-        .flat_map(|(i, us)| us.iter().map(move |u| (i, *u)))
+        .flat_map(|(i, us)| us.iter().enumerate().map(move |(p, u)| (i, p, *u)))
         .collect();
-    let partials: Vec<Option<(usize, State)>> = flat
+    flat.sort_by_key(|&(_, _, u)| std::cmp::Reverse((u.key_hi - u.key_lo) * u.queries(ctx.group)));
+    let mut partials: Vec<(usize, usize, State)> = flat
         .par_iter()
         .with_max_len(1)
-        .map(|&(i, u)| {
+        .filter_map(|&(i, p, u)| {
             let mut st = State::new(u.queries(ctx.group), d);
             attend(isa, ctx, &u, &mut st);
             if units[i].len() == 1 {
@@ -305,13 +309,15 @@ pub(super) fn run(isa: Isa, ctx: &Ctx, units: &[Vec<Unit>], out: &mut [f32]) {
                 unsafe { write_out(ctx, &u, &st.acc, &st.sum, optr) };
                 None
             } else {
-                Some((i, st))
+                Some((i, p, st))
             }
         })
         .collect();
+    // Pieces back in order, so that the merges add them in one order whatever ran first.
+    partials.sort_by_key(|&(i, p, _)| (i, p));
     // Log-sum-exp merge of split items (few by construction).
     let mut merged: Vec<Option<State>> = (0..units.len()).map(|_| None).collect();
-    for (i, st) in partials.into_iter().flatten() {
+    for (i, _, st) in partials {
         match &mut merged[i] {
             None => merged[i] = Some(st),
             Some(m) => merge(m, &st, d),
