@@ -4,11 +4,13 @@
 //! | kernel       | when                                                  | queries                      |
 //! |--------------|-------------------------------------------------------|------------------------------|
 //! | `tile_heads` | AVX2 build; AVX-512 build with head_dim % 16 != 0 or a soft cap | per query row, blocks of 4/2/1 group heads through the micro-kernels (zmm when head_dim % 16 == 0) |
-//! | `lanes_tile` | AVX-512 build, head_dim % 16 == 0, no soft cap        | 16 a zmm (`qt`: `[head_dim, lw]` transposed once per unit) |
+//! | `lanes_tile` | AVX-512 build, head_dim % 16 == 0, no soft cap        | 16 a zmm (`qt`: `[head_dim, lw]` transposed once per unit, `transpose_queries`) |
 //!
 //! `lanes_tile` computes a key's logits for 16 queries as one zmm summed over head_dim (4 partial
-//! sums, `lane_logits`), masks and runs the online softmax 16 queries a vector, then `acc += p v`
-//! 4 queries x 4 column vectors a block (`lane_pv`).
+//! sums, each over the whole tile in turn, 2 vectors x 12 keys a block: `lane_logits`), masks and
+//! runs the online softmax 16 queries a vector (`lane_softmax`), then `acc += p v` 4 queries x 4
+//! column vectors a block, column block outermost (`lanes_pv`, `lane_pv`). Its tiles' rows are
+//! `head_dim + 16` floats apart (`mod.rs`).
 //! Tolerance: 2e-5 from the scalar path (`attention/tests.rs`, every ISA); see `mod.rs`.
 
 use std::arch::x86_64::*;
