@@ -27,6 +27,31 @@ const LANES: usize = 16;
 /// `out = residual' * rsqrt(mean(residual'^2) + eps) * w`, where `residual' = residual + x`
 /// (stored back into `residual`) when a residual is given, else `x`.
 pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut [f32]>, out: &mut [f32]) -> Result<()> {
+    rms_norm_on(x, h, w, eps, residual, out, true)
+}
+
+/// `rms_norm` on the calling thread only (rows of a caller's own parallel job); the same bits.
+pub fn rms_norm_local(
+    x: &[f32],
+    h: usize,
+    w: &[f32],
+    eps: f32,
+    residual: Option<&mut [f32]>,
+    out: &mut [f32],
+) -> Result<()> {
+    rms_norm_on(x, h, w, eps, residual, out, false)
+}
+
+/// `rms_norm`, in parallel jobs of `ROWS` rows when `parallel` and there are more.
+fn rms_norm_on(
+    x: &[f32],
+    h: usize,
+    w: &[f32],
+    eps: f32,
+    residual: Option<&mut [f32]>,
+    out: &mut [f32],
+    parallel: bool,
+) -> Result<()> {
     if h == 0
         || w.len() != h
         || !x.len().is_multiple_of(h)
@@ -59,7 +84,7 @@ pub fn rms_norm(x: &[f32], h: usize, w: &[f32], eps: f32, residual: Option<&mut 
         }
         rms_rows(x, h, w, eps, res, out)
     };
-    if rows <= ROWS {
+    if rows <= ROWS || !parallel {
         run(x, residual, out);
         return Ok(());
     }

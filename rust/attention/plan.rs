@@ -13,8 +13,12 @@ use super::{
 use crate::error::{Error, Result};
 use crate::runtime::{self, Isa};
 
-/// Query vectors per item when prefill rows are chunked: rows * group <= this.
+/// Query vectors per item when prefill rows are chunked: rows * group <= this (and the bound on
+/// decode-like sequences' query vectors, times 4).
 const ITEM_QUERIES: usize = 64;
+/// Prefill items take twice as many rows when that still leaves 4 items per thread: each widened
+/// K/V tile then serves twice the queries.
+const WIDE_ITEM_QUERIES: usize = 2 * ITEM_QUERIES;
 /// Split the key range only while a piece keeps at least this many keys.
 const MIN_SPLIT_KEYS: usize = 256;
 
@@ -55,7 +59,48 @@ pub(super) fn plan(
     window: Option<usize>,
     threads: usize,
 ) -> Vec<Vec<Unit>> {
-    let rows_per = (ITEM_QUERIES / group).max(1);
+    let target = 4 * threads;
+    let mut items = items_of(b, shape, group, window, WIDE_ITEM_QUERIES);
+    if items.len() < target {
+        items = items_of(b, shape, group, window, ITEM_QUERIES);
+    }
+    if items.is_empty() || items.len() >= target {
+        return items.into_iter().map(|u| vec![u]).collect();
+    }
+    let want = target.div_ceil(items.len());
+    let bs = shape.block_size;
+    items
+        .into_iter()
+        .map(|u| {
+            let n = u.key_hi - u.key_lo;
+            let pieces = want.min(n / MIN_SPLIT_KEYS).max(1);
+            if pieces == 1 {
+                return vec![u];
+            }
+            // Cut points rounded to block boundaries so no tile straddles two pieces' blocks.
+            let mut cuts = vec![u.key_lo];
+            for j in 1..pieces {
+                let c = (u.key_lo + n * j / pieces) / bs * bs;
+                if c > *cuts.last().unwrap_or(&0) && c < u.key_hi {
+                    cuts.push(c);
+                }
+            }
+            cuts.push(u.key_hi);
+            cuts.windows(2)
+                .map(|w| Unit {
+                    key_lo: w[0],
+                    key_hi: w[1],
+                    ..u
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// One unit per decode-like sequence, else per (sequence, KV head, chunk of rows with at most
+/// `queries` query vectors).
+fn items_of(b: &Batch, shape: &CacheShape, group: usize, window: Option<usize>, queries: usize) -> Vec<Unit> {
+    let rows_per = (queries / group).max(1);
     let mut items = Vec::new();
     for seq in 0..b.seq_lens.len() {
         let (r0, r1) = (b.query_start_loc[seq] as usize, b.query_start_loc[seq + 1] as usize);
@@ -90,38 +135,7 @@ pub(super) fn plan(
             }
         }
     }
-    let target = 4 * threads;
-    if items.is_empty() || items.len() >= target {
-        return items.into_iter().map(|u| vec![u]).collect();
-    }
-    let want = target.div_ceil(items.len());
-    let bs = shape.block_size;
     items
-        .into_iter()
-        .map(|u| {
-            let n = u.key_hi - u.key_lo;
-            let pieces = want.min(n / MIN_SPLIT_KEYS).max(1);
-            if pieces == 1 {
-                return vec![u];
-            }
-            // Cut points rounded to block boundaries so no tile straddles two pieces' blocks.
-            let mut cuts = vec![u.key_lo];
-            for j in 1..pieces {
-                let c = (u.key_lo + n * j / pieces) / bs * bs;
-                if c > *cuts.last().unwrap_or(&0) && c < u.key_hi {
-                    cuts.push(c);
-                }
-            }
-            cuts.push(u.key_hi);
-            cuts.windows(2)
-                .map(|w| Unit {
-                    key_lo: w[0],
-                    key_hi: w[1],
-                    ..u
-                })
-                .collect()
-        })
-        .collect()
 }
 
 /// The step's work split for one attention window: built once per step (the decoder builds one
@@ -275,15 +289,19 @@ pub(super) fn run(isa: Isa, ctx: &Ctx, units: &[Vec<Unit>], out: &mut [f32]) {
     use rayon::prelude::*;
     let d = ctx.shape.head_dim;
     let optr = OutPtr(out.as_mut_ptr());
-    let flat: Vec<(usize, Unit)> = units
+    // (item, piece, unit), costliest first: a thread's last units are then cheap ones, so at the
+    // end neither thread waits long for the other (a causal prefill's row chunks differ in keys
+    // as much as in number).
+    let mut flat: Vec<(usize, usize, Unit)> = units
         .iter()
         .enumerate()
-        .flat_map(|(i, us)| us.iter().map(move |u| (i, *u)))
+        .flat_map(|(i, us)| us.iter().enumerate().map(move |(p, u)| (i, p, *u)))
         .collect();
-    let partials: Vec<Option<(usize, State)>> = flat
+    flat.sort_by_key(|&(_, _, u)| std::cmp::Reverse((u.key_hi - u.key_lo) * u.queries(ctx.group)));
+    let mut partials: Vec<(usize, usize, State)> = flat
         .par_iter()
         .with_max_len(1)
-        .map(|&(i, u)| {
+        .filter_map(|&(i, p, u)| {
             let mut st = State::new(u.queries(ctx.group), d);
             attend(isa, ctx, &u, &mut st);
             if units[i].len() == 1 {
@@ -291,13 +309,15 @@ pub(super) fn run(isa: Isa, ctx: &Ctx, units: &[Vec<Unit>], out: &mut [f32]) {
                 unsafe { write_out(ctx, &u, &st.acc, &st.sum, optr) };
                 None
             } else {
-                Some((i, st))
+                Some((i, p, st))
             }
         })
         .collect();
+    // Pieces back in order, so that the merges add them in one order whatever ran first.
+    partials.sort_by_key(|&(i, p, _)| (i, p));
     // Log-sum-exp merge of split items (few by construction).
     let mut merged: Vec<Option<State>> = (0..units.len()).map(|_| None).collect();
-    for (i, st) in partials.into_iter().flatten() {
+    for (i, _, st) in partials {
         match &mut merged[i] {
             None => merged[i] = Some(st),
             Some(m) => merge(m, &st, d),

@@ -42,6 +42,9 @@ use crate::{ops, runtime};
 /// wake-up, and work stealing balances them better on a busy machine). Up to 32 tokens (decode at
 /// 32 sequences) the team's steps are shorter than rayon's; at 8 they are the same.
 pub const TEAM_MAX_TOKENS: usize = 32;
+/// Rows per parallel job of the per-row pass after the QKV product (norms, RoPE, V copy); steps
+/// of at most this many tokens run it on the calling thread.
+const PREP_ROWS: usize = 32;
 
 /// Which elements RoPE rotates together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -472,18 +475,6 @@ impl Decoder {
         let mut qkv = vec![0f32; t * (nq + 2 * nkv)];
         let mut q = vec![0f32; t * nq];
         let (mut k, mut v) = (vec![0f32; t * nkv], vec![0f32; t * nkv]);
-        // Per-head normed queries / keys (Qwen3, Gemma 3), before RoPE.
-        let qk_norm = self.layers.iter().any(|l| l.q_norm.is_some() || l.k_norm.is_some());
-        let (mut qs, mut qn) = if qk_norm {
-            (vec![0f32; t * nq], vec![0f32; t * nq])
-        } else {
-            (Vec::new(), Vec::new())
-        };
-        let (mut ks, mut kn) = if qk_norm {
-            (vec![0f32; t * nkv], vec![0f32; t * nkv])
-        } else {
-            (Vec::new(), Vec::new())
-        };
         let mut attn = vec![0f32; t * nq];
         let mut o = vec![0f32; t * h];
         let mut o2 = vec![
@@ -516,31 +507,45 @@ impl Decoder {
                     }
                 }
             }
-            // The rows RoPE reads: straight from qkv, or the per-head normed copies.
-            let (q_src, q_w, k_src, k_w): (&[f32], usize, &[f32], usize) = match (&layer.q_norm, &layer.k_norm) {
-                (None, None) => (&qkv, nq + 2 * nkv, &qkv[nq..], nq + 2 * nkv),
-                (qw, kw) => {
-                    for (r, row) in qkv.chunks_exact(nq + 2 * nkv).enumerate() {
-                        qs[r * nq..][..nq].copy_from_slice(&row[..nq]);
-                        ks[r * nkv..][..nkv].copy_from_slice(&row[nq..nq + nkv]);
-                    }
-                    match qw {
-                        Some(w) => ops::rms_norm(&qs, d, w, self.eps, None, &mut qn)?,
-                        None => qn.copy_from_slice(&qs),
-                    }
-                    match kw {
-                        Some(w) => ops::rms_norm(&ks, d, w, self.eps, None, &mut kn)?,
-                        None => kn.copy_from_slice(&ks),
-                    }
-                    (&qn, nq, &kn, nkv)
-                }
-            };
+            // Each row's query and key heads (per-head normed first: Qwen3, Gemma 3) rotated into
+            // q and k, its values copied into v: one pass over qkv, in parallel jobs of rows.
             let table = &rope[layer.rope_table];
-            for r in 0..t {
-                let (c, s) = (&table.cos[r * d / 2..][..d / 2], &table.sin[r * d / 2..][..d / 2]);
-                rope_heads(&q_src[r * q_w..][..nq], &mut q[r * nq..][..nq], d, c, s, self.rope);
-                rope_heads(&k_src[r * k_w..][..nkv], &mut k[r * nkv..][..nkv], d, c, s, self.rope);
-                v[r * nkv..][..nkv].copy_from_slice(&qkv[r * (nq + 2 * nkv) + nq + nkv..][..nkv]);
+            let w = nq + 2 * nkv;
+            let prep = |r0: usize, q: &mut [f32], k: &mut [f32], v: &mut [f32]| -> Result<()> {
+                let mut normed = vec![0f32; nq.max(nkv)];
+                let rows = q
+                    .chunks_exact_mut(nq)
+                    .zip(k.chunks_exact_mut(nkv))
+                    .zip(v.chunks_exact_mut(nkv));
+                for (i, ((qr, kr), vr)) in rows.enumerate() {
+                    let r = r0 + i;
+                    let row = &qkv[r * w..][..w];
+                    let (c, s) = (&table.cos[r * d / 2..][..d / 2], &table.sin[r * d / 2..][..d / 2]);
+                    for (src, dst, norm, n) in [
+                        (&row[..nq], qr, &layer.q_norm, nq),
+                        (&row[nq..nq + nkv], kr, &layer.k_norm, nkv),
+                    ] {
+                        match norm {
+                            Some(nw) => {
+                                ops::rms_norm_local(src, d, nw, self.eps, None, &mut normed[..n])?;
+                                rope_heads(&normed[..n], dst, d, c, s, self.rope);
+                            }
+                            None => rope_heads(src, dst, d, c, s, self.rope),
+                        }
+                    }
+                    vr.copy_from_slice(&row[nq + nkv..]);
+                }
+                Ok(())
+            };
+            if t > PREP_ROWS {
+                use rayon::prelude::*;
+                q.par_chunks_mut(PREP_ROWS * nq)
+                    .zip(k.par_chunks_mut(PREP_ROWS * nkv))
+                    .zip(v.par_chunks_mut(PREP_ROWS * nkv))
+                    .enumerate()
+                    .try_for_each(|(j, ((q, k), v))| prep(j * PREP_ROWS, q, k, v))?;
+            } else {
+                prep(0, &mut q, &mut k, &mut v)?;
             }
             attention::write_kv(reborrow(kc), reborrow(vc), shape, &k, &v, b.slot_mapping)?;
             let plan = plans
@@ -566,7 +571,7 @@ impl Decoder {
             mm.linear(&act, t, &layer.w_down, &mut delta)?;
             if let Some(w) = &layer.post_ffn_norm {
                 ops::rms_norm(&delta, h, w, self.eps, None, &mut o2)?;
-                delta.copy_from_slice(&o2);
+                std::mem::swap(&mut delta, &mut o2);
             }
         }
         for (a, &c) in x.iter_mut().zip(&delta) {

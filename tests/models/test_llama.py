@@ -13,6 +13,7 @@ import pagedkv_rs
 from dense_llama import DenseLlama
 from pagedkv_rs.models.gguf_loader import GGUFError, bundled_model_path, load_gguf
 from pagedkv_rs.models.llama import (
+    ROPE_CACHE_POSITIONS,
     FloatLinear,
     Int8Linear,
     LlamaModel,
@@ -21,6 +22,7 @@ from pagedkv_rs.models.llama import (
     int8_is_fast,
     kernels,
     resolve_weight_format,
+    rope_rows,
 )
 
 
@@ -165,6 +167,18 @@ TEXT = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after "
     "the engineer Gustave Eiffel, whose company designed and built the tower for the World's Fair."
 )
+
+
+def test_rope_rows_cached_equal_computed(weights):
+    """The cached rows of each RoPE base are the rows computed from the positions, to the bit, in and past the cache."""
+    w = weights
+    for pos in [np.arange(7), np.arange(512), np.array([1500, 3, 900]), np.arange(1000, ROPE_CACHE_POSITIONS + 5)]:
+        got = w.rope_rows(pos)
+        want = [rope_rows(pos, f, w.config.rope_scaling_factor) for f in w._inv_freqs]
+        for (gc, gs), (wc, ws) in zip(got, want, strict=True):
+            assert gc.dtype == np.float32 and gc.shape == (len(pos), w.config.head_dim // 2)
+            np.testing.assert_array_equal(gc, wc)
+            np.testing.assert_array_equal(gs, ws)
 
 
 def test_rope_convention_on_real_text(gguf_file, weights, tok):

@@ -123,6 +123,8 @@ def rope_rows(positions: np.ndarray, inv_freq: np.ndarray, factor: float = 1.0) 
 WEIGHT_FORMATS = ("auto", "int8", "float32")
 # An int8 output head larger than this is built (and run) in row chunks of about this size (see ``_lm_head``).
 HEAD_CHUNK_BYTES = 32 << 20
+# Positions whose RoPE rows ``LlamaWeights.rope_rows`` keeps once computed (2 MiB per base at head_dim 256).
+ROPE_CACHE_POSITIONS = 2048
 LINEAR_PANEL = 64  # rows a chunk is a multiple of (QLinear packs rows in panels of at most this many)
 MODEL_IMPLS = ("auto", "fused", "numpy")
 
@@ -311,6 +313,7 @@ class LlamaWeights:
         # One float64 [D/2] frequency vector per distinct RoPE base; ``layer["rope_table"]`` indexes them.
         self._inv_freqs = [rope_inv_freq(cfg, factors, theta) for theta in sorted(theta_of, key=theta_of.__getitem__)]
         self._rope_tables: Optional[list[tuple[np.ndarray, np.ndarray]]] = None
+        self._rope_cache: list[tuple[np.ndarray, np.ndarray]] = []  # rows 0.. of each base, grown on demand
 
     def act_matrices(self) -> dict[str, list[Any]]:
         """The int8 matrices by name (``head``, ``ROLE.I``), each a list of ``QLinear`` (the head: its row chunks);
@@ -367,11 +370,22 @@ class LlamaWeights:
     def rope_rows(self, positions: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per RoPE base, float32 ``cos, sin [T, D/2]`` at ``positions``: what a step rotates with.
 
-        Computed per step from the positions (no ``[max_len, D/2]`` table is kept: at Gemma 3's 32k context
-        its two bases' tables would take 64 MB), or rows of ``rope_tables`` when those were set."""
+        Rows of ``rope_tables`` when those were set. Else rows of a cache of each base's first positions (grown
+        to cover the step, at most ``ROPE_CACHE_POSITIONS``: a 512-token prefill spent milliseconds on cos and sin
+        in float64), or computed from the positions past it (no ``[max_len, D/2]`` table is kept: at Gemma 3's
+        32k context its two bases' tables would take 64 MB). A row depends only on its position, so all agree."""
         if self._rope_tables is not None:
             return [(c[positions], s[positions]) for c, s in self._rope_tables]
-        return [rope_rows(positions, f, self.config.rope_scaling_factor) for f in self._inv_freqs]
+        pos = np.asarray(positions, np.int64)
+        top = int(pos.max()) + 1 if pos.size else 0
+        factor = self.config.rope_scaling_factor
+        if top > ROPE_CACHE_POSITIONS or (pos.size and pos.min() < 0):
+            return [rope_rows(pos, f, factor) for f in self._inv_freqs]
+        cache = getattr(self, "_rope_cache", [])
+        if not cache or len(cache[0][0]) < top:
+            n = min(ROPE_CACHE_POSITIONS, max(top, 2 * len(cache[0][0]) if cache else 0, 1024))
+            cache = self._rope_cache = [rope_rows(np.arange(n), f, factor) for f in self._inv_freqs]
+        return [(c[pos], s[pos]) for c, s in cache]
 
     @property
     def rope_tables(self) -> list[tuple[np.ndarray, np.ndarray]]:

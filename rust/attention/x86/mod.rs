@@ -51,7 +51,8 @@ mod prefill;
 use super::{Ctx, DType, State, Unit};
 use common::{prefetch, widen};
 use decode::attend_decode;
-use prefill::{lanes_tile, tile_heads};
+use prefill::{lanes_tile, tile_heads, transpose_queries};
+use std::cell::Cell;
 
 /// Keys per tile; a tile spans consecutive blocks of the table (one segment per block piece).
 const TILE: usize = 64;
@@ -90,6 +91,42 @@ pub(crate) unsafe fn attend_avx512(ctx: &Ctx, u: &Unit, st: &mut State) {
     unsafe { attend_body::<true>(ctx, u, st) }
 }
 
+/// Per-thread prefill scratch, reused unit after unit (a unit writes every element it reads):
+/// the widened K and V tiles, the transposed queries and the lanes' logits tiles.
+#[derive(Default)]
+struct Scratch {
+    kbuf: Vec<f32>,
+    vbuf: Vec<f32>,
+    qt: Vec<f32>,
+    sl: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: Cell<Scratch> = Cell::new(Scratch::default());
+}
+
+/// The first `n` elements of `v`, grown (zeroed once) when shorter.
+fn grown(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+/// The unit's query vectors, pre-scaled, contiguous `[nq, d]` (row-major over rows, heads).
+#[inline(always)]
+fn scaled_queries(ctx: &Ctx, u: &Unit) -> Vec<f32> {
+    let (d, pr) = (ctx.shape.head_dim, u.per_row(ctx.group));
+    let scale = ctx.params.scale;
+    let mut qbuf = vec![0.0f32; u.queries(ctx.group) * d];
+    for (i, row) in (u.row0..u.row1).enumerate() {
+        for (dst, src) in qbuf[i * pr * d..(i + 1) * pr * d].iter_mut().zip(ctx.q_row(row, u)) {
+            *dst = src * scale;
+        }
+    }
+    qbuf
+}
+
 /// The body of `attend` / `attend_avx512`; `WIDE` picks the 32-register blocks. Inlined into
 /// each entry point so that it and every micro-kernel are compiled for that entry's features.
 ///
@@ -97,19 +134,11 @@ pub(crate) unsafe fn attend_avx512(ctx: &Ctx, u: &Unit, st: &mut State) {
 /// As `attend`; WIDE only when the CPU supports AVX-512 F, VL and BW.
 #[inline(always)]
 unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
-    let (g, d, bs) = (ctx.group, ctx.shape.head_dim, ctx.shape.block_size);
-    let (nq, pr) = (u.queries(g), u.per_row(g));
-    let scale = ctx.params.scale;
-    // Query vectors of the unit, pre-scaled, contiguous [nq, d] (row-major over rows, heads).
-    let mut qbuf = vec![0.0f32; nq * d];
-    for (i, row) in (u.row0..u.row1).enumerate() {
-        for (dst, src) in qbuf[i * pr * d..(i + 1) * pr * d].iter_mut().zip(ctx.q_row(row, u)) {
-            *dst = src * scale;
-        }
-    }
+    let g = ctx.group;
     // One query row and small groups (decode): widen K/V inside the FMA loops, each element
     // once per block of 4 query heads. Otherwise (prefill): widen each tile once into f32 scratch.
     if u.row1 - u.row0 == 1 && g <= 4 {
+        let qbuf = scaled_queries(ctx, u);
         // SAFETY: same contract as this function.
         unsafe {
             match ctx.k.dtype() {
@@ -120,44 +149,45 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
         }
         return;
     }
-    let (mut kbuf, mut vbuf) = (vec![0.0f32; TILE * d], vec![0.0f32; TILE * d]);
-    let mut s = [0.0f32; 4 * TILE];
+    // Taken and put back rather than borrowed in a closure: a closure is not compiled with this
+    // entry's target features, and the kernels inlined into it would not be either.
+    let mut sc = SCRATCH.take();
+    // SAFETY: same contract as this function.
+    unsafe { attend_tiles::<WIDE>(ctx, u, st, &mut sc) };
+    SCRATCH.set(sc);
+}
+
+/// The prefill path of `attend_body`: the unit's keys tile by tile, each tile widened once.
+///
+/// # Safety
+/// As `attend_body`.
+#[inline(always)]
+unsafe fn attend_tiles<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State, sc: &mut Scratch) {
+    let (g, d, bs) = (ctx.group, ctx.shape.head_dim, ctx.shape.block_size);
     // The AVX-512 build takes the unit's queries as vector lanes (`lanes_tile`) when head_dim is
     // a multiple of 16 and no soft cap applies: per KV head, its queries transposed once.
     let lanes = WIDE && d % 16 == 0 && ctx.params.soft_cap.is_none();
     let rows = u.row1 - u.row0;
     let lw = (rows * g).div_ceil(16) * 16;
-    let qt: Vec<Vec<f32>> = if lanes {
-        (u.h0..u.h1)
-            .map(|h| {
-                // In blocks of 16 queries x 16 elements, so that the reads (16 query rows) and the
-                // writes (16 lanes of a row of `t`) stay in L1: query by query, every write of a
-                // query's d elements went to another cache line of `t`.
-                let mut t = vec![0f32; d * lw];
-                let nqh = rows * g;
-                for q0 in (0..nqh).step_by(16) {
-                    let qn = 16.min(nqh - q0);
-                    let mut src = [0usize; 16];
-                    for (l, at) in src[..qn].iter_mut().enumerate() {
-                        let (i, j) = ((q0 + l) / g, (q0 + l) % g);
-                        *at = (i * pr + (h - u.h0) * g + j) * d;
-                    }
-                    for c0 in (0..d).step_by(16) {
-                        for c in c0..(c0 + 16).min(d) {
-                            let row = &mut t[c * lw + q0..c * lw + q0 + qn];
-                            for (x, &at) in row.iter_mut().zip(&src[..qn]) {
-                                *x = qbuf[at + c];
-                            }
-                        }
-                    }
-                }
-                t
-            })
-            .collect()
+    let nh = u.h1 - u.h0;
+    // Rows of the widened tiles `ld` floats apart: for the lanes kernel one line more than
+    // head_dim, so that a column block of the tile's rows spreads over the L1 sets (at a stride of
+    // 1 KiB they fell into a quarter of them and evicted each other before their next use).
+    let ld = if lanes { d + 16 } else { d };
+    let kbuf = grown(&mut sc.kbuf, TILE * ld);
+    let vbuf = grown(&mut sc.vbuf, TILE * ld);
+    let (qt, sl, qbuf) = if lanes {
+        let qt = grown(&mut sc.qt, nh * d * lw);
+        for (hi, t) in qt.chunks_exact_mut(d * lw).enumerate() {
+            // SAFETY: WIDE: AVX-512 F enabled and detected (`attend_avx512`); d % 16 == 0; t is
+            // [d, lw] with lw = rows * group rounded up to 16.
+            unsafe { transpose_queries(ctx, u, u.h0 + hi, ctx.params.scale, t, lw) };
+        }
+        (&*qt, grown(&mut sc.sl, TILE * 64), Vec::new())
     } else {
-        Vec::new()
+        (&[][..], &mut [][..], scaled_queries(ctx, u))
     };
-    let mut sl = if lanes { vec![0f32; TILE * 16] } else { Vec::new() };
+    let mut s = [0.0f32; 4 * TILE];
     // Block pieces (block, offset, n) of the current tile.
     let mut pieces = [(0usize, 0usize, 0usize); TILE];
     let mut t = u.key_lo;
@@ -184,8 +214,16 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
             let mut at = 0;
             for &(blk, off, m) in &pieces[..np] {
                 let base = ctx.shape.offset(blk, h, off);
-                widen(ctx.k, base, m * d, &mut kbuf[at * d..(at + m) * d]);
-                widen(ctx.v, base, m * d, &mut vbuf[at * d..(at + m) * d]);
+                if ld == d {
+                    widen(ctx.k, base, m * d, &mut kbuf[at * d..(at + m) * d]);
+                    widen(ctx.v, base, m * d, &mut vbuf[at * d..(at + m) * d]);
+                } else {
+                    for r in 0..m {
+                        let row = (at + r) * ld;
+                        widen(ctx.k, base + r * d, d, &mut kbuf[row..row + d]);
+                        widen(ctx.v, base + r * d, d, &mut vbuf[row..row + d]);
+                    }
+                }
                 at += m;
             }
             let sg = [Seg {
@@ -194,20 +232,21 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
                 n,
             }];
             if lanes {
-                // SAFETY: WIDE: AVX-512 F enabled and detected (`attend_avx512`); kbuf/vbuf hold n*d
-                // f32 written just above; qt[h - h0] is this head's [d, lw] transposed queries.
+                // SAFETY: WIDE: AVX-512 F enabled and detected (`attend_avx512`); kbuf/vbuf hold n
+                // rows of d f32, ld apart, written just above; qt[h - h0] is this head's [d, lw] transposed queries.
                 unsafe {
                     lanes_tile(
                         ctx,
                         u,
                         st,
-                        &qt[h - u.h0],
+                        &qt[(h - u.h0) * d * lw..(h - u.h0 + 1) * d * lw],
                         lw,
-                        &kbuf[..n * d],
-                        &vbuf[..n * d],
+                        &kbuf[..n * ld],
+                        &vbuf[..n * ld],
+                        ld,
                         t,
                         h,
-                        &mut sl,
+                        sl,
                     )
                 };
                 continue;
