@@ -90,6 +90,61 @@ pub fn avx512_vnni() -> bool {
     }
 }
 
+/// Whether the quantized linear layer's AMX tile runs: AVX-512 VNNI (the rest of the product), AMX-TILE
+/// and AMX-INT8 in CPUID, the tile state enabled by the OS in XCR0 (bits 17 and 18), and Linux's
+/// permission to use it granted to this process (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); `PAGEDKV_AMX=0`
+/// turns it off. Some virtual machines report AMX in CPUID without enabling its state: there the
+/// XCR0 or permission check fails, and the VNNI tile runs.
+pub fn amx_int8() -> bool {
+    static AMX: OnceLock<bool> = OnceLock::new();
+    *AMX.get_or_init(|| {
+        let off = std::env::var("PAGEDKV_AMX").is_ok_and(|v| v.trim() == "0");
+        !off && avx512_vnni() && amx_detect()
+    })
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn amx_detect() -> bool {
+    use std::arch::x86_64::__cpuid_count;
+    // CPUID.(EAX=7, ECX=0):EDX bit 24 AMX-TILE, bit 25 AMX-INT8; CPUID.1:ECX bit 27 OSXSAVE.
+    let (leaf7, leaf1) = (__cpuid_count(7, 0), __cpuid_count(1, 0));
+    if leaf7.edx & (3 << 24) != 3 << 24 || leaf1.ecx & (1 << 27) == 0 {
+        return false;
+    }
+    let (lo, _hi): (u32, u32);
+    // SAFETY: OSXSAVE is set (checked above), so `xgetbv` with ECX = 0 is defined; it only reads XCR0.
+    unsafe {
+        std::arch::asm!("xgetbv", in("ecx") 0u32, out("eax") lo, out("edx") _hi, options(nomem, nostack, preserves_flags))
+    };
+    if lo & (3 << 17) != 3 << 17 {
+        return false;
+    }
+    // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): the process-wide permission (Linux >= 5.16).
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let ret: i64;
+    // SAFETY: the arch_prctl system call with a request and an integer argument: no memory is
+    // passed; the kernel clobbers rcx and r11 and returns in rax.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        )
+    };
+    ret == 0
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn amx_detect() -> bool {
+    false
+}
+
 /// Every ISA this CPU can run, scalar first (what tests iterate over).
 pub fn available_isas() -> Vec<Isa> {
     Isa::ALL.into_iter().filter(|i| i.available()).collect()

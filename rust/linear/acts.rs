@@ -19,12 +19,76 @@ use super::QBLOCK;
 use super::{avx2, x86};
 use crate::runtime::Isa;
 
+/// Bytes of 64-byte alignment: a digit row's 32-wide block never straddles two cache lines (the AMX
+/// tile loads a block of 16 rows in one instruction, several times slower where rows straddle).
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(C, align(64))]
+struct Line([i8; 64]);
+
+/// A digit buffer (`QActs::hi`, `lo`): `len` bytes from a 64-byte aligned start, used as a slice.
+#[derive(Clone, Default)]
+pub struct Digits64 {
+    lines: Vec<Line>,
+    len: usize,
+}
+
+impl Digits64 {
+    /// `len` zero bytes.
+    pub fn zeroed(len: usize) -> Self {
+        Digits64 {
+            lines: vec![Line([0; 64]); len.div_ceil(64)],
+            len,
+        }
+    }
+
+    /// No bytes.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `v` appended.
+    pub fn extend_from_slice(&mut self, v: &[i8]) {
+        let (at, len) = (self.len, self.len + v.len());
+        self.lines.resize(len.div_ceil(64), Line([0; 64]));
+        self.len = len;
+        self[at..].copy_from_slice(v);
+    }
+}
+
+impl std::ops::Deref for Digits64 {
+    type Target = [i8];
+    fn deref(&self) -> &[i8] {
+        // SAFETY: `lines` holds at least `len` initialized bytes (`Line` is 64 plain i8, no padding),
+        // contiguous from its start.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const i8, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for Digits64 {
+    fn deref_mut(&mut self) -> &mut [i8] {
+        // SAFETY: as for `deref`, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut i8, self.len) }
+    }
+}
+
+impl PartialEq for Digits64 {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl std::fmt::Debug for Digits64 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        (**self).fmt(f)
+    }
+}
+
 /// Activations of `m` rows `[m, k]`, quantized per 32-wide block in two int8 digits.
 pub struct QActs {
-    /// First digit `h`.
-    pub hi: Vec<i8>,
+    /// First digit `h` (row-major, 64-byte aligned).
+    pub hi: Digits64,
     /// Second digit `l` (the first one's rounding error).
-    pub lo: Vec<i8>,
+    pub lo: Digits64,
     /// The scale `s[r, b]` of block b of row r: `x ≈ s·(R·h + l)` (NaN when the block holds a
     /// NaN or infinity, so that output row is NaN; 0 for an all-zero block).
     pub s: Vec<f32>,
@@ -39,6 +103,9 @@ pub struct QActs {
     /// (wrapping i32): what a split panel's half dots start from (weight.rs); filled by
     /// `fill_halves` for weights that have split panels, else empty.
     pub halves: Vec<i32>,
+    /// Rows `0..amx_rows` (a multiple of 16) of `hi` and `lo` are in the AMX tile's blocks
+    /// (`block_at`); 0 when every row is row-major.
+    pub amx_rows: usize,
     /// 2, or 1 when only the first digit was taken (`quantize_one`: every `l` 0 and `R` 1, so the
     /// two-digit formula gives the one-digit product exactly and a tile may skip the `l` dots).
     pub digits: usize,
@@ -48,13 +115,14 @@ impl QActs {
     pub(super) fn zeroed(m: usize, k: usize) -> Self {
         let nb = k / QBLOCK;
         QActs {
-            hi: vec![0; m * k],
-            lo: vec![0; m * k],
+            hi: Digits64::zeroed(m * k),
+            lo: Digits64::zeroed(m * k),
             s: vec![0.0; m * nb],
             base: vec![0; m * nb],
             qs: vec![0.0; m * nb],
             tiled: Vec::new(),
             halves: Vec::new(),
+            amx_rows: 0,
             digits: 2,
         }
     }
@@ -97,7 +165,7 @@ impl QActs {
                 for (h, x) in o.iter_mut().enumerate() {
                     let (mut sh, mut sl) = (0i32, 0i32);
                     if rows {
-                        let at = r * k + b * QBLOCK + h * QBLOCK / 2;
+                        let at = block_at(r, b, k, this.amx_rows) + h * QBLOCK / 2;
                         sh = this.hi[at..][..QBLOCK / 2].iter().map(|&v| v as i32).sum();
                         sl = this.lo[at..][..QBLOCK / 2].iter().map(|&v| v as i32).sum();
                     } else {
@@ -120,6 +188,22 @@ impl QActs {
             halves.chunks_mut(2 * nb).enumerate().for_each(|(r, o)| fill(r, o));
         }
         self.halves = halves;
+    }
+}
+
+/// Rows of one AMX tile: the AMX layout of `hi` and `lo` keeps groups of this many rows.
+pub(super) const AMX_GROUP: usize = 16;
+
+/// Where block `b` of row `r` starts in `hi` and `lo` of rows of `k` whose first `amx_rows` (a
+/// multiple of `AMX_GROUP`) are in the AMX tile's layout: each group of 16 rows keeps its `k·16`
+/// bytes, block by block, a block's 16 rows of 32 bytes one after another (what one tile load
+/// takes, contiguous); the rows after them, row-major.
+#[inline(always)]
+pub(super) fn block_at(r: usize, b: usize, k: usize, amx_rows: usize) -> usize {
+    if r < amx_rows {
+        (r / AMX_GROUP * AMX_GROUP) * k + (b * AMX_GROUP + r % AMX_GROUP) * QBLOCK
+    } else {
+        r * k + b * QBLOCK
     }
 }
 
@@ -241,8 +325,8 @@ pub fn quantize_one(x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
     }
     if tiled {
         a.pack_tiled(m, k);
-        a.hi = Vec::new();
-        a.lo = Vec::new();
+        a.hi = Digits64::new();
+        a.lo = Digits64::new();
     }
     a
 }
@@ -361,36 +445,54 @@ pub(super) fn quantize_fast(v: Isa, x: &[f32], m: usize, k: usize, one: bool) ->
 
 /// The VNNI tile's activations: the digits in `tiled` only (`hi` and `lo` empty), straight from
 /// the AVX-512 quantizer (the same bytes `pack_tiled` makes of `quantize_acts`; cargo tests), in
-/// chunks of `chunk` rows (rounded up to a multiple of `TILED_ROWS`) on the rayon pool when there
+/// chunks of `chunk` rows (rounded up to a multiple of `AMX_GROUP`) on the rayon pool when there
 /// is more than one, each written in place. `one`: the first digit only (`quantize_one`'s).
 pub(super) fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize, one: bool) -> QActs {
+    quantize_chunks(x, m, k, chunk, one, false)
+}
+
+/// `quantize_tiled`, or with `rows` the same chunks written to `hi` and `lo` in the AMX tile's layout
+/// (`block_at`; `tiled` empty).
+pub(super) fn quantize_chunks(x: &[f32], m: usize, k: usize, chunk: usize, one: bool, rows: bool) -> QActs {
     #[cfg(target_arch = "x86_64")]
     if Isa::Avx512.available() {
         use rayon::prelude::*;
         let nb = k / QBLOCK;
+        let row_digits = || Digits64::zeroed(if rows { m * k } else { 0 });
+        let a_rows = if rows { m / AMX_GROUP * AMX_GROUP } else { 0 };
         let mut a = QActs {
-            hi: Vec::new(),
-            lo: Vec::new(),
+            hi: row_digits(),
+            lo: row_digits(),
             s: vec![0.0; m * nb],
             base: vec![0; m * nb],
             qs: vec![0.0; m * nb],
-            tiled: vec![0; 2 * m * k],
+            tiled: if rows { Vec::new() } else { vec![0; 2 * m * k] },
             halves: Vec::new(),
+            amx_rows: a_rows,
             digits: if one { 1 } else { 2 },
         };
-        let chunk = chunk.max(1).next_multiple_of(TILED_ROWS);
+        let chunk = chunk.max(1).next_multiple_of(AMX_GROUP);
         let mut parts = Vec::with_capacity(m.div_ceil(chunk));
         let (mut rest, mut r) = (a.rows_mut(), 0);
         while r < m {
             let n = chunk.min(m - r);
             let (head, tail) = rest.split(n, k);
-            parts.push((&x[r * k..(r + n) * k], head));
+            // Rows: the chunk's rows in whole AMX groups (chunks start at multiples of 16 rows).
+            let to = match rows {
+                true => x86::Digits::Amx {
+                    k,
+                    full: a_rows.saturating_sub(r).min(n),
+                },
+                false => x86::Digits::Tiled { k },
+            };
+            parts.push((&x[r * k..(r + n) * k], head, to));
             (rest, r) = (tail, r + n);
         }
-        let run = |(xc, mut v): (&[f32], ActsMut)| {
-            // SAFETY: AVX-512 F/BW detected; xc holds whole rows, and v is those rows' `tiled` and
-            // scale buffers (`split` at multiples of TILED_ROWS rows: their own groups).
-            unsafe { x86::quantize(xc, &mut v, x86::Digits::Tiled { k }, one) }
+        let run = |(xc, mut v, to): (&[f32], ActsMut, x86::Digits)| {
+            // SAFETY: AVX-512 F/BW detected; xc holds whole rows, and v is those rows' digit
+            // (`hi` and `lo`, or `tiled`) and scale buffers (`split` at multiples of TILED_ROWS
+            // rows: their own groups).
+            unsafe { x86::quantize(xc, &mut v, to, one) }
         };
         if parts.len() > 1 {
             parts.into_par_iter().for_each(run);
@@ -401,10 +503,12 @@ pub(super) fn quantize_tiled(x: &[f32], m: usize, k: usize, chunk: usize, one: b
     }
     let _ = chunk;
     if one {
-        return quantize_one(x, m, k, true);
+        return quantize_one(x, m, k, !rows);
     }
     let mut a = quantize_acts(x, m, k);
-    a.pack_tiled(m, k);
+    if !rows {
+        a.pack_tiled(m, k);
+    }
     a
 }
 
@@ -424,13 +528,14 @@ pub(super) fn quantize_par(v: Isa, x: &[f32], m: usize, k: usize, tiled: bool, o
         .map(|c| quantize_fast(v, c, c.len() / k, k, one))
         .collect();
     let mut a = QActs {
-        hi: Vec::with_capacity(m * k),
-        lo: Vec::with_capacity(m * k),
+        hi: Digits64::new(),
+        lo: Digits64::new(),
         s: Vec::new(),
         base: Vec::new(),
         qs: Vec::new(),
         tiled: Vec::new(),
         halves: Vec::new(),
+        amx_rows: 0,
         digits: if one { 1 } else { 2 },
     };
     for p in parts {

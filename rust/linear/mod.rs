@@ -95,6 +95,8 @@
 
 mod acts;
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod gguf;
 mod pack;
@@ -110,7 +112,7 @@ pub use acts::{quantize_acts, quantize_one, QActs};
 pub use product::Product;
 pub use weight::{Muls, QWeight, Scales};
 
-use acts::{quantize_par, TILED_MIN_ROWS};
+use acts::{quantize_chunks, quantize_par, TILED_MIN_ROWS};
 use product::{check_shapes, run_job, Args, SendPtr, JOB_PANELS};
 
 use crate::error::Result;
@@ -147,9 +149,25 @@ pub fn variant(isa: Isa) -> Isa {
     }
 }
 
-/// What `kernel_info()` reports for the build `variant(isa)` runs.
+/// Whether a product of `m` rows of `w` on build `v` runs the AMX tile: the AVX-512 build, at least
+/// `AMX_MIN_ROWS` rows, no split panel in `w`, AMX-INT8 usable (`runtime::amx_int8`).
+fn amx_for(v: Isa, m: usize, w: &QWeight) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        v == Isa::Avx512 && m >= amx::AMX_MIN_ROWS && !w.split.iter().any(|&s| s) && runtime::amx_int8()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (v, m, w);
+        false
+    }
+}
+
+/// What `kernel_info()` reports for the build `variant(isa)` runs (`avx512amx`: the VNNI tile, and
+/// the AMX one where `amx_for` takes it).
 pub fn variant_name(isa: Isa) -> &'static str {
     match variant(isa) {
+        Isa::Avx512 if runtime::amx_int8() => "avx512amx",
         Isa::Avx512 => "avx512vnni",
         Isa::Avx2 => "avx2",
         _ => "scalar",
@@ -173,16 +191,30 @@ pub fn linear(x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
 
 /// `linear` with an explicit variant (tests compare them).
 pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
-    linear_ld(isa, x, m, w, out, None)
+    linear_ld(isa, x, m, w, out, None, true)
+}
+
+/// `linear_with` that never runs the AMX tile (tests compare the tiles).
+#[cfg(test)]
+fn linear_without_amx(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
+    linear_ld(isa, x, m, w, out, None, false)
 }
 
 /// `linear` into rows `ld` floats apart: `out` starts at the first row's first column of a wider
 /// matrix (see `Product::strided`).
 pub fn linear_strided(x: &[f32], m: usize, w: &QWeight, out: &mut [f32], ld: usize) -> Result<()> {
-    linear_ld(active_isa()?, x, m, w, out, Some(ld))
+    linear_ld(active_isa()?, x, m, w, out, Some(ld), true)
 }
 
-fn linear_ld(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32], ld: Option<usize>) -> Result<()> {
+fn linear_ld(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    w: &QWeight,
+    out: &mut [f32],
+    ld: Option<usize>,
+    allow_amx: bool,
+) -> Result<()> {
     use rayon::prelude::*;
     let k = w.k;
     check_shapes(x, m, w, out, ld)?;
@@ -194,9 +226,13 @@ fn linear_ld(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32], ld: Op
     let out_ptr = SendPtr(out.as_mut_ptr());
     pool.install(|| {
         let one = w.act_digits() == 1;
+        let amx = allow_amx && amx_for(variant(isa), m, w);
         let mut acts = match variant(isa) {
             Isa::Scalar if one => quantize_one(x, m, k, false),
             Isa::Scalar => quantize_acts(x, m, k),
+            // The AMX tile's layout (in chunks of 64 rows on the pool), else the VNNI tile's tiled
+            // digits from 8 rows on.
+            _ if amx => quantize_chunks(x, m, k, 64, one, true),
             v => quantize_par(v, x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS, one),
         };
         if !w.split.is_empty() {
@@ -209,6 +245,7 @@ fn linear_ld(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32], ld: Op
                 w,
                 out: out_ptr.get(),
                 ld,
+                amx,
             };
             let p0 = j * JOB_PANELS;
             let np = JOB_PANELS.min(w.panels() - p0);

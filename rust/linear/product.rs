@@ -12,12 +12,12 @@
 //! Work is split over output columns only, never over K: each output is computed by one tile,
 //! alone, so the bits do not depend on the job size, the order or the thread (tests.rs).
 
-use super::acts::{quantize_acts, quantize_fast, quantize_one, quantize_tiled, QActs, TILED_MIN_ROWS};
+use super::acts::{quantize_acts, quantize_chunks, quantize_fast, quantize_one, quantize_tiled, QActs, TILED_MIN_ROWS};
 use super::scalar::tile_scalar;
-use super::variant;
 use super::weight::QWeight;
 #[cfg(target_arch = "x86_64")]
-use super::{avx2, x86};
+use super::{amx, avx2, x86};
+use super::{amx_for, variant};
 use crate::error::{Error, Result};
 use crate::runtime::Isa;
 
@@ -28,6 +28,8 @@ pub(super) struct Args<'a> {
     pub(super) out: *mut f32,
     /// Floats between two output rows (`n` for a contiguous `[m, n]` output).
     pub(super) ld: usize,
+    /// The AVX-512 build runs the AMX tile (`amx_for`; the digits are then `hi` / `lo` rows).
+    pub(super) amx: bool,
 }
 
 /// Rows per tile of the SIMD tiles (each row is two digit streams).
@@ -123,6 +125,7 @@ pub struct Product<'a> {
     m: usize,
     out: SendPtr,
     ld: usize,
+    amx: bool,
     panels_per_job: usize,
     _out: std::marker::PhantomData<&'a mut [f32]>,
 }
@@ -138,7 +141,20 @@ impl<'a> Product<'a> {
     /// decode by about an eighth and gained nothing at 8 or 32 sequences; 2 a thread lost at 8
     /// sequences (one job a thread leaves the faster thread idle).
     pub fn new(isa: Isa, x: &[f32], m: usize, w: &'a QWeight, out: &'a mut [f32], threads: usize) -> Result<Self> {
-        Self::build(isa, x, m, w, out, None, threads)
+        Self::build(isa, x, m, w, out, None, threads, true)
+    }
+
+    /// `new` that never runs the AMX tile (tests compare the tiles).
+    #[cfg(test)]
+    pub(super) fn without_amx(
+        isa: Isa,
+        x: &[f32],
+        m: usize,
+        w: &'a QWeight,
+        out: &'a mut [f32],
+        threads: usize,
+    ) -> Result<Self> {
+        Self::build(isa, x, m, w, out, None, threads, false)
     }
 
     /// `new` with the output rows `ld` floats apart: `out` starts at the first row's first column
@@ -152,9 +168,11 @@ impl<'a> Product<'a> {
         ld: usize,
         threads: usize,
     ) -> Result<Self> {
-        Self::build(isa, x, m, w, out, Some(ld), threads)
+        Self::build(isa, x, m, w, out, Some(ld), threads, true)
     }
 
+    // The one constructor behind `new`, `strided` and `without_amx`.
+    #[allow(clippy::too_many_arguments)]
     fn build(
         isa: Isa,
         x: &[f32],
@@ -163,11 +181,15 @@ impl<'a> Product<'a> {
         out: &'a mut [f32],
         ld: Option<usize>,
         threads: usize,
+        allow_amx: bool,
     ) -> Result<Self> {
         let k = w.k;
         check_shapes(x, m, w, out, ld)?;
         let one = w.act_digits() == 1;
+        let amx = allow_amx && amx_for(variant(isa), m, w);
         let acts = match variant(isa) {
+            // The AMX tile reads `hi` / `lo` rows, quantized in chunks as below.
+            _ if amx => quantize_chunks(x, m, k, m.div_ceil(threads.max(1)), one, true),
             Isa::Scalar if one => quantize_one(x, m, k, false),
             Isa::Scalar => quantize_acts(x, m, k),
             // Rows in chunks a thread from TEAM_QUANTIZE_ROWS on: the team's idle helpers take
@@ -188,6 +210,7 @@ impl<'a> Product<'a> {
             m,
             out: SendPtr(out.as_mut_ptr()),
             ld: ld.unwrap_or(w.n),
+            amx,
             panels_per_job,
             _out: std::marker::PhantomData,
         })
@@ -213,6 +236,7 @@ impl<'a> Product<'a> {
             w: self.w,
             out: self.out.get(),
             ld: self.ld,
+            amx: self.amx,
         };
         let p0 = j * self.panels_per_job;
         run_job(self.isa, &a, self.m, p0, self.panels_per_job.min(self.w.panels() - p0));
@@ -251,8 +275,16 @@ fn run_panels(v: Isa, a: &Args, m: usize, p0: usize, np: usize, (bits, split): (
             // SAFETY: `variant` gives Avx512 only when AVX-512 F/BW/VNNI are detected, and
             // `run_job` hands it runs of panels of the layout `bits`, split or not as `split` says
             // (with `halves` filled where a panel is split); the tile bounds are within the
-            // activations, weights and output sized by `linear_with`.
-            unsafe { x86::job(a, m, p0, np, bits, split) }
+            // activations, weights and output sized by `linear_with`. `a.amx` only where
+            // `amx_for` found AMX-INT8 usable, and then the digits are `hi` / `lo` rows.
+            unsafe {
+                if a.amx {
+                    debug_assert!(!split, "`amx_for` keeps weights with split panels off the AMX tile");
+                    amx::job(a, m, p0, np, bits)
+                } else {
+                    x86::job(a, m, 0, p0, np, bits, split)
+                }
+            }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {

@@ -652,14 +652,14 @@ fn gguf_rows_take_their_types_layouts() {
     let w = QWeight::from_gguf_parts(&[("Q4_K", &q4, 24), ("Q6_K", &q6, 29)], k).unwrap();
     let got: Vec<(usize, bool)> = (0..w.panels()).map(|p| (w.panel_bits(p), w.panel_split(p))).collect();
     assert_eq!(got, [(4, false), (6, false), (6, true), (6, true)]);
-    same_products_everywhere(&mut r, &w, &[1, 8, 19], "q4_k + q6_k");
+    same_products_everywhere(&mut r, &w, &[1, 8, 19, 32], "q4_k + q6_k");
     // One folded Q6_K block with different scales in its halves: that panel goes 8-bit.
     let mut q6b = q6.clone();
     q6b[210 * 3 * (k / 256) + 192 + 1] ^= 0x40; // Q6_K row 3 (panel 1 of the fused weight), block 0
     let w = QWeight::from_gguf_parts(&[("Q4_K", &q4, 24), ("Q6_K", &q6b, 29)], k).unwrap();
     let got: Vec<(usize, bool)> = (0..w.panels()).map(|p| (w.panel_bits(p), w.panel_split(p))).collect();
     assert_eq!(got, [(4, false), (8, false), (6, true), (6, true)]);
-    same_products_everywhere(&mut r, &w, &[2, 9], "q4_k + q6_k, 8-bit fold");
+    same_products_everywhere(&mut r, &w, &[2, 9, 17], "q4_k + q6_k, 8-bit fold");
     // Split panels take 6 bits and 2 bytes of scales a block and column, plus 4 a super-block.
     let w = QWeight::from_gguf("Q6_K", &q6[..210 * 16 * (k / 256)], 16, k).unwrap();
     assert_eq!(w.nbytes(), 16 * k * 6 / 8 + 16 * (k / 32 * 2 + k / 256 * 4));
@@ -699,7 +699,7 @@ fn split_panels_give_the_scalar_bits_and_the_files_values() {
         let wm = QWeight::from_gguf_parts(&[("Q6_K", &raw, n), ("Q8_0", &q8, 16)], k).unwrap();
         assert_ne!(wm.scale_format(), "grid");
         assert_eq!(wm.split_panels(), n / PANEL, "case {case}");
-        same_products_everywhere(&mut r, &wm, &[1, 8, 11], &format!("case {case} mixed"));
+        same_products_everywhere(&mut r, &wm, &[1, 8, 11, 21], &format!("case {case} mixed"));
     }
     // Activations at the digits' edges (one outlier a block, ±127 digits).
     let raw = random_gguf_rows(&mut r, "Q6_K", 32, 512);
@@ -912,7 +912,7 @@ fn mixed_layout_panels_give_the_eight_bit_products() {
         let n = q4 + q6;
         assert_eq!(w.nibble_panels(), nibble_panels, "case {case}");
         assert_eq!(w.split_panels(), split_panels, "case {case}");
-        same_products_everywhere(&mut r, &w, &[1, 3, 9, 33], &format!("case {case}"));
+        same_products_everywhere(&mut r, &w, &[1, 3, 9, 33, 48], &format!("case {case}"));
         if split_panels > 0 {
             continue;
         }
@@ -946,17 +946,31 @@ fn same_products_everywhere(r: &mut Rng, w: &QWeight, row_counts: &[usize], labe
                 );
             }
             for isa in crate::runtime::available_isas() {
-                let mut y = vec![f32::NAN; rows * n];
-                linear_with(isa, &x, rows, &w, &mut y).unwrap();
-                assert_eq!(y, want, "{label} digits {digits} isa {isa:?} rows {rows}");
-                let mut y = vec![f32::NAN; rows * n];
-                let p = Product::new(isa, &x, rows, &w, &mut y, 2).unwrap();
-                for j in (0..p.jobs()).rev() {
-                    // SAFETY: each job once, on this thread.
-                    unsafe { p.run(j) };
+                // With the AMX tile where this CPU runs it (from 16 rows), and without.
+                for amx in [true, false] {
+                    let mut y = vec![f32::NAN; rows * n];
+                    if amx {
+                        linear_with(isa, &x, rows, &w, &mut y).unwrap();
+                    } else {
+                        linear_without_amx(isa, &x, rows, &w, &mut y).unwrap();
+                    }
+                    assert_eq!(y, want, "{label} digits {digits} isa {isa:?} amx {amx} rows {rows}");
+                    let mut y = vec![f32::NAN; rows * n];
+                    let p = if amx {
+                        Product::new(isa, &x, rows, &w, &mut y, 2).unwrap()
+                    } else {
+                        Product::without_amx(isa, &x, rows, &w, &mut y, 2).unwrap()
+                    };
+                    for j in (0..p.jobs()).rev() {
+                        // SAFETY: each job once, on this thread.
+                        unsafe { p.run(j) };
+                    }
+                    drop(p);
+                    assert_eq!(
+                        y, want,
+                        "{label} digits {digits} isa {isa:?} amx {amx} rows {rows} product"
+                    );
                 }
-                drop(p);
-                assert_eq!(y, want, "{label} digits {digits} isa {isa:?} rows {rows} product");
             }
         }
     }
@@ -1174,6 +1188,8 @@ fn long_jobs_and_row_blocks_give_the_scalar_bits() {
         (40, 1536, 70, 2),
         (37, 3072, 17, 1),
         (300, 32, 1601, 1),
+        // The AMX tile's row blocks (32 rows at this k) and 5 rows left to the VNNI tile.
+        (20, 16384, 85, 1),
     ] {
         let block = (ROW_BLOCK_BYTES / (2 * k)).max(MR);
         assert!(

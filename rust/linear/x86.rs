@@ -72,6 +72,41 @@ macro_rules! to_bit4 {
     };
 }
 
+/// Step `$g` (a literal) of the block of `$bits`-bit codes at `$wb` as the 8-bit layout holds it
+/// (64 bytes: 16 rows × 4 k); `$low4` = 0x0f and `$high` = the high bits' mask (0x10 for 5 bits,
+/// 0x30 for 6) in every byte (in an `unsafe` block: AVX-512 F/BW and the block's `$bits` lines of
+/// 64 bytes at `$wb`).
+macro_rules! code_vector {
+    ($bits:expr, $wb:expr, $g:literal, $low4:expr, $high:expr) => {{
+        let line = |l: usize| _mm512_loadu_si512($wb.add(l * 64) as *const _);
+        if $bits == 8 {
+            line($g)
+        } else {
+            // Nibble line g/2: step g in its low nibbles when g is even, its high ones when odd.
+            let nib = if $g % 2 == 0 {
+                line($g / 2)
+            } else {
+                _mm512_srli_epi16::<4>(line($g / 2))
+            };
+            if $bits == 4 {
+                _mm512_and_si512(nib, $low4)
+            } else {
+                // The high bits: 5-bit, bit g of line 4; 6-bit, bits 2(g%4).. of line 4 + g/4.
+                let (hl, at) = if $bits == 5 {
+                    (line(4), $g)
+                } else {
+                    (line(4 + $g / 4), 2 * ($g % 4))
+                };
+                let hi = _mm512_and_si512(to_bit4!(hl, at), $high);
+                // (nib & 0x0f) | hi: A = nib, B = hi, C = low4 -> (0xf0 & 0xaa) | 0xcc.
+                _mm512_ternarylogic_epi32::<0xec>(nib, hi, $low4)
+            }
+        }
+    }};
+}
+pub(super) use code_vector;
+pub(super) use to_bit4;
+
 /// Sixteen grid multipliers `$m` (`Muls`) from index `$at`, as i32 (in an `unsafe` block: they exist).
 macro_rules! muls16 {
     ($m:expr, $at:expr) => {
@@ -116,6 +151,8 @@ macro_rules! block_scales {
         }
     }};
 }
+pub(super) use block_scales;
+pub(super) use muls16;
 
 /// Rows of the largest tile (one panel: 16 int32 sums + 8 f32 accumulators + 1 code vector). Each
 /// code vector meets 16 `vpdpbusd` (the activations as embedded broadcasts), so the tile that
@@ -128,18 +165,19 @@ const _: () = assert!(
     "a tile's rows lie in one group of `QActs::tiled`"
 );
 
-/// All row tiles of panels `p0..p0+np`, every one of them in the `bits`-bit layout (4, 5, 6 or 8)
-/// and split or not as `split` says (split: 6 bits).
+/// The row tiles of rows `from..m` (`from` 0, or a multiple of 8 when the digits are tiled) and
+/// panels `p0..p0+np`, every one of them in the `bits`-bit layout (4, 5, 6 or 8) and split or not
+/// as `split` says (split: 6 bits).
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VNNI; `a` describes activations of `m` rows and an output of
 /// `m × n` floats; `p0 + np <= panels`; panels `p0..p0+np` hold their codes in the `bits`-bit layout,
 /// split as `split` says, and `QActs::halves` is filled when they are split.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, bits: usize, split: bool) {
-    tile_order(m, a.w.k, p0, np, TILE_ROWS, |r0, rows, ps, pn, first| {
+pub(super) unsafe fn job(a: &Args, m: usize, from: usize, p0: usize, np: usize, bits: usize, split: bool) {
+    tile_order(m - from, a.w.k, p0, np, TILE_ROWS, |r0, rows, ps, pn, first| {
         // The pass's rows in tiles of 8 (one panel each), then 4, 2, 1 (two panels each).
-        let (mut r, mut left, mut first) = (r0, rows, first);
+        let (mut r, mut left, mut first) = (from + r0, rows, first);
         while left > 0 {
             let take = [8, 4, 2, 1].into_iter().find(|&t| t <= left).unwrap_or(1);
             // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
@@ -403,31 +441,8 @@ unsafe fn tile<
         // One 4-wide k step `g` (a literal: every offset below is a constant).
         macro_rules! step {
             ($g:literal) => {{
-                let wv: [__m512i; NP] = std::array::from_fn(|p| {
-                    // SAFETY: line l < BITS of the block's (see `wb`).
-                    let line = |l: usize| unsafe { _mm512_loadu_si512(wb[p].add(l * 64) as *const _) };
-                    if BITS == 8 {
-                        return line($g);
-                    }
-                    // Nibble line g/2: step g in its low nibbles when g is even, its high ones when odd.
-                    let nib = if $g % 2 == 0 {
-                        line($g / 2)
-                    } else {
-                        _mm512_srli_epi16::<4>(line($g / 2))
-                    };
-                    if BITS == 4 {
-                        return _mm512_and_si512(nib, low4);
-                    }
-                    // The high bits: 5-bit, bit g of line 4; 6-bit, bits 2(g%4).. of line 4 + g/4.
-                    let (hl, at) = if BITS == 5 {
-                        (line(4), $g)
-                    } else {
-                        (line(4 + $g / 4), 2 * ($g % 4))
-                    };
-                    let hi = _mm512_and_si512(to_bit4!(hl, at), high);
-                    // (nib & 0x0f) | hi: A = nib, B = hi, C = low4 -> (0xf0 & 0xaa) | 0xcc.
-                    _mm512_ternarylogic_epi32::<0xec>(nib, hi, low4)
-                });
+                // SAFETY: the block's BITS lines (see `wb`).
+                let wv: [__m512i; NP] = std::array::from_fn(|p| unsafe { code_vector!(BITS, wb[p], $g, low4, high) });
                 let sums = if R == 1 && $g % 2 == 1 { &mut ib } else { &mut ia };
                 if !rows {
                     // The tiled digits: step g of the group at `xg`, each row's 8 bytes at a
@@ -554,7 +569,26 @@ pub(super) unsafe fn quantize(x: &[f32], a: &mut super::ActsMut, to: Digits, one
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) enum Digits {
     Rows,
-    Tiled { k: usize },
+    Tiled {
+        k: usize,
+    },
+    /// `hi` and `lo` with the first `full` rows (a multiple of 16) in the AMX tile's blocks
+    /// (`QActs::block_at`), the rest as rows.
+    Amx {
+        k: usize,
+        full: usize,
+    },
+}
+
+impl Digits {
+    /// Where block `i` (row-major over the rows' blocks) starts in `hi` and `lo` (not `Tiled`).
+    #[inline(always)]
+    fn block_at(self, i: usize) -> usize {
+        match self {
+            Digits::Amx { k, full } => super::acts::block_at(i / (k / QBLOCK), i % (k / QBLOCK), k, full),
+            _ => i * QBLOCK,
+        }
+    }
 }
 
 /// The two digits of block `bi` of row `row` (of `m` rows of `k`) into `a.tiled`: `steps[j]` = the
@@ -596,9 +630,10 @@ unsafe fn quantize_each(x: &[f32], a: &mut super::ActsMut, from: usize, to: Digi
             }
         }
         match to {
-            Digits::Rows => {
-                a.hi[i * QBLOCK..][..QBLOCK].copy_from_slice(&bytes[0]);
-                a.lo[i * QBLOCK..][..QBLOCK].copy_from_slice(&bytes[1]);
+            Digits::Rows | Digits::Amx { .. } => {
+                let at = to.block_at(i);
+                a.hi[at..][..QBLOCK].copy_from_slice(&bytes[0]);
+                a.lo[at..][..QBLOCK].copy_from_slice(&bytes[1]);
             }
             Digits::Tiled { k } => {
                 let word =
@@ -768,7 +803,7 @@ unsafe fn quantize16<const ONE: bool>(x: &[f32], a: &mut super::ActsMut, at: usi
     // For `Digits::Tiled`, dword pairs (h[4j..], l[4j..]) for k steps j = 0..8 instead: h[4j..] is
     // dword 4j of `packed` for j < 4 and 4(j-4)+1 after, l[4j..] two dwords on.
     let order = match to {
-        Digits::Rows => LANE_BLOCK,
+        Digits::Rows | Digits::Amx { .. } => LANE_BLOCK,
         Digits::Tiled { .. } => [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15],
     };
     // SAFETY: order holds 16 u32.
@@ -776,7 +811,7 @@ unsafe fn quantize16<const ONE: bool>(x: &[f32], a: &mut super::ActsMut, at: usi
     // Digits::Tiled: the rows `tiled` holds, and block `at`'s row and place in it, stepped below.
     let (rows, mut pos) = match to {
         Digits::Tiled { k } => (a.tiled.len() / (2 * k), (at / (k / QBLOCK), at % (k / QBLOCK))),
-        Digits::Rows => (0, (0, 0)),
+        Digits::Rows | Digits::Amx { .. } => (0, (0, 0)),
     };
     for b in 0..16 {
         let i = at + b;
@@ -787,13 +822,11 @@ unsafe fn quantize16<const ONE: bool>(x: &[f32], a: &mut super::ActsMut, at: usi
         let both = _mm512_permutexvar_epi32(order, packed);
         match to {
             // SAFETY: block i has 32 codes in each digit buffer.
-            Digits::Rows => unsafe {
+            Digits::Rows | Digits::Amx { .. } => unsafe {
+                let at = to.block_at(i);
+                _mm256_storeu_si256(a.hi.as_mut_ptr().add(at) as *mut __m256i, _mm512_castsi512_si256(both));
                 _mm256_storeu_si256(
-                    a.hi.as_mut_ptr().add(i * QBLOCK) as *mut __m256i,
-                    _mm512_castsi512_si256(both),
-                );
-                _mm256_storeu_si256(
-                    a.lo.as_mut_ptr().add(i * QBLOCK) as *mut __m256i,
+                    a.lo.as_mut_ptr().add(at) as *mut __m256i,
                     _mm512_extracti64x4_epi64::<1>(both),
                 );
             },
