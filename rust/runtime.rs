@@ -5,7 +5,7 @@
 //! |----------|-------------------------------------------|------------------------|---------------------------------|----------|
 //! | `scalar` | anything                                  | `reference.rs`         | portable tile                   | plain    |
 //! | `avx2`   | x86-64 with AVX2 + FMA + F16C             | `x86/` `attend`        | `avx2.rs` `vpmaddubsw` tile     | AVX2 build |
-//! | `avx512` | also AVX-512 F + VL + BW                  | `x86/` `attend_avx512` | VNNI tile when `avx512_vnni()`, else the AVX2 one | AVX-512 build |
+//! | `avx512` | also AVX-512 F + VL + BW                  | `x86/` `attend_avx512` | VNNI tile when `avx512_vnni()` (AMX one too when `amx_int8()`), else the AVX2 one | AVX-512 build |
 //! | `neon`   | aarch64 (NEON is baseline)                | `aarch64.rs` `attend`  | portable tile                   | plain    |
 //!
 //! Setting: `auto` (the widest ISA detected) or one ISA forced. `PAGEDKV_ISA=auto|scalar|avx2|

@@ -5,12 +5,13 @@
 //! | `quantize_acts`  | scalar (spec) | `hi`, `lo` rows; `pack_tiled` makes the tiled one of it |
 //! | `quantize_one`   | every variant | the first digit alone (`lo` 0), rows or tiled           |
 //! | `avx2::quantize` | avx2          | `hi`, `lo` rows                                         |
-//! | `x86::quantize`  | avx512vnni    | `hi`, `lo` rows, or `tiled` (`x86::Digits`)             |
+//! | `x86::quantize`  | avx512vnni    | `hi`, `lo` rows, `tiled`, or the AMX layout (`x86::Digits`) |
 //!
-//! `quantize_fast` picks the one beside the tile that runs, `quantize_par` and `quantize_tiled`
-//! cut the rows into chunks on the rayon pool. Layouts: `QActs::hi` and `lo` row-major `[m, k]`;
-//! `QActs::tiled` rows in groups of `TILED_ROWS`, a 4-wide k step holding the group's digits
-//! side by side (`pack_tiled`). Tolerance: none, every quantizer writes the scalar one's bytes
+//! `quantize_fast` picks the one beside the tile that runs, `quantize_par`, `quantize_tiled` and
+//! `quantize_chunks` cut the rows into chunks on the rayon pool. Layouts: `QActs::hi` and `lo`
+//! row-major `[m, k]`, 64-byte aligned (`Digits64`), or with their first `amx_rows` rows in the AMX
+//! tile's groups of 16 (`block_at`); `QActs::tiled` rows in groups of `TILED_ROWS`, a 4-wide k step
+//! holding the group's digits side by side (`pack_tiled`). Tolerance: none, every quantizer writes the scalar one's bytes
 //! (tests.rs compares them, NaN and infinite blocks included).
 
 use super::weight::SPLIT_ZERO;

@@ -1,25 +1,26 @@
-//! AMX tile of the block-quantized linear layer (formula and layouts: `mod.rs`), for products of at
-//! least `AMX_MIN_ROWS` rows (batched decode, prefill) of weights without split panels, on CPUs
-//! whose AMX-INT8 the OS enables (`runtime::amx_int8`).
+//! AMX tile of the block-quantized linear layer (formula and layouts: `mod.rs`): products of at
+//! least `AMX_MIN_ROWS` rows (batched decode, prefill) with one-digit activations, of weights
+//! without split panels, on CPUs whose AMX-INT8 the OS enables (`runtime::amx_int8`).
 //!
 //! One `tdpbsud` multiplies 16 activation rows by a 16-column panel over a 32-wide block: the A
-//! tiles are the block's digits of the 16 rows, which the quantizer lays out for it (`QActs`'s AMX
-//! layout: a group of 16 rows keeps each block's 16 × 32 bytes together, one contiguous tile
-//! load), and the B tile is the block's 8 code lines as the panels hold them (16 columns × 4 k a
-//! line: the layout AMX wants for its second operand). The 16 × 16 int32 sums are the integers
-//! `vpdpbusd` adds up (exact: mod.rs); stored to a buffer, they are folded into the 16 rows' f32
-//! accumulators with the VNNI tile's operations in its order (`R·Σc·h + Σc·l`, then
-//! `fma(cvt(dot), d·s, acc)` and `fma(m, qs, acc)`), so the results are the scalar tile's bits.
+//! tile is the block's digits of the 16 rows, which the quantizer lays out for it (`QActs`'s AMX
+//! layout: a group of 16 rows keeps each block's 16 × 32 bytes together, one contiguous load), and
+//! the B tile is the block's 8 code lines as the panels hold them (16 columns × 4 k a line: the
+//! layout AMX wants for its second operand). The 16 × 16 int32 sums are the integers `vpdpbusd`
+//! adds up (exact: mod.rs); stored to a buffer, they are folded into the 16 rows' f32
+//! accumulators with the VNNI tile's operations in its order (`fma(cvt(dot), d·s, acc)` and
+//! `fma(m, qs, acc)`), so the results are the scalar tile's bits.
 //!
-//! A block's fold (about 8 vector operations a row) costs what its tile instructions do, and the two
-//! do not overlap on the cores measured, so the tile is about 1.1x the VNNI one at two digits and
-//! 1.3x at one (`vpdpbusd` does half the work there); split panels (two scales a block: twice the
-//! tile stores and folds) and 16-row products ran slower than on the VNNI tile, which keeps them.
+//! Where it does not run: a block's fold costs about what its tile instructions do and the two did
+//! not overlap on the Xeon measured, so the gain is what `vpdpbusd` costs beside the fold. With one
+//! digit the tile ran 1.1-1.35x the VNNI one on 4- and 8-bit panels from 32 rows on; with two
+//! digits (twice the tile stores and a multiply a row in the fold) 0.9-1.1x; split panels (two
+//! scales a block) 0.8-0.9x; 16 rows (one tile a panel) 0.8-0.9x. Those stay on the VNNI tile.
 //!
 //! Codes are copied once a panel and row block into a per-thread, cache-line aligned buffer, those
 //! narrower than 8 bits widened (`code_vector!`, as the VNNI tile does each step): a tile row that
-//! straddles two cache lines loads several times slower. Rows go in blocks whose digits stay in
-//! L2 (`ROW_BLOCK_BYTES`), panels one at a time inside a block, 16 rows a tile; the first tile of a
+//! straddles two cache lines loads several times slower. Rows go in blocks whose digits stay in L2
+//! (`ROW_BLOCK_BYTES`), panels one at a time inside a block, 16 rows a tile; the first tile of a
 //! panel prefetches the next panel's codes. Rows below a multiple of 16 go to the VNNI tile.
 
 use std::arch::asm;
@@ -54,9 +55,8 @@ thread_local! {
     static WIDE: RefCell<Vec<CodeLine>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The tile configuration (palette 1): tiles 0 and 1 a block of the activations' two digits (16
-/// rows × 32 bytes), 2 a block's codes (8 lines of 64 bytes), 4 and 5 the two digits' sums (16 rows
-/// × 16 int32).
+/// The tile configuration (palette 1): tile 0 a block of the activations' digits (16 rows × 32
+/// bytes), 2 a block's codes (8 lines of 64 bytes), 4 their sums (16 rows × 16 int32).
 #[repr(C, align(64))]
 struct TileConfig([u8; 64]);
 
@@ -65,7 +65,7 @@ impl TileConfig {
         let mut c = [0u8; 64];
         c[0] = 1;
         let kb = QBLOCK as u8;
-        let shapes: [(u8, u8); 6] = [(16, kb), (16, kb), (kb / 4, 64), (0, 0), (16, 64), (16, 64)];
+        let shapes: [(u8, u8); 5] = [(16, kb), (0, 0), (kb / 4, 64), (0, 0), (16, 64)];
         for (t, &(rows, colsb)) in shapes.iter().enumerate() {
             c[16 + 2 * t] = colsb;
             c[48 + t] = rows;
@@ -76,10 +76,10 @@ impl TileConfig {
 
 /// Blocks of 16 × 16 int32 sums as tiles store them.
 #[repr(C, align(64))]
-struct Sums([i32; 4 * AMX_ROWS * PANEL]);
+struct Sums([i32; 2 * AMX_ROWS * PANEL]);
 
-/// Rows `0..m` and panels `p0..p0+np` (in the `bits`-bit layout, none of them split): the AMX tile
-/// for the rows in whole tiles, the VNNI tile for the rest.
+/// Rows `0..m` of one-digit activations and panels `p0..p0+np` (in the `bits`-bit layout, none of
+/// them split): the AMX tile for the rows in whole tiles, the VNNI tile for the rest.
 ///
 /// # Safety
 /// As for `x86::job`; the CPU runs AMX-TILE and AMX-INT8 with this process's permission
@@ -89,18 +89,15 @@ struct Sums([i32; 4 * AMX_ROWS * PANEL]);
 pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, bits: usize) {
     let full = m / AMX_ROWS * AMX_ROWS;
     debug_assert_eq!(a.acts.amx_rows, full, "the digits' first rows are in the AMX layout");
+    debug_assert_eq!(a.acts.digits, 1, "`amx_for` takes one-digit products only");
     if full > 0 {
         // SAFETY: forwarded from the caller.
         unsafe {
-            match (bits, a.acts.digits == 1) {
-                (4, false) => rows::<4, false>(a, full, p0, np),
-                (5, false) => rows::<5, false>(a, full, p0, np),
-                (6, false) => rows::<6, false>(a, full, p0, np),
-                (_, false) => rows::<8, false>(a, full, p0, np),
-                (4, true) => rows::<4, true>(a, full, p0, np),
-                (5, true) => rows::<5, true>(a, full, p0, np),
-                (6, true) => rows::<6, true>(a, full, p0, np),
-                (_, true) => rows::<8, true>(a, full, p0, np),
+            match bits {
+                4 => rows::<4>(a, full, p0, np),
+                5 => rows::<5>(a, full, p0, np),
+                6 => rows::<6>(a, full, p0, np),
+                _ => rows::<8>(a, full, p0, np),
             }
         }
     }
@@ -115,7 +112,7 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize, bits: usize) 
 /// # Safety
 /// As for `job`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn rows<const BITS: usize, const ONE: bool>(a: &Args, m: usize, p0: usize, np: usize) {
+unsafe fn rows<const BITS: usize>(a: &Args, m: usize, p0: usize, np: usize) {
     let k = a.w.k;
     let nb = k / QBLOCK;
     let cfg = TileConfig::new();
@@ -141,7 +138,7 @@ unsafe fn rows<const BITS: usize, const ONE: bool>(a: &Args, m: usize, p0: usize
                 let next = codes.wrapping_add(nb * BITS * 64);
                 for r0 in (rs..re).step_by(AMX_ROWS) {
                     // SAFETY: rows r0..r0+16 <= m of the digits; panel p's nb widened blocks at `wp`.
-                    unsafe { tile::<BITS, ONE>(a, r0, p, wp, (r0 == rs && p + 1 < p0 + np).then_some(next)) };
+                    unsafe { tile::<BITS>(a, r0, p, wp, (r0 == rs && p + 1 < p0 + np).then_some(next)) };
                 }
             }
             rs = re;
@@ -192,31 +189,19 @@ unsafe fn widen<const BITS: usize>(src: *const u8, nb: usize, dst: *mut u8) {
 /// As for `job`; the tile configuration of `rows` is loaded; rows `r0..r0+16` are inside the
 /// digits (in the AMX layout) and `w` holds the panel's `k / 32` blocks of 8 lines, 64-byte aligned.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile<const BITS: usize, const ONE: bool>(
-    a: &Args,
-    r0: usize,
-    p: usize,
-    w: *const u8,
-    next: Option<*const u8>,
-) {
+unsafe fn tile<const BITS: usize>(a: &Args, r0: usize, p: usize, w: *const u8, next: Option<*const u8>) {
     let (k, n) = (a.w.k, a.w.n);
     let nb = k / QBLOCK;
-    // The sums of two blocks (by parity) × two digits, 16 × 16 int32 each; the two parities' sums
-    // an odd number of KiB apart (a load whose address matches a pending store's in the low 12
-    // bits waits for it).
-    let mut sums = Sums([0; 4 * AMX_ROWS * PANEL]);
+    // The sums of two blocks (by parity), 16 × 16 int32 each, 1 KiB apart.
+    let mut sums = Sums([0; 2 * AMX_ROWS * PANEL]);
     let sp = sums.0.as_mut_ptr();
-    let at = |parity: usize, digit: usize| sp.wrapping_add((digit * 2 + parity) * AMX_ROWS * PANEL);
+    let at = |parity: usize| sp.wrapping_add(parity * AMX_ROWS * PANEL);
     // Group r0's digits in the AMX layout (`acts::block_at`: block b's 16 rows of 32 bytes from byte
     // b·512 of the group) and its rows' block scalars. Only addresses; each read below is in
     // bounds: rows r0..r0+16 of m, `m·k` digit bytes and `m·nb` scalars.
-    let (xh, xl) = (
-        a.acts.hi.as_ptr().wrapping_add(r0 * k),
-        a.acts.lo.as_ptr().wrapping_add(r0 * k),
-    );
-    let (ss, bs, qss) = (
+    let xh = a.acts.hi.as_ptr().wrapping_add(r0 * k);
+    let (ss, qss) = (
         a.acts.s.as_ptr().wrapping_add(r0 * nb),
-        a.acts.base.as_ptr().wrapping_add(r0 * nb),
         a.acts.qs.as_ptr().wrapping_add(r0 * nb),
     );
     let mut acc = [_mm512_setzero_ps(); AMX_ROWS];
@@ -232,14 +217,8 @@ unsafe fn tile<const BITS: usize, const ONE: bool>(
                 unsafe {
                     let rb = r * nb + pb;
                     let (s, qs) = (_mm512_set1_ps(*ss.add(rb)), _mm512_set1_ps(*qss.add(rb)));
-                    let h = _mm512_load_si512(at(pb % 2, 0).add(r * PANEL) as *const _);
-                    // R·Σc·h + Σc·l: exact in i32 (mod.rs); one digit, Σc·h alone (R = 1, l = 0).
-                    let dot = if ONE {
-                        h
-                    } else {
-                        let l = _mm512_load_si512(at(pb % 2, 1).add(r * PANEL) as *const _);
-                        _mm512_add_epi32(_mm512_mullo_epi32(h, _mm512_set1_epi32(*bs.add(rb))), l)
-                    };
+                    // One digit: the block's dot is Σc·h (R = 1, l = 0; mod.rs).
+                    let dot = _mm512_load_si512(at(pb % 2).add(r * PANEL) as *const _);
                     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, s), *acc);
                     *acc = _mm512_fmadd_ps(mv, qs, *acc);
                 }
@@ -254,46 +233,23 @@ unsafe fn tile<const BITS: usize, const ONE: bool>(
             }
         }
         let (xb, wb) = (b * AMX_ROWS * QBLOCK, w.wrapping_add(b * WIDE_BLOCK));
-        let (sh, sl) = (at(b % 2, 0), at(b % 2, 1));
-        // SAFETY: tiles 0, 1, 2, 4 and 5 are configured (`rows`); tile 0 (1) reads block b's 16 rows
-        // of 32 bytes, 32 apart, of the group's `hi` (`lo`), tile 2 its 8 lines of 64 code bytes
-        // from `wb`; the sums go to 16 × 64 bytes at `sh` and `sl` inside `sums`.
+        // SAFETY: tiles 0, 2 and 4 are configured (`rows`); tile 0 reads block b's 16 rows of 32
+        // bytes, 32 apart, of the group's `hi`, tile 2 its 8 lines of 64 code bytes from `wb`; the
+        // sums go to 16 × 64 bytes at `at(b % 2)` inside `sums`.
         unsafe {
-            if ONE {
-                asm!(
-                    "tileloadd tmm0, [{xh} + {row}*1]",
-                    "tileloadd tmm2, [{w} + {line}*1]",
-                    "tilezero tmm4",
-                    "tdpbsud tmm4, tmm0, tmm2",
-                    "tilestored [{sh} + {line}*1], tmm4",
-                    xh = in(reg) xh.wrapping_add(xb),
-                    w = in(reg) wb,
-                    row = in(reg) QBLOCK,
-                    line = in(reg) 64usize,
-                    sh = in(reg) sh,
-                    options(nostack, preserves_flags),
-                );
-            } else {
-                asm!(
-                    "tileloadd tmm0, [{xh} + {row}*1]",
-                    "tileloadd tmm1, [{xl} + {row}*1]",
-                    "tileloadd tmm2, [{w} + {line}*1]",
-                    "tilezero tmm4",
-                    "tilezero tmm5",
-                    "tdpbsud tmm4, tmm0, tmm2",
-                    "tdpbsud tmm5, tmm1, tmm2",
-                    "tilestored [{sh} + {line}*1], tmm4",
-                    "tilestored [{sl} + {line}*1], tmm5",
-                    xh = in(reg) xh.wrapping_add(xb),
-                    xl = in(reg) xl.wrapping_add(xb),
-                    w = in(reg) wb,
-                    row = in(reg) QBLOCK,
-                    line = in(reg) 64usize,
-                    sh = in(reg) sh,
-                    sl = in(reg) sl,
-                    options(nostack, preserves_flags),
-                );
-            }
+            asm!(
+                "tileloadd tmm0, [{xh} + {row}*1]",
+                "tileloadd tmm2, [{w} + {line}*1]",
+                "tilezero tmm4",
+                "tdpbsud tmm4, tmm0, tmm2",
+                "tilestored [{sh} + {line}*1], tmm4",
+                xh = in(reg) xh.wrapping_add(xb),
+                w = in(reg) wb,
+                row = in(reg) QBLOCK,
+                line = in(reg) 64usize,
+                sh = in(reg) at(b % 2),
+                options(nostack, preserves_flags),
+            );
         }
     }
     let col = p * PANEL;

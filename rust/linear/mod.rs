@@ -5,6 +5,7 @@
 //! | scalar     | scalar.rs | ISA `scalar` (`set_isa("scalar")`, `PAGEDKV_ISA=scalar`) or `neon`, or no AVX2 |
 //! | avx2       | avx2.rs   | `vpmaddubsw` + `vpmaddwd` tile: ISA `avx2`, or `avx512` without VNNI          |
 //! | avx512vnni | x86.rs    | ISA `avx512` on a CPU with AVX-512 F + BW + VNNI (`runtime::avx512_vnni`)      |
+//! | avx512amx  | amx.rs    | also AMX-INT8 (`runtime::amx_int8`): one-digit products of 32+ rows (`amx_for`) |
 //!
 //! | file       | holds                                                                              |
 //! |------------|------------------------------------------------------------------------------------|
@@ -17,6 +18,7 @@
 //! | scalar.rs  | the portable tile (the spec the SIMD tiles match bit for bit)                      |
 //! | avx2.rs    | the AVX2 tile and quantizer                                                        |
 //! | x86.rs     | the AVX-512 VNNI tile and quantizer                                                |
+//! | amx.rs     | the AMX tile (one-digit products of 32+ rows where the OS enables AMX-INT8)         |
 //! | tests.rs   | every variant against the scalar one (bit for bit) and a float64 sum               |
 //!
 //! Every variant gives the same bits (cargo tests and tests/kernels/test_qlinear.py compare them);
@@ -150,11 +152,16 @@ pub fn variant(isa: Isa) -> Isa {
 }
 
 /// Whether a product of `m` rows of `w` on build `v` runs the AMX tile: the AVX-512 build, at least
-/// `AMX_MIN_ROWS` rows, no split panel in `w`, AMX-INT8 usable (`runtime::amx_int8`).
+/// `AMX_MIN_ROWS` rows, one-digit activations, no split panel in `w`, AMX-INT8 usable
+/// (`runtime::amx_int8`). Elsewhere the VNNI tile was as fast or faster (amx.rs).
 fn amx_for(v: Isa, m: usize, w: &QWeight) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        v == Isa::Avx512 && m >= amx::AMX_MIN_ROWS && !w.split.iter().any(|&s| s) && runtime::amx_int8()
+        v == Isa::Avx512
+            && m >= amx::AMX_MIN_ROWS
+            && w.act_digits() == 1
+            && !w.split.iter().any(|&s| s)
+            && runtime::amx_int8()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
