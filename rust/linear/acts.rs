@@ -46,14 +46,6 @@ impl Digits64 {
     pub fn new() -> Self {
         Self::default()
     }
-
-    /// `v` appended.
-    pub fn extend_from_slice(&mut self, v: &[i8]) {
-        let (at, len) = (self.len, self.len + v.len());
-        self.lines.resize(len.div_ceil(64), Line([0; 64]));
-        self.len = len;
-        self[at..].copy_from_slice(v);
-    }
 }
 
 impl std::ops::Deref for Digits64 {
@@ -529,19 +521,20 @@ pub(super) fn quantize_par(v: Isa, x: &[f32], m: usize, k: usize, tiled: bool, o
         .map(|c| quantize_fast(v, c, c.len() / k, k, one))
         .collect();
     let mut a = QActs {
-        hi: Digits64::new(),
-        lo: Digits64::new(),
-        s: Vec::new(),
-        base: Vec::new(),
-        qs: Vec::new(),
+        hi: Digits64::zeroed(m * k),
+        lo: Digits64::zeroed(m * k),
+        s: Vec::with_capacity(m * k / QBLOCK),
+        base: Vec::with_capacity(m * k / QBLOCK),
+        qs: Vec::with_capacity(m * k / QBLOCK),
         tiled: Vec::new(),
         halves: Vec::new(),
         amx_rows: 0,
         digits: if one { 1 } else { 2 },
     };
-    for p in parts {
-        a.hi.extend_from_slice(&p.hi);
-        a.lo.extend_from_slice(&p.lo);
+    for (i, p) in parts.iter().enumerate() {
+        let at = i * ROWS * k;
+        a.hi[at..at + p.hi.len()].copy_from_slice(&p.hi);
+        a.lo[at..at + p.lo.len()].copy_from_slice(&p.lo);
         a.s.extend_from_slice(&p.s);
         a.base.extend_from_slice(&p.base);
         a.qs.extend_from_slice(&p.qs);
