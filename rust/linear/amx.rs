@@ -37,8 +37,8 @@ const AMX_ROWS: usize = super::acts::AMX_GROUP;
 /// the VNNI tile).
 pub(super) const AMX_MIN_ROWS: usize = 32;
 
-/// Bytes of both digits of a row block (a block's rows meet every panel of the job while their
-/// digits stay in L2).
+/// A row block's size, counted at two bytes a value (its one digit takes half): a block's rows meet
+/// every panel of the job while their digits stay in L2.
 const ROW_BLOCK_BYTES: usize = 1 << 20;
 
 /// Bytes of a block of one panel widened to 8 bits (8 lines of 64).

@@ -28,7 +28,8 @@ pub(super) struct Args<'a> {
     pub(super) out: *mut f32,
     /// Floats between two output rows (`n` for a contiguous `[m, n]` output).
     pub(super) ld: usize,
-    /// The AVX-512 build runs the AMX tile (`amx_for`; the digits are then `hi` / `lo` rows).
+    /// The AVX-512 build runs the AMX tile (`amx_for`; the digits are then in its layout,
+    /// `QActs::amx_rows`).
     pub(super) amx: bool,
 }
 
