@@ -405,6 +405,25 @@ def test_the_cli_flag_parses_or_names_the_problem(capsys):
     assert "k must be an int" in capsys.readouterr().err
 
 
+def test_bench_e2e_drafting_share_counts_governed_steps_or_drafts():
+    """`bench e2e`'s drafting share: the governed steps' share in the drafting mode; where no step was governed,
+    1 if drafts ran (no governor) and 0 if none did (every batch above max_batch), never 1 for no drafts."""
+    from pagedkv_rs.cli.bench.e2e import _spec_delta
+
+    def stats(drafts, on=0, off=0, governed=True):
+        s = {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": 3 * drafts}
+        s["spec_decode_num_accepted_tokens"] = drafts
+        if governed:
+            s["spec_decode_governor"] = [{"steps_on": on, "steps_off": off}]
+        return s
+
+    share = "spec_governed_on_share"
+    assert _spec_delta(stats(0), stats(5, on=2, off=6))[share] == 0.25
+    assert _spec_delta(stats(0), stats(0))[share] == 0.0  # governed, no step at a batch size it governs
+    assert _spec_delta(stats(0, governed=False), stats(4, governed=False))[share] == 1.0
+    assert _spec_delta(stats(0, governed=False), stats(0, governed=False))[share] == 0.0
+
+
 def test_pooling_requests_beside_speculating_ones():
     """A step with a pooling row drafts nothing (one forward_hidden serves it); the tokens are unchanged."""
     from pagedkv_rs import PoolingParams

@@ -313,7 +313,8 @@ def _one_digit(model: Any) -> str:
 
 def _spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Speculative decoding over one run: drafts, draft and accepted tokens, acceptance, mean accepted length,
-    and the share of the governed decode steps that drafted (1 without a governor: every step may draft)."""
+    and the share of the governed decode steps that drafted (when no step was governed: 1 if any step drafted,
+    as every step may without a governor; 0 if none did, as when every batch was above ``max_batch``)."""
     n, d, a = (
         after[k] - before[k]
         for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
@@ -323,7 +324,7 @@ def _spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
         on += b1["steps_on"] - b0["steps_on"]
         off += b1["steps_off"] - b0["steps_off"]
     return {
-        "spec_governed_on_share": on / (on + off) if on + off else float("spec_decode_governor" not in after),
+        "spec_governed_on_share": on / (on + off) if on + off else float(n > 0),
         "spec_num_drafts": n,
         "spec_num_draft_tokens": d,
         "spec_num_accepted_tokens": a,
