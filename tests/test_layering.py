@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedkv_rs.serve",),
     ("pagedkv_rs.cli",),
 ]
-ENGINE_MAX_LINES = 400
+ENGINE_MAX_LINES = 420
 
 
 def _modules() -> dict[str, Path]:

@@ -594,7 +594,7 @@ def test_stream_result_times_out_while_the_step_is_stuck(backend):
 def test_a_scheduler_that_makes_no_progress_is_an_error(backend):
     e = engine(backend)
     e.add_request("a", [5, 6, 7], GREEDY)
-    e.scheduler.schedule = lambda: None  # a scheduler bug: work left, nothing scheduled
+    e.scheduler.schedule = lambda **_: None  # a scheduler bug: work left, nothing scheduled
     assert e.step() == []  # one idle step is allowed
     with pytest.raises(RuntimeError, match="scheduler made no progress: "):
         e.step()

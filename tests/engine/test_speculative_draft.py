@@ -10,6 +10,7 @@ the target draws it): each exercises the catch-up and the truncation of the draf
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -241,6 +242,85 @@ def test_a_full_draft_pool_only_skips_drafts(files, target, backend):
     assert s["spec_decode_num_drafts"] > 10  # drafting went on while the pool was short
     total = sum(len(p) for p in ps) + 40 * len(ps)
     assert s["spec_decode_draft_tokens"] < 1.5 * total  # each sequence caught up about once
+
+
+def test_requests_come_and_go_while_the_draft_model_drafts(files, target, backend):
+    """The draft model's forwards run off the engine lock (a catch-up over a long prompt takes as long as its
+    prefill): while one is held here, another thread adds a request, aborts a drafting one and reads the stats
+    without waiting for it; the step then runs on, the aborted request's blocks and draft KV are freed, and the
+    others' tokens equal plain decoding."""
+    spec = f"draft:{files['target']}:adaptive=0"
+    ps = prompts(5)
+    plain, _ = run(target, ps, GREEDY, backend.name, None)
+    e = LLMEngine(target, num_blocks=128, block_size=4, backend=backend.name, speculative=spec)
+    drafter = e.scheduler.spec.drafter
+    entered, go = threading.Event(), threading.Event()
+    calls = []
+
+    def held(reqs, ks, propose=drafter.propose):
+        calls.append(len(reqs))
+        if len(calls) == 3:  # a decode step of the three first requests
+            entered.set()
+            assert go.wait(60)
+        return propose(reqs, ks)
+
+    drafter.propose = held
+    streams = [e.submit(p, GREEDY, request_id=f"r{i}") for i, p in enumerate(ps[:3])]
+    try:
+        assert entered.wait(60)
+        done = {}
+
+        def meanwhile():
+            done["stats"] = e.stats()["num_running"]
+            done["abort"] = e.abort_request("r1")
+            done["added"] = e.submit(ps[3], GREEDY, request_id="r3")
+
+        t = threading.Thread(target=meanwhile)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "adding, aborting and stats waited for the draft model"
+        assert done["stats"] == 3 and done["abort"].outputs[0].finish_reason == "abort"
+    finally:
+        go.set()
+    outs = [streams[0].result(60), streams[2].result(60), done["added"].result(60)]
+    e.shutdown()
+    assert calls[2] == 3
+    assert summary(outs) == summary([plain[0], plain[2], plain[3]])
+    assert len(done["abort"].outputs[0].token_ids) < GREEDY.max_tokens
+    e.kv_manager.check_invariants()
+    assert e.kv_manager.num_live_blocks == 0
+    drafter.check_invariants()
+    assert drafter.kv.num_live_blocks == 0 and not drafter.kv.seq_ids()
+
+
+def test_a_failing_draft_model_fails_its_steps_requests(files, target, backend):
+    """An error in the draft model's forwards fails that step's requests (as an error in the target's forward
+    does) and leaves both pools consistent: the next request runs with drafts and gives plain decoding's tokens."""
+    ps = prompts(6)
+    plain, _ = run(target, ps[1:2], GREEDY, backend.name, None)
+    e = LLMEngine(
+        target, num_blocks=128, block_size=4, backend=backend.name, speculative=f"draft:{files['target']}:adaptive=0"
+    )
+    drafter = e.scheduler.spec.drafter
+    propose = drafter.propose
+
+    def boom(reqs, ks):
+        raise RuntimeError("draft model failed")
+
+    drafter.propose = boom
+    e.add_request("a", ps[0], GREEDY)
+    with pytest.raises(RuntimeError, match="draft model failed"):
+        while e.has_unfinished_requests():
+            e.step()
+    assert not e.has_unfinished_requests()
+    e.kv_manager.check_invariants()
+    assert e.kv_manager.num_live_blocks == 0
+    drafter.propose = propose
+    again = e.generate(ps[1:2], GREEDY, use_tqdm=False)
+    assert summary(again) == summary(plain)
+    assert e.stats()["spec_decode_num_accepted_tokens"] > 0
+    drafter.check_invariants()
+    assert drafter.kv.num_live_blocks == 0
 
 
 def test_the_governor_times_the_draft_forwards(files, target):

@@ -220,7 +220,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             with self._lock:
                 self.scheduler.finish_loads(self.runner.finished_loads())
-                so = self.scheduler.schedule()
+                so = self.scheduler.schedule(defer_drafts=True)
                 if so is not None and so.kv_loads:
                     self.runner.start_loads(so.kv_loads)
                 loading = self.runner.loads_in_flight() > 0
@@ -233,6 +233,8 @@ class LLMEngine:
                 if so is not None and so.batch is not None:
                     self.runner.apply_memory_ops(so)
                     inputs = self.runner.prepare(so)
+            if so is not None and so.draft_plan is not None:  # a draft model's forwards, off _lock
+                inputs = self._draft(so)
             if so is None or so.batch is None:  # only tier loads are under way: wait for one to end
                 self.runner.wait_loads(0.05)
                 return []
@@ -257,6 +259,22 @@ class LLMEngine:
                 self._expire_leases()
             self.metrics.record_step(time.perf_counter() - t0, result.mask_seconds)
             return outputs
+
+    def _draft(self, so: SchedulerOutput) -> Any:
+        """A step's draft-model forwards off ``_lock`` (a catch-up over a long prompt takes a prefill's time: requests
+        are added and aborted meanwhile), then its inputs; a failure fails its requests, as the forward's does."""
+        try:
+            made, error = self.scheduler.spec.draft_for(so), None  # type: ignore[union-attr]
+        except BaseException as e:
+            made, error = None, e
+        with self._lock:
+            self.scheduler.finish_drafts(so, made)
+            self.runner.apply_memory_ops(so)
+            inputs = self.runner.prepare(so)
+        if error is not None:
+            self._fail_step(so, error)
+            raise error
+        return inputs
 
     def _fail_request(self, request_id: str, error: BaseException) -> None:
         """Abort one request (cause "error") and hand its stream the error."""

@@ -153,6 +153,9 @@ class SchedulerOutput:
     drafts: dict[int, list[int]] = field(default_factory=dict)  # batch row -> draft tokens after its pending one
     # speculative decoding's governor: (bucket, whether it drafted, the step's start on its clock), if it decided
     governed: Optional[tuple[int, bool, float]] = None
+    # ``schedule(defer_drafts=True)``: (batch row, drafts it may take) for the draft model to make off the engine
+    # lock; ``finish_drafts`` applies them and builds the batch (None: nothing deferred)
+    draft_plan: Optional[list[tuple[int, int]]] = None
 
     @property
     def num_tokens(self) -> int:
@@ -252,6 +255,10 @@ class Scheduler:
         spec = self.config.speculative
         self.spec: Optional[Speculator] = None if spec is None else Speculator(spec, drafter=drafter)
         self._step_started = 0.0  # on the speculator's clock: the step the governor may time
+        # ``schedule(defer_drafts=True)`` until ``finish_drafts``: the step's sequences, whose blocks a finish
+        # leaves allocated (``_held_frees``) until the batch is built
+        self._held: set[int] = set()
+        self._held_frees: list[int] = []
         self._num_decoding = 0  # the step's decode rows (``_schedule_running``'s fast path)
 
     # ------------------------------------------------------------------ requests
@@ -393,7 +400,10 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status is RequestStatus.RUNNING:
-            self.kv.free(req.seq_id)
+            if req.seq_id in self._held:
+                self._held_frees.append(req.seq_id)
+            else:
+                self.kv.free(req.seq_id)
         elif req.status is RequestStatus.WAITING_FOR_KV:  # the runner may still write its blocks
             self._loads_of_aborted.add(req.seq_id)
         elif req.status is RequestStatus.SWAPPED:
@@ -412,10 +422,14 @@ class Scheduler:
         return -(-n // self.block_size)
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> Optional[SchedulerOutput]:
+    def schedule(self, defer_drafts: bool = False) -> Optional[SchedulerOutput]:
         """Pick this step's requests and token counts and build their batch; None if nothing can run.
 
         An output may hold only ``kv_loads`` (no batch): requests admitted to wait for the KV tiers.
+        ``defer_drafts``: a draft model's drafts are not made here; an output with a ``draft_plan`` has no batch
+        yet, and ``finish_drafts`` (the drafts made meanwhile, by ``spec.draft_for(out)``) completes it. Until then
+        the blocks of its requests stay allocated (an abort frees them there) and the draft model's KV of
+        finished requests is released there: the engine makes the drafts off its lock.
         """
         out = SchedulerOutput([], [])
         if self.spec is not None:
@@ -426,9 +440,37 @@ class Scheduler:
             budget = self._schedule_swapped(budget, out)
             self._schedule_waiting(budget, out)
         if self.spec is not None and 0 < self._num_decoding == len(out.requests) and not self.num_pooling:
-            self._add_drafts(out, budget)  # decode-only steps: a prefill goes first, and is not the governor's
+            # decode-only steps: a prefill goes first, and is not the governor's
+            self._add_drafts(out, budget, defer_drafts)
+            if out.draft_plan is not None:
+                self._held = {r.seq_id for r in out.requests}
+                self.spec.hold_releases()
+                return out
         if not out.requests:
             return out if out.kv_loads else None
+        return self._build(out)
+
+    def finish_drafts(self, out: SchedulerOutput, made: Optional[Sequence[Sequence[int]]]) -> SchedulerOutput:
+        """Complete a ``schedule(defer_drafts=True)`` output: ``made`` (the draft model's tokens for each
+        ``draft_plan`` entry, None if it failed) appended for the requests still running, then the batch. The
+        blocks of requests finished meanwhile are freed once the batch is built (as after an abort during the
+        forward: their rows run, their tokens are dropped)."""
+        plan, out.draft_plan = out.draft_plan or [], None
+        running = RequestStatus.RUNNING
+        if made is not None:
+            self._apply_drafts(
+                out, [(i, list(d)) for (i, _), d in zip(plan, made) if out.requests[i].status is running]
+            )
+        out = self._build(out)
+        freed, self._held, self._held_frees = self._held_frees, set(), []
+        for sid in freed:
+            self.kv.free(sid)
+        assert self.spec is not None
+        self.spec.apply_releases()
+        return out
+
+    def _build(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The step's batch, tier stores, pooling and sample rows, forks."""
         out.batch = self.kv.prepare_batch(out.seq_ids, out.num_scheduled_tokens)
         self.num_steps += 1
         if self.kv_tiers:
@@ -555,10 +597,10 @@ class Scheduler:
         self._num_decoding = len(app_ids)
         return budget
 
-    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+    def _add_drafts(self, out: SchedulerOutput, budget: int, defer: bool = False) -> None:
         """Append draft tokens after the pending token of a decode-only step's requests, if the governor runs
         this batch size with drafts, as many as each one's acceptance makes likely, while budget and free blocks
-        last.
+        last. ``defer``: a draft model's plan goes to ``out.draft_plan`` instead (``schedule``).
 
         Drafts only take free blocks above the watermark (never a cached block, never a preemption); the
         KV of the rejected ones is truncated in ``update_from_output``.
@@ -589,8 +631,15 @@ class Scheduler:
             budget -= k
             plan.append((i, k if model else offer[:k]))
         if model and plan:  # one batched forward per draft position (the draft time counts in this step's)
+            if defer:
+                out.draft_plan = plan
+                return
             made = spec.draft([out.requests[i] for i, _ in plan], [k for _, k in plan])
             plan = [(i, d) for (i, _), d in zip(plan, made)]
+        self._apply_drafts(out, plan)
+
+    def _apply_drafts(self, out: SchedulerOutput, plan: list[tuple[int, Any]]) -> None:
+        """Each planned row's drafts appended to its KV and scheduled after its pending token."""
         for i, drafts in plan:
             if not drafts:
                 continue  # the draft model's pool or context is full for it: it does not draft this step

@@ -353,6 +353,9 @@ class Speculator:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # while the draft model drafts off the engine lock (``hold_releases`` .. ``apply_releases``): requests
+        # finished meanwhile, whose draft KV goes afterwards
+        self._held: Optional[list[Any]] = None
 
     def mode(self, num_decoding: int) -> Optional[tuple[int, bool]]:
         """(governor bucket, whether it drafts) for a step with this many decoding sequences; None: the step
@@ -388,10 +391,29 @@ class Speculator:
         or context runs out)."""
         return self.drafter.propose(reqs, ks)  # type: ignore[no-any-return]
 
+    def draft_for(self, out: Any) -> list[list[int]]:
+        """The draft model's tokens for a scheduler output's ``draft_plan`` (``Scheduler.schedule``)."""
+        return self.draft([out.requests[i] for i, _ in out.draft_plan], [k for _, k in out.draft_plan])
+
     def release(self, req: Any) -> None:
-        """A request finished or was preempted: the draft model's KV of it goes (it catches up if it runs again)."""
-        if self.drafter is not None:
+        """A request finished or was preempted: the draft model's KV of it goes (it catches up if it runs again);
+        while the draft model is drafting, once it is done (``apply_releases``)."""
+        if self.drafter is None:
+            return
+        if self._held is not None:
+            self._held.append(req)
+        else:
             self.drafter.release(req.seq_id)
+
+    def hold_releases(self) -> None:
+        """The draft model is about to draft without the engine lock: releases wait for ``apply_releases``."""
+        self._held = []
+
+    def apply_releases(self) -> None:
+        """The releases held since ``hold_releases``."""
+        held, self._held = self._held or [], None
+        for req in held:
+            self.release(req)
 
     def choose(self, req: Any, offered: int) -> int:
         """How many of ``offered`` drafts the request takes: those its acceptance makes likely (``MIN_P``), or a
