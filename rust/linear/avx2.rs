@@ -21,7 +21,9 @@
 //! a lane's two i16 into i32, and the digits' two (or four) sums add up to the exact `R·Σc·h +
 //! Σc·l` of its row; then the same
 //! two FMAs as the scalar path in its order: the scalar bits exactly (tests compare them, with codes at 0, 15 and 255
-//! and digits at ±127). Tiles: `nibble`, R = 2 rows (or 1) × one panel of 16 columns, its 8 i16
+//! and digits at ±127). One-digit activations (`QActs::digits` 1: `R` = 1, `l` = 0) skip the second
+//! digit's `vpmaddubsw` and `vpmaddwd` (`ONE`): half the integer work, the same sums. Tiles: `nibble`,
+//! R = 2 rows (or 1) × one panel of 16 columns, its 8 i16
 //! sums in registers; `wide`, 2 rows × half a panel (8 columns, `wide_half`, 8 i16 sums: low and
 //! high halves × 2 digits × 2 rows), or a last single row × the whole panel (`tile::<1, true>`).
 //! The wide tile takes half a panel because the whole-panel form at R = 1 read each code vector for
@@ -81,28 +83,47 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
             // activations and panels inside p0..p0+np; panel p's scales are panel sp of `sc`, its
             // codes in the layout `panel_bits` reads off their length.
             unsafe {
-                match (a.w.panel_bits(p), rows) {
-                    // Split panels (6-bit, weight.rs): the wide mode a half panel at a time.
-                    (_, 2) if a.w.panel_split(p) => {
-                        wide_half::<2, 6, true>(a, sc, sp, r0, p, 0, first);
-                        wide_half::<2, 6, true>(a, sc, sp, r0, p, 1, false);
-                    }
-                    (_, _) if a.w.panel_split(p) => {
-                        wide_half::<1, 6, true>(a, sc, sp, r0, p, 0, first);
-                        wide_half::<1, 6, true>(a, sc, sp, r0, p, 1, false);
-                    }
-                    (4, 2) => tile::<2, 4>(a, sc, sp, r0, p, first),
-                    (4, _) => tile::<1, 4>(a, sc, sp, r0, p, first),
-                    (5, 2) => wide_pair::<5>(a, sc, sp, r0, p, first),
-                    (5, _) => tile::<1, 5>(a, sc, sp, r0, p, first),
-                    (6, 2) => wide_pair::<6>(a, sc, sp, r0, p, first),
-                    (6, _) => tile::<1, 6>(a, sc, sp, r0, p, first),
-                    (_, 2) => wide_pair::<8>(a, sc, sp, r0, p, first),
-                    (_, _) => tile::<1, 8>(a, sc, sp, r0, p, first),
+                if a.acts.digits == 1 {
+                    tiles::<true>(a, sc, sp, r0, rows, p, first);
+                } else {
+                    tiles::<false>(a, sc, sp, r0, rows, p, first);
                 }
             }
         }
     });
+}
+
+/// The tile for `rows` (1 or 2) rows from `r0` × panel `p` in its layout; `ONE`: one-digit
+/// activations (`QActs::digits`), whose second digit the tiles skip (all zero: the same sums).
+///
+/// # Safety
+/// As for `tile` and `wide_half`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tiles<const ONE: bool>(a: &Args, sc: &Scales, sp: usize, r0: usize, rows: usize, p: usize, first: bool) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match (a.w.panel_bits(p), rows) {
+            // Split panels (6-bit, weight.rs): the wide mode a half panel at a time.
+            (_, 2) if a.w.panel_split(p) => {
+                wide_half::<2, 6, true, ONE>(a, sc, sp, r0, p, 0, first);
+                wide_half::<2, 6, true, ONE>(a, sc, sp, r0, p, 1, false);
+            }
+            (_, _) if a.w.panel_split(p) => {
+                wide_half::<1, 6, true, ONE>(a, sc, sp, r0, p, 0, first);
+                wide_half::<1, 6, true, ONE>(a, sc, sp, r0, p, 1, false);
+            }
+            (4, 2) => tile::<2, 4, ONE>(a, sc, sp, r0, p, first),
+            (4, _) => tile::<1, 4, ONE>(a, sc, sp, r0, p, first),
+            (5, 2) => wide_pair::<5, ONE>(a, sc, sp, r0, p, first),
+            (5, _) => tile::<1, 5, ONE>(a, sc, sp, r0, p, first),
+            (6, 2) => wide_pair::<6, ONE>(a, sc, sp, r0, p, first),
+            (6, _) => tile::<1, 6, ONE>(a, sc, sp, r0, p, first),
+            (_, 2) => wide_pair::<8, ONE>(a, sc, sp, r0, p, first),
+            (_, _) => tile::<1, 8, ONE>(a, sc, sp, r0, p, first),
+        }
+    }
 }
 
 /// Both halves of panel `p` for 2 rows (`wide_half`), the first prefetching when `prefetch`.
@@ -110,11 +131,18 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
 /// # Safety
 /// As for `wide_half`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn wide_pair<const BITS: usize>(a: &Args, sc: &Scales, sp: usize, r0: usize, p: usize, prefetch: bool) {
+unsafe fn wide_pair<const BITS: usize, const ONE: bool>(
+    a: &Args,
+    sc: &Scales,
+    sp: usize,
+    r0: usize,
+    p: usize,
+    prefetch: bool,
+) {
     // SAFETY: forwarded from the caller.
     unsafe {
-        wide_half::<2, BITS, false>(a, sc, sp, r0, p, 0, prefetch);
-        wide_half::<2, BITS, false>(a, sc, sp, r0, p, 1, false);
+        wide_half::<2, BITS, false, ONE>(a, sc, sp, r0, p, 0, prefetch);
+        wide_half::<2, BITS, false, ONE>(a, sc, sp, r0, p, 1, false);
     }
 }
 
@@ -241,7 +269,7 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
 /// As for `job`; rows `r0..r0+R` are inside the activations, panel `p` exists and holds its
 /// codes in the `BITS`-bit layout.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile<const R: usize, const BITS: usize>(
+unsafe fn tile<const R: usize, const BITS: usize, const ONE: bool>(
     a: &Args,
     sc: &Scales,
     sp: usize,
@@ -287,7 +315,7 @@ unsafe fn tile<const R: usize, const BITS: usize>(
                 (cl[v], ch[v]) = unsafe { split::<BITS>(codes.add(b * block_bytes + v * 32), g) };
             }
             for r in 0..R {
-                for (digit, xq) in [xh, xl].into_iter().enumerate() {
+                for (digit, xq) in [xh, xl].into_iter().enumerate().take(if ONE { 1 } else { 2 }) {
                     // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
                     let x = unsafe { xq.add((r0 + r) * k + kk) };
                     let [l0, l1] = &mut lo[r][digit];
@@ -309,19 +337,18 @@ unsafe fn tile<const R: usize, const BITS: usize>(
                 let rb = (r0 + r) * nb + b;
                 // R·Σc·h + Σc·l, exact in i32 (mod.rs); R is an i16, 16·R need not be (the
                 // high halves' R·Σ is shifted instead).
+                // One digit: its sums alone (R = 1, the second digit's are 0).
                 let base = _mm256_set1_epi16(a.acts.base[rb] as i16);
-                let mut dot = _mm256_add_epi32(
-                    _mm256_madd_epi16(lo[r][0][v], base),
-                    _mm256_madd_epi16(lo[r][1][v], weight[0]),
-                );
+                let mut dot = _mm256_madd_epi16(lo[r][0][v], base);
+                if !ONE {
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(lo[r][1][v], weight[0]));
+                }
                 if wide {
-                    dot = _mm256_add_epi32(
-                        dot,
-                        _mm256_add_epi32(
-                            _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0][v], base)),
-                            _mm256_madd_epi16(hi[r][1][v], weight[1]),
-                        ),
-                    );
+                    let mut h = _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0][v], base));
+                    if !ONE {
+                        h = _mm256_add_epi32(h, _mm256_madd_epi16(hi[r][1][v], weight[1]));
+                    }
+                    dot = _mm256_add_epi32(dot, h);
                 }
                 let s = _mm256_set1_ps(a.acts.s[rb]);
                 let qs = _mm256_set1_ps(a.acts.qs[rb]);
@@ -356,7 +383,7 @@ unsafe fn tile<const R: usize, const BITS: usize>(
 /// # Safety
 /// As for `tile`, and `v < 2`; `SPLIT` only for a split panel, with `QActs::halves` filled.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn wide_half<const R: usize, const BITS: usize, const SPLIT: bool>(
+unsafe fn wide_half<const R: usize, const BITS: usize, const SPLIT: bool, const ONE: bool>(
     a: &Args,
     sc: &Scales,
     sp: usize,
@@ -397,7 +424,7 @@ unsafe fn wide_half<const R: usize, const BITS: usize, const SPLIT: bool>(
                 // SAFETY: block b of panel p (BITS lines from b*block_bytes), its half v.
                 let (cl, ch) = unsafe { split::<BITS>(codes.add(b * block_bytes), g) };
                 for r in 0..R {
-                    for (digit, xq) in [xh, xl].into_iter().enumerate() {
+                    for (digit, xq) in [xh, xl].into_iter().enumerate().take(if ONE { 1 } else { 2 }) {
                         // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
                         let x = unsafe { xq.add((r0 + r) * k + kk) };
                         // SAFETY: `x` is four readable bytes (above); AVX2 is enabled here.
@@ -415,17 +442,24 @@ unsafe fn wide_half<const R: usize, const BITS: usize, const SPLIT: bool>(
                         _mm256_set1_ps(*a.acts.qs.get_unchecked(rb)),
                     )
                 };
-                // As in `tile`: R·Σc·h + Σc·l.
-                let dot = _mm256_add_epi32(
+                // As in `tile`: R·Σc·h + Σc·l (one digit: the first's sums alone).
+                let dot = if ONE {
                     _mm256_add_epi32(
                         _mm256_madd_epi16(lo[r][0], _mm256_set1_epi16(base)),
-                        _mm256_madd_epi16(lo[r][1], _mm256_set1_epi16(1)),
-                    ),
-                    _mm256_add_epi32(
                         _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0], _mm256_set1_epi16(base))),
-                        _mm256_madd_epi16(hi[r][1], _mm256_set1_epi16(16)),
-                    ),
-                );
+                    )
+                } else {
+                    _mm256_add_epi32(
+                        _mm256_add_epi32(
+                            _mm256_madd_epi16(lo[r][0], _mm256_set1_epi16(base)),
+                            _mm256_madd_epi16(lo[r][1], _mm256_set1_epi16(1)),
+                        ),
+                        _mm256_add_epi32(
+                            _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0], _mm256_set1_epi16(base))),
+                            _mm256_madd_epi16(hi[r][1], _mm256_set1_epi16(16)),
+                        ),
+                    )
+                };
                 if SPLIT {
                     // The half's offset (`QActs::halves`, filled for split panels: contract), then
                     // d_h·s with d_0, d_1 in the `d` and `m` slots.
