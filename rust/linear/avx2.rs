@@ -6,6 +6,9 @@
 //! | nibble | every code <= 15 (GGUF Q4_1)       | one `vpmaddubsw`, summed in i16 over the whole 32-block        |
 //! | wide   | any code (Q8_0, requantized float) | codes split `c = 16·hi + lo`: two `vpmaddubsw`, each as above  |
 //!
+//! The wide mode's two-row and split tiles (`wide_half`) take 5- and 6-bit codes whole instead: one
+//! `vpmaddubsw`, its i16 sums widened every 4 (5-bit) or 2 (6-bit) groups, before they could leave i16.
+//!
 //! Layout: the packed one as it is (no copy of its own): the 4-bit layout for `nibble` (a 64-byte
 //! line holds two groups; masking its low or high nibbles gives one group as the 8-bit layout would
 //! hold it); `wide` reads the 8-, 6- and 5-bit layouts, whose split is what they store: `lo` is the
@@ -184,6 +187,20 @@ unsafe fn split<const BITS: usize>(blk: *const u8, g: usize) -> (__m256i, __m256
     (lo, hi)
 }
 
+/// Step `g` of a block of the `BITS`-bit layout (5 or 6) as whole codes `16·hi + lo` (`split`'s
+/// halves joined: every code below 64, one u8 lane each).
+///
+/// # Safety
+/// As for `split`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn whole<const BITS: usize>(blk: *const u8, g: usize) -> __m256i {
+    // SAFETY: forwarded from the caller.
+    let (lo, hi) = unsafe { split::<BITS>(blk, g) };
+    // hi is below 4 in each byte: shifting its 16-bit lanes by 4 moves no bit across a byte.
+    _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
+}
+
 /// `*acc += vpmaddubsw(codes, broadcast of the 4 bytes at x)` (i16 lanes, wrapping add) for two
 /// (codes, acc) pairs, the broadcast made once at its use. Left to itself the compiler may load a
 /// block's broadcasts up front and, with 16 vector registers, spill them (a one-row product ran
@@ -204,6 +221,23 @@ macro_rules! madd_bcast {
             a1 = inout(ymm_reg) *$a1,
             t = out(ymm_reg) _,
             u = out(ymm_reg) _,
+            options(pure, readonly, nostack, preserves_flags),
+        )
+    };
+}
+
+/// `madd_bcast!` for one (codes, acc) pair. In an `unsafe` block: `x` points at 4 readable bytes and
+/// AVX2 is enabled.
+macro_rules! madd_bcast1 {
+    ($x:expr, ($c:expr, $a:expr)) => {
+        std::arch::asm!(
+            "vpbroadcastd {t}, dword ptr [{x}]",
+            "vpmaddubsw {t}, {c}, {t}",
+            "vpaddw {a}, {a}, {t}",
+            x = in(reg) $x,
+            c = in(ymm_reg) $c,
+            a = inout(ymm_reg) *$a,
+            t = out(ymm_reg) _,
             options(pure, readonly, nostack, preserves_flags),
         )
     };
@@ -416,48 +450,86 @@ unsafe fn wide_half<const R: usize, const BITS: usize, const SPLIT: bool, const 
         // The block's k steps in one run, or (split) steps 0-3 then 4-7, each folded at its end.
         let runs = if SPLIT { 2 } else { 1 };
         for h in 0..runs {
-            // i16 pair sums [row][digit] of the codes' low and high halves.
-            let mut lo = [[_mm256_setzero_si256(); 2]; R];
-            let mut hi = [[_mm256_setzero_si256(); 2]; R];
-            for g in h * 8 / runs..(h + 1) * 8 / runs {
-                let kk = b * QBLOCK + g * 4;
-                // SAFETY: block b of panel p (BITS lines from b*block_bytes), its half v.
-                let (cl, ch) = unsafe { split::<BITS>(codes.add(b * block_bytes), g) };
-                for r in 0..R {
-                    for (digit, xq) in [xh, xl].into_iter().enumerate().take(if ONE { 1 } else { 2 }) {
-                        // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
-                        let x = unsafe { xq.add((r0 + r) * k + kk) };
-                        // SAFETY: `x` is four readable bytes (above); AVX2 is enabled here.
-                        unsafe { madd_bcast!(x, (cl, &mut lo[r][digit]), (ch, &mut hi[r][digit])) };
+            let (g0, g1) = (h * 8 / runs, (h + 1) * 8 / runs);
+            // R·Σc·h + Σc·l of each row over the run's groups, exact in i32 (mod.rs).
+            let mut dots = [_mm256_setzero_si256(); R];
+            let bases: [i16; R] = std::array::from_fn(|r| {
+                // SAFETY: (r0+r)·nb + b < m·nb: row r0+r's block b.
+                unsafe { *a.acts.base.get_unchecked((r0 + r) * nb + b) as i16 }
+            });
+            if BITS == 8 {
+                // i16 pair sums [row][digit] of the codes' low and high halves.
+                let mut lo = [[_mm256_setzero_si256(); 2]; R];
+                let mut hi = [[_mm256_setzero_si256(); 2]; R];
+                for g in g0..g1 {
+                    let kk = b * QBLOCK + g * 4;
+                    // SAFETY: block b of panel p (BITS lines from b*block_bytes), its half v.
+                    let (cl, ch) = unsafe { split::<BITS>(codes.add(b * block_bytes), g) };
+                    for r in 0..R {
+                        for (digit, xq) in [xh, xl].into_iter().enumerate().take(if ONE { 1 } else { 2 }) {
+                            // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
+                            let x = unsafe { xq.add((r0 + r) * k + kk) };
+                            // SAFETY: `x` is four readable bytes (above); AVX2 is enabled here.
+                            unsafe { madd_bcast!(x, (cl, &mut lo[r][digit]), (ch, &mut hi[r][digit])) };
+                        }
+                    }
+                }
+                for (r, dot) in dots.iter_mut().enumerate() {
+                    let base = _mm256_set1_epi16(bases[r]);
+                    // As in `tile` (one digit: the first's sums alone).
+                    *dot = if ONE {
+                        _mm256_add_epi32(
+                            _mm256_madd_epi16(lo[r][0], base),
+                            _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0], base)),
+                        )
+                    } else {
+                        _mm256_add_epi32(
+                            _mm256_add_epi32(
+                                _mm256_madd_epi16(lo[r][0], base),
+                                _mm256_madd_epi16(lo[r][1], _mm256_set1_epi16(1)),
+                            ),
+                            _mm256_add_epi32(
+                                _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0], base)),
+                                _mm256_madd_epi16(hi[r][1], _mm256_set1_epi16(16)),
+                            ),
+                        )
+                    };
+                }
+            } else {
+                // 5- and 6-bit codes whole: a pair of them times digits is at most 2·31·127 = 7,874
+                // (5 bits) or 2·63·127 = 16,002 (6 bits) in magnitude, so the i16 sums take `GROUPS`
+                // groups before `vpmaddwd` widens them: half the `vpmaddubsw` of the split halves.
+                let groups = if BITS == 5 { 4 } else { 2 };
+                for c0 in (g0..g1).step_by(groups) {
+                    let mut sums = [[_mm256_setzero_si256(); 2]; R];
+                    for g in c0..c0 + groups {
+                        let kk = b * QBLOCK + g * 4;
+                        // SAFETY: block b of panel p (BITS lines from b*block_bytes), its half v.
+                        let c = unsafe { whole::<BITS>(codes.add(b * block_bytes), g) };
+                        for (r, row) in sums.iter_mut().enumerate() {
+                            for (digit, xq) in [xh, xl].into_iter().enumerate().take(if ONE { 1 } else { 2 }) {
+                                // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
+                                let x = unsafe { xq.add((r0 + r) * k + kk) };
+                                // SAFETY: `x` is four readable bytes (above); AVX2 is enabled here.
+                                unsafe { madd_bcast1!(x, (c, &mut row[digit])) };
+                            }
+                        }
+                    }
+                    for (r, dot) in dots.iter_mut().enumerate() {
+                        *dot = _mm256_add_epi32(*dot, _mm256_madd_epi16(sums[r][0], _mm256_set1_epi16(bases[r])));
+                        if !ONE {
+                            *dot = _mm256_add_epi32(*dot, _mm256_madd_epi16(sums[r][1], _mm256_set1_epi16(1)));
+                        }
                     }
                 }
             }
-            for r in 0..R {
+            for (r, &dot) in dots.iter().enumerate() {
                 let rb = (r0 + r) * nb + b;
                 // SAFETY: rb < m * nb: one scale of row r0+r's block b each.
-                let (s, base, qs) = unsafe {
+                let (s, qs) = unsafe {
                     (
                         _mm256_set1_ps(*a.acts.s.get_unchecked(rb)),
-                        *a.acts.base.get_unchecked(rb) as i16,
                         _mm256_set1_ps(*a.acts.qs.get_unchecked(rb)),
-                    )
-                };
-                // As in `tile`: R·Σc·h + Σc·l (one digit: the first's sums alone).
-                let dot = if ONE {
-                    _mm256_add_epi32(
-                        _mm256_madd_epi16(lo[r][0], _mm256_set1_epi16(base)),
-                        _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0], _mm256_set1_epi16(base))),
-                    )
-                } else {
-                    _mm256_add_epi32(
-                        _mm256_add_epi32(
-                            _mm256_madd_epi16(lo[r][0], _mm256_set1_epi16(base)),
-                            _mm256_madd_epi16(lo[r][1], _mm256_set1_epi16(1)),
-                        ),
-                        _mm256_add_epi32(
-                            _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0], _mm256_set1_epi16(base))),
-                            _mm256_madd_epi16(hi[r][1], _mm256_set1_epi16(16)),
-                        ),
                     )
                 };
                 if SPLIT {

@@ -445,6 +445,42 @@ fn saturation_edges_give_the_scalar_bits() {
 }
 
 #[test]
+fn every_5_and_6_bit_code_at_its_top_fills_the_i16_sums_exactly() {
+    // The AVX2 tile's whole 5- and 6-bit codes: 4 groups × 2 products of 31·127 = 31496, and 2 groups
+    // × 2 products of 63·127 = 32004, in one i16 lane; the second digit's sums likewise (126.25: h =
+    // 126, l = 127).
+    let (n, k) = (32, 256);
+    for (top, bits) in [(31u8, 5), (63, 6)] {
+        let w = QWeight::from_parts(
+            n,
+            k,
+            &vec![top; n * k],
+            &vec![1.0; n * k / QBLOCK],
+            &vec![0.0; n * k / QBLOCK],
+        )
+        .unwrap();
+        assert!(
+            (0..w.panels()).all(|p| w.panel_bits(p) == bits && !w.panel_split(p)),
+            "{bits} bits"
+        );
+        for (sign, value) in [(1f32, 1.0f32), (-1.0, 1.0), (1.0, 126.25), (-1.0, 126.25)] {
+            for rows in [1, 2, 3] {
+                let x = vec![sign * value; rows * k];
+                let mut ys = vec![f32::NAN; rows * n];
+                linear_with(Isa::Scalar, &x, rows, &w, &mut ys).unwrap();
+                let want = sign * value * top as f32 * k as f32;
+                assert!(ys.iter().all(|&v| (v - want).abs() <= 1e-5 * want.abs()), "{ys:?}");
+                for isa in crate::runtime::available_isas() {
+                    let mut y = vec![f32::NAN; rows * n];
+                    linear_with(isa, &x, rows, &w, &mut y).unwrap();
+                    assert_eq!(y, ys, "{isa:?} {bits} bits, x {}, {rows} rows", sign * value);
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn every_code_15_and_digit_127_fills_the_i16_sums_exactly() {
     // The nibble mode's worst case: 8 groups × 2 products of 15·127 in one i16 lane = 30480.
     let (n, k) = (16, 64);
