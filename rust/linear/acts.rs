@@ -299,6 +299,14 @@ pub fn quantize_acts(x: &[f32], m: usize, k: usize) -> QActs {
 /// In the two-digit layout, so every tile computes it; `tiled` too when `tiled` (the VNNI tile's
 /// layout from `TILED_MIN_ROWS` rows). Up to 64 rows on this thread, more in chunks of 64 on the pool.
 pub fn quantize_one(x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
+    quantize_one_with(x, m, k, tiled, first_digits)
+}
+
+/// The quantizer of a block run's first digits (`first_digits`' arguments).
+type FirstDigits = fn(&[f32], &mut [i8], &mut [f32], &mut [i32], &mut [f32]);
+
+/// `quantize_one` with `digits` quantizing each run of rows.
+fn quantize_one_with(x: &[f32], m: usize, k: usize, tiled: bool, digits: FirstDigits) -> QActs {
     use rayon::prelude::*;
     let mut a = QActs::zeroed(m, k);
     a.digits = 1;
@@ -307,14 +315,14 @@ pub fn quantize_one(x: &[f32], m: usize, k: usize, tiled: bool) -> QActs {
     if m <= ROWS {
         // On this thread: a decode step's few rows cost less than handing them to the pool (the step
         // team's products are quantized by the thread that starts them).
-        first_digits(&x[..m * k], &mut a.hi, &mut a.s, &mut a.base, &mut a.qs);
+        digits(&x[..m * k], &mut a.hi, &mut a.s, &mut a.base, &mut a.qs);
     } else {
         x[..m * k]
             .par_chunks(ROWS * k)
             .zip(a.hi.par_chunks_mut(ROWS * k))
             .zip(a.s.par_chunks_mut(ROWS * nb).zip(a.base.par_chunks_mut(ROWS * nb)))
             .zip(a.qs.par_chunks_mut(ROWS * nb))
-            .for_each(|(((xc, hc), (sc, bc)), qc)| first_digits(xc, hc, sc, bc, qc));
+            .for_each(|(((xc, hc), (sc, bc)), qc)| digits(xc, hc, sc, bc, qc));
     }
     if tiled {
         a.pack_tiled(m, k);
@@ -411,8 +419,7 @@ fn quantize_block(x: &[f32], h: &mut [i8], l: &mut [i8]) -> (f32, i32, f32) {
 
 /// `quantize_acts` with the quantizer of the tile build `v` (`variant`): AVX-512 beside the VNNI
 /// tile, AVX2 beside the AVX2 tile (so `PAGEDKV_ISA=avx2` runs what a CPU without AVX-512 runs),
-/// the scalar one otherwise; identical results. `one`: `quantize_one`'s first digit only (AVX-512
-/// or scalar).
+/// the scalar one otherwise; identical results. `one`: `quantize_one`'s first digit only.
 pub(super) fn quantize_fast(v: Isa, x: &[f32], m: usize, k: usize, one: bool) -> QActs {
     #[cfg(target_arch = "x86_64")]
     if v == Isa::Avx512 && Isa::Avx512.available() {
@@ -421,9 +428,13 @@ pub(super) fn quantize_fast(v: Isa, x: &[f32], m: usize, k: usize, one: bool) ->
         // SAFETY: AVX-512 F/BW detected (`Isa::Avx512` includes them); x[..m*k] and the buffers are sized for m rows.
         unsafe { x86::quantize(&x[..m * k], &mut a.rows_mut(), x86::Digits::Rows, one) };
         return a;
-    } else if one {
-        return quantize_one(x, m, k, false);
     } else if v == Isa::Avx2 && Isa::Avx2.available() {
+        if one {
+            // SAFETY: AVX2 and FMA detected (`Isa::Avx2` includes them); each run is whole blocks
+            // with its digit and scale slices (`quantize_one_with`).
+            let digits: FirstDigits = |x, h, s, b, q| unsafe { avx2::first_digits(x, h, s, b, q) };
+            return quantize_one_with(x, m, k, false, digits);
+        }
         let mut a = QActs::zeroed(m, k);
         // SAFETY: AVX2 and FMA detected (`Isa::Avx2` includes them); x[..m*k] and the buffers are sized for m rows.
         unsafe { avx2::quantize(&x[..m * k], &mut a) };

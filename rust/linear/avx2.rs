@@ -585,6 +585,56 @@ pub(super) unsafe fn quantize(x: &[f32], a: &mut super::QActs) {
     }
 }
 
+/// `acts::first_digits` with AVX2 (the same bytes and scales bit for bit): the first digit of each
+/// 32-float block of `x` into `h`, its `(s, R, qs)` into `s`, `base`, `qs`.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `x` holds whole blocks, `h` as many bytes, the others one entry a block.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn first_digits(x: &[f32], h: &mut [i8], s: &mut [f32], base: &mut [i32], qs: &mut [f32]) {
+    for (i, blk) in x.chunks_exact(QBLOCK).enumerate() {
+        // SAFETY: blk has 32 floats.
+        let v: [__m256; 4] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(blk.as_ptr().add(8 * j)) });
+        let q;
+        (s[i], base[i], qs[i], q) = first_digit(v);
+        let q16 = [_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])];
+        let q8 = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(q16[0], q16[1]),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+        );
+        let out = &mut h[i * QBLOCK..][..QBLOCK];
+        // SAFETY: `out` is 32 bytes.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, q8) };
+    }
+}
+
+/// The first digit of a 32-float block: `(s, R, qs, h)` as `quantize_block_one` computes them.
+#[target_feature(enable = "avx2,fma")]
+fn first_digit(v: [__m256; 4]) -> (f32, i32, f32, [__m256i; 4]) {
+    let zero = [_mm256_setzero_si256(); 4];
+    let unord = |a: __m256| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(a, a));
+    if v.iter().any(|&a| unord(a) != 0) {
+        return (f32::NAN, 0, f32::NAN, zero);
+    }
+    let amax = max_abs(v);
+    if amax.is_infinite() {
+        return (f32::NAN, 0, f32::NAN, zero);
+    }
+    if amax < f32::MIN_POSITIVE {
+        return (0.0, 0, 0.0, zero);
+    }
+    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let inv = _mm256_set1_ps(127.0 / amax);
+    // Nearest-even rounding, as `round_half_even` in acts.rs.
+    let h = v.map(|a| {
+        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(a, inv));
+        _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+    });
+    let sum = _mm256_add_epi32(_mm256_add_epi32(h[0], h[1]), _mm256_add_epi32(h[2], h[3]));
+    let s = amax / 127.0;
+    (s, 1, s * hsum_i32(sum) as f32, h)
+}
+
 /// Both digits of a 32-float block: `(s, R, qs, h, l)` as `quantize_block` computes them.
 #[target_feature(enable = "avx2,fma")]
 fn digits(v: [__m256; 4]) -> (f32, i32, f32, [__m256i; 4], [__m256i; 4]) {
