@@ -386,7 +386,11 @@ def test_half_sent_requests_past_the_fd_limit_do_not_lock_out_new_clients(capped
                     s.sendall(head)
                 held.append(s)
                 worst_fds = max(worst_fds, capped.fds())
-            time.sleep(1.0)  # let the server read them all
+            # Let the server accept and read them: past its 200 connections (it refuses the rest at once).
+            deadline = time.monotonic() + 30
+            while capped.fds() < fds0 + 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(0.5)
             worst_fds = max(worst_fds, capped.fds())
             h = httpx.get(f"{capped.url}/health", timeout=20)
             busy = httpx.post(f"{capped.url}/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=20)
