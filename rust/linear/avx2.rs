@@ -6,8 +6,8 @@
 //! | nibble | every code <= 15 (GGUF Q4_1)       | one `vpmaddubsw`, summed in i16 over the whole 32-block        |
 //! | wide   | any code (Q8_0, requantized float) | codes split `c = 16·hi + lo`: two `vpmaddubsw`, each as above  |
 //!
-//! The wide mode's two-row and split tiles (`wide_half`) take 5- and 6-bit codes whole instead: one
-//! `vpmaddubsw`, its i16 sums widened every 4 (5-bit) or 2 (6-bit) groups, before they could leave i16.
+//! 5- and 6-bit codes go whole instead (every tile): one `vpmaddubsw`, its i16 sums widened every 4
+//! (5-bit) or 2 (6-bit) groups, before they could leave i16.
 //!
 //! Layout: the packed one as it is (no copy of its own): the 4-bit layout for `nibble` (a 64-byte
 //! line holds two groups; masking its low or high nibbles gives one group as the 8-bit layout would
@@ -336,29 +336,81 @@ unsafe fn tile<const R: usize, const BITS: usize, const ONE: bool>(
                 _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
             }
         }
-        // i16 pair sums [row][digit][8-row vector]: of the codes (nibble mode) or of their low
-        // halves, and of their high halves (wide mode only).
-        let mut lo = [[[zero; 2]; 2]; R];
-        let mut hi = [[[zero; 2]; 2]; R];
-        for g in 0..QBLOCK / 4 {
-            let kk = b * QBLOCK + g * 4;
-            let mut cl = [zero; 2];
-            let mut ch = [zero; 2];
-            for v in 0..2 {
-                // SAFETY: block b of panel p (BITS lines from b*block_bytes), its half v.
-                (cl[v], ch[v]) = unsafe { split::<BITS>(codes.add(b * block_bytes + v * 32), g) };
+        // R·Σc·h + Σc·l [row][8-row vector], exact in i32 (mod.rs); R is an i16, 16·R need not be
+        // (the high halves' R·Σ is shifted instead). One digit: its sums alone (R = 1, l = 0).
+        let mut dots = [[zero; 2]; R];
+        let bases: [__m256i; R] = std::array::from_fn(|r| _mm256_set1_epi16(a.acts.base[(r0 + r) * nb + b] as i16));
+        if BITS == 5 || BITS == 6 {
+            // Whole codes, their i16 sums widened every 4 (5-bit) or 2 (6-bit) groups (`wide_half`).
+            let groups = if BITS == 5 { 4 } else { 2 };
+            for c0 in (0..QBLOCK / 4).step_by(groups) {
+                // i16 pair sums [row][digit][8-row vector].
+                let mut sums = [[[zero; 2]; 2]; R];
+                for g in c0..c0 + groups {
+                    let kk = b * QBLOCK + g * 4;
+                    // SAFETY: block b of panel p (BITS lines from b*block_bytes), its half v.
+                    let c: [__m256i; 2] =
+                        std::array::from_fn(|v| unsafe { whole::<BITS>(codes.add(b * block_bytes + v * 32), g) });
+                    for (r, row) in sums.iter_mut().enumerate() {
+                        for (digit, xq) in [xh, xl].into_iter().enumerate().take(if ONE { 1 } else { 2 }) {
+                            // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
+                            let x = unsafe { xq.add((r0 + r) * k + kk) };
+                            let [s0, s1] = &mut row[digit];
+                            // SAFETY: `x` is four readable bytes (above); AVX2 is enabled here.
+                            unsafe { madd_bcast!(x, (c[0], s0), (c[1], s1)) };
+                        }
+                    }
+                }
+                for (r, row) in dots.iter_mut().enumerate() {
+                    for (v, dot) in row.iter_mut().enumerate() {
+                        *dot = _mm256_add_epi32(*dot, _mm256_madd_epi16(sums[r][0][v], bases[r]));
+                        if !ONE {
+                            *dot = _mm256_add_epi32(*dot, _mm256_madd_epi16(sums[r][1][v], weight[0]));
+                        }
+                    }
+                }
             }
-            for r in 0..R {
-                for (digit, xq) in [xh, xl].into_iter().enumerate().take(if ONE { 1 } else { 2 }) {
-                    // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
-                    let x = unsafe { xq.add((r0 + r) * k + kk) };
-                    let [l0, l1] = &mut lo[r][digit];
-                    // SAFETY: `x` is four readable bytes (above); AVX2 is enabled here.
-                    unsafe { madd_bcast!(x, (cl[0], l0), (cl[1], l1)) };
+        } else {
+            // i16 pair sums [row][digit][8-row vector]: of the codes (nibble mode) or of their low
+            // halves, and of their high halves (8-bit codes).
+            let mut lo = [[[zero; 2]; 2]; R];
+            let mut hi = [[[zero; 2]; 2]; R];
+            for g in 0..QBLOCK / 4 {
+                let kk = b * QBLOCK + g * 4;
+                let mut cl = [zero; 2];
+                let mut ch = [zero; 2];
+                for v in 0..2 {
+                    // SAFETY: block b of panel p (BITS lines from b*block_bytes), its half v.
+                    (cl[v], ch[v]) = unsafe { split::<BITS>(codes.add(b * block_bytes + v * 32), g) };
+                }
+                for r in 0..R {
+                    for (digit, xq) in [xh, xl].into_iter().enumerate().take(if ONE { 1 } else { 2 }) {
+                        // SAFETY: row r0+r < m and kk + 4 <= k: four activation bytes inside row r0+r.
+                        let x = unsafe { xq.add((r0 + r) * k + kk) };
+                        let [l0, l1] = &mut lo[r][digit];
+                        // SAFETY: `x` is four readable bytes (above); AVX2 is enabled here.
+                        unsafe { madd_bcast!(x, (cl[0], l0), (cl[1], l1)) };
+                        if wide {
+                            let [h0, h1] = &mut hi[r][digit];
+                            // SAFETY: as above.
+                            unsafe { madd_bcast!(x, (ch[0], h0), (ch[1], h1)) };
+                        }
+                    }
+                }
+            }
+            for (r, row) in dots.iter_mut().enumerate() {
+                for (v, dot) in row.iter_mut().enumerate() {
+                    let base = bases[r];
+                    *dot = _mm256_madd_epi16(lo[r][0][v], base);
+                    if !ONE {
+                        *dot = _mm256_add_epi32(*dot, _mm256_madd_epi16(lo[r][1][v], weight[0]));
+                    }
                     if wide {
-                        let [h0, h1] = &mut hi[r][digit];
-                        // SAFETY: as above.
-                        unsafe { madd_bcast!(x, (ch[0], h0), (ch[1], h1)) };
+                        let mut h = _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0][v], base));
+                        if !ONE {
+                            h = _mm256_add_epi32(h, _mm256_madd_epi16(hi[r][1][v], weight[1]));
+                        }
+                        *dot = _mm256_add_epi32(*dot, h);
                     }
                 }
             }
@@ -369,21 +421,7 @@ unsafe fn tile<const R: usize, const BITS: usize, const ONE: bool>(
             let (dv, mv) = unsafe { load_scales(sc, scales + b * 2 * PANEL + v * 8) };
             for r in 0..R {
                 let rb = (r0 + r) * nb + b;
-                // R·Σc·h + Σc·l, exact in i32 (mod.rs); R is an i16, 16·R need not be (the
-                // high halves' R·Σ is shifted instead).
-                // One digit: its sums alone (R = 1, the second digit's are 0).
-                let base = _mm256_set1_epi16(a.acts.base[rb] as i16);
-                let mut dot = _mm256_madd_epi16(lo[r][0][v], base);
-                if !ONE {
-                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(lo[r][1][v], weight[0]));
-                }
-                if wide {
-                    let mut h = _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0][v], base));
-                    if !ONE {
-                        h = _mm256_add_epi32(h, _mm256_madd_epi16(hi[r][1][v], weight[1]));
-                    }
-                    dot = _mm256_add_epi32(dot, h);
-                }
+                let dot = dots[r][v];
                 let s = _mm256_set1_ps(a.acts.s[rb]);
                 let qs = _mm256_set1_ps(a.acts.qs[rb]);
                 acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, s), acc[r][v]);
