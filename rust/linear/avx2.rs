@@ -297,7 +297,7 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
 }
 
 /// One tile: rows `r0..r0+R` times panel `p` in the `BITS`-bit layout; 4: the `nibble` mode,
-/// else `wide` (codes split `16·hi + lo`).
+/// else `wide` (8-bit codes split `16·hi + lo`, 5- and 6-bit ones whole).
 ///
 /// # Safety
 /// As for `job`; rows `r0..r0+R` are inside the activations, panel `p` exists and holds its
