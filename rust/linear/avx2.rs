@@ -336,11 +336,15 @@ unsafe fn tile<const R: usize, const BITS: usize, const ONE: bool>(
                 _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
             }
         }
-        // R·Σc·h + Σc·l [row][8-row vector], exact in i32 (mod.rs); R is an i16, 16·R need not be
-        // (the high halves' R·Σ is shifted instead). One digit: its sums alone (R = 1, l = 0).
+        // i16 pair sums [row][digit][8-row vector]: of the codes (nibble mode) or of their low
+        // halves, and of their high halves (8-bit codes); 5- and 6-bit codes: `dots`, below.
+        let mut lo = [[[zero; 2]; 2]; R];
+        let mut hi = [[[zero; 2]; 2]; R];
+        // 5- and 6-bit codes: R·Σc·h + Σc·l [row][8-row vector], exact in i32 (mod.rs).
         let mut dots = [[zero; 2]; R];
-        let bases: [__m256i; R] = std::array::from_fn(|r| _mm256_set1_epi16(a.acts.base[(r0 + r) * nb + b] as i16));
-        if BITS == 5 || BITS == 6 {
+        let whole_codes = BITS == 5 || BITS == 6;
+        if whole_codes {
+            let bases: [__m256i; R] = std::array::from_fn(|r| _mm256_set1_epi16(a.acts.base[(r0 + r) * nb + b] as i16));
             // Whole codes, their i16 sums widened every 4 (5-bit) or 2 (6-bit) groups (`wide_half`).
             let groups = if BITS == 5 { 4 } else { 2 };
             for c0 in (0..QBLOCK / 4).step_by(groups) {
@@ -371,10 +375,6 @@ unsafe fn tile<const R: usize, const BITS: usize, const ONE: bool>(
                 }
             }
         } else {
-            // i16 pair sums [row][digit][8-row vector]: of the codes (nibble mode) or of their low
-            // halves, and of their high halves (8-bit codes).
-            let mut lo = [[[zero; 2]; 2]; R];
-            let mut hi = [[[zero; 2]; 2]; R];
             for g in 0..QBLOCK / 4 {
                 let kk = b * QBLOCK + g * 4;
                 let mut cl = [zero; 2];
@@ -398,22 +398,6 @@ unsafe fn tile<const R: usize, const BITS: usize, const ONE: bool>(
                     }
                 }
             }
-            for (r, row) in dots.iter_mut().enumerate() {
-                for (v, dot) in row.iter_mut().enumerate() {
-                    let base = bases[r];
-                    *dot = _mm256_madd_epi16(lo[r][0][v], base);
-                    if !ONE {
-                        *dot = _mm256_add_epi32(*dot, _mm256_madd_epi16(lo[r][1][v], weight[0]));
-                    }
-                    if wide {
-                        let mut h = _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0][v], base));
-                        if !ONE {
-                            h = _mm256_add_epi32(h, _mm256_madd_epi16(hi[r][1][v], weight[1]));
-                        }
-                        *dot = _mm256_add_epi32(*dot, h);
-                    }
-                }
-            }
         }
         for v in 0..2 {
             // SAFETY: block b of panel p: 16 `d` then 16 `m`; vector v is 8 of each (F16C is part of
@@ -421,7 +405,25 @@ unsafe fn tile<const R: usize, const BITS: usize, const ONE: bool>(
             let (dv, mv) = unsafe { load_scales(sc, scales + b * 2 * PANEL + v * 8) };
             for r in 0..R {
                 let rb = (r0 + r) * nb + b;
-                let dot = dots[r][v];
+                // R·Σc·h + Σc·l, exact in i32 (mod.rs); R is an i16, 16·R need not be (the
+                // high halves' R·Σ is shifted instead). One digit: its sums alone (R = 1, l = 0).
+                let dot = if whole_codes {
+                    dots[r][v]
+                } else {
+                    let base = _mm256_set1_epi16(a.acts.base[rb] as i16);
+                    let mut dot = _mm256_madd_epi16(lo[r][0][v], base);
+                    if !ONE {
+                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(lo[r][1][v], weight[0]));
+                    }
+                    if wide {
+                        let mut h = _mm256_slli_epi32::<4>(_mm256_madd_epi16(hi[r][0][v], base));
+                        if !ONE {
+                            h = _mm256_add_epi32(h, _mm256_madd_epi16(hi[r][1][v], weight[1]));
+                        }
+                        dot = _mm256_add_epi32(dot, h);
+                    }
+                    dot
+                };
                 let s = _mm256_set1_ps(a.acts.s[rb]);
                 let qs = _mm256_set1_ps(a.acts.qs[rb]);
                 acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, s), acc[r][v]);
@@ -608,14 +610,8 @@ pub(super) unsafe fn quantize(x: &[f32], a: &mut super::QActs) {
         let v: [__m256; 4] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(blk.as_ptr().add(8 * j)) });
         let (s, base, qs, h, l) = digits(v);
         for (dst, q) in [(&mut a.hi, h), (&mut a.lo, l)] {
-            // i32 -> i16 -> i8 with saturation (values are in -127..=127), then the lanes back in order.
-            let q16 = [_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])];
-            let q8 = _mm256_permutevar8x32_epi32(
-                _mm256_packs_epi16(q16[0], q16[1]),
-                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
-            );
             // SAFETY: block i has 32 digits in each buffer.
-            unsafe { _mm256_storeu_si256(dst.as_mut_ptr().add(i * QBLOCK) as *mut __m256i, q8) };
+            unsafe { _mm256_storeu_si256(dst.as_mut_ptr().add(i * QBLOCK) as *mut __m256i, pack_i8(q)) };
         }
         a.s[i] = s;
         a.base[i] = base;
@@ -635,39 +631,21 @@ pub(super) unsafe fn first_digits(x: &[f32], h: &mut [i8], s: &mut [f32], base: 
         let v: [__m256; 4] = std::array::from_fn(|j| unsafe { _mm256_loadu_ps(blk.as_ptr().add(8 * j)) });
         let q;
         (s[i], base[i], qs[i], q) = first_digit(v);
-        let q16 = [_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])];
-        let q8 = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(q16[0], q16[1]),
-            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
-        );
         let out = &mut h[i * QBLOCK..][..QBLOCK];
         // SAFETY: `out` is 32 bytes.
-        unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, q8) };
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, pack_i8(q)) };
     }
 }
 
 /// The first digit of a 32-float block: `(s, R, qs, h)` as `quantize_block_one` computes them.
 #[target_feature(enable = "avx2,fma")]
 fn first_digit(v: [__m256; 4]) -> (f32, i32, f32, [__m256i; 4]) {
-    let zero = [_mm256_setzero_si256(); 4];
-    let unord = |a: __m256| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(a, a));
-    if v.iter().any(|&a| unord(a) != 0) {
-        return (f32::NAN, 0, f32::NAN, zero);
-    }
-    let amax = max_abs(v);
-    if amax.is_infinite() {
-        return (f32::NAN, 0, f32::NAN, zero);
-    }
-    if amax < f32::MIN_POSITIVE {
-        return (0.0, 0, 0.0, zero);
-    }
-    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let amax = match block_amax(v) {
+        Ok(amax) => amax,
+        Err((s, base, qs)) => return (s, base, qs, [_mm256_setzero_si256(); 4]),
+    };
     let inv = _mm256_set1_ps(127.0 / amax);
-    // Nearest-even rounding, as `round_half_even` in acts.rs.
-    let h = v.map(|a| {
-        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(a, inv));
-        _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
-    });
+    let h = v.map(|a| round_code(a, inv));
     let sum = _mm256_add_epi32(_mm256_add_epi32(h[0], h[1]), _mm256_add_epi32(h[2], h[3]));
     let s = amax / 127.0;
     (s, 1, s * hsum_i32(sum) as f32, h)
@@ -676,26 +654,12 @@ fn first_digit(v: [__m256; 4]) -> (f32, i32, f32, [__m256i; 4]) {
 /// Both digits of a 32-float block: `(s, R, qs, h, l)` as `quantize_block` computes them.
 #[target_feature(enable = "avx2,fma")]
 fn digits(v: [__m256; 4]) -> (f32, i32, f32, [__m256i; 4], [__m256i; 4]) {
-    let zero = [_mm256_setzero_si256(); 4];
-    let unord = |a: __m256| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(a, a));
-    if v.iter().any(|&a| unord(a) != 0) {
-        return (f32::NAN, 0, f32::NAN, zero, zero);
-    }
-    let amax = max_abs(v);
-    if amax.is_infinite() {
-        return (f32::NAN, 0, f32::NAN, zero, zero);
-    }
-    if amax < f32::MIN_POSITIVE {
-        return (0.0, 0, 0.0, zero, zero);
-    }
-    let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
-    // Nearest-even rounding, as `round_half_even` in acts.rs (|v·inv| <= ~127 < 2^22).
-    let code = |a: __m256, inv: __m256| {
-        let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(a, inv));
-        _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+    let amax = match block_amax(v) {
+        Ok(amax) => amax,
+        Err((s, base, qs)) => return (s, base, qs, [_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]),
     };
     let s_h = _mm256_set1_ps(amax / 127.0);
-    let h = v.map(|a| code(a, _mm256_set1_ps(127.0 / amax)));
+    let h = v.map(|a| round_code(a, _mm256_set1_ps(127.0 / amax)));
     // e = v - s_h·h, rounded after the product as the scalar path does (no contraction).
     let e: [__m256; 4] = std::array::from_fn(|j| _mm256_sub_ps(v[j], _mm256_mul_ps(s_h, _mm256_cvtepi32_ps(h[j]))));
     let abs_sum = {
@@ -705,11 +669,54 @@ fn digits(v: [__m256; 4]) -> (f32, i32, f32, [__m256i; 4], [__m256i; 4]) {
     };
     let base = super::digit_base(amax, max_abs(e), abs_sum);
     let units = 127.0 * base;
-    let l = e.map(|a| code(a, _mm256_set1_ps(units / amax)));
+    let l = e.map(|a| round_code(a, _mm256_set1_ps(units / amax)));
     let sum4 = |q: [__m256i; 4]| _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     let s = _mm256_add_epi32(_mm256_mullo_epi32(sum4(h), _mm256_set1_epi32(base as i32)), sum4(l));
     let scale = amax / units;
     (scale, base as i32, scale * hsum_i32(s) as f32, h, l)
+}
+
+/// A block's `max|v|` when it has digits, else the `(s, R, qs)` of its all-zero digits: NaN for a NaN
+/// or infinite value, zero below the smallest normal (as the scalar quantizers).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn block_amax(v: [__m256; 4]) -> Result<f32, (f32, i32, f32)> {
+    let unord = |a: __m256| _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(a, a));
+    if v.iter().any(|&a| unord(a) != 0) {
+        return Err((f32::NAN, 0, f32::NAN));
+    }
+    let amax = max_abs(v);
+    if amax.is_infinite() {
+        return Err((f32::NAN, 0, f32::NAN));
+    }
+    if amax < f32::MIN_POSITIVE {
+        return Err((0.0, 0, 0.0));
+    }
+    Ok(amax)
+}
+
+/// `Q(a·inv)`: nearest-even rounding, as `round_half_even` in acts.rs (|a·inv| <= ~127 < 2^22), clamped
+/// to -127..=127, as i32 lanes.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn round_code(a: __m256, inv: __m256) -> __m256i {
+    let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(a, inv));
+    _mm256_cvtps_epi32(_mm256_min_ps(
+        _mm256_max_ps(r, _mm256_set1_ps(-127.0)),
+        _mm256_set1_ps(127.0),
+    ))
+}
+
+/// 32 digits in i32 lanes (-127..=127) as 32 bytes in order: i32 -> i16 -> i8 with saturation,
+/// then the lanes back in order.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn pack_i8(q: [__m256i; 4]) -> __m256i {
+    let q16 = [_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])];
+    _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(q16[0], q16[1]),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+    )
 }
 
 /// Sum of the 8 i32 lanes.
