@@ -271,9 +271,10 @@ pub(super) fn tiled_step(m: usize, g0: usize) -> usize {
 }
 
 /// Rows from which the VNNI tile takes its activations tiled (`QActs::tiled`); below, as `hi` and
-/// `lo` rows: no 8-row tile runs there, and the tiled layout pays from 8 rows on (x86.rs). A
-/// one-sequence decode was slower tiled than with row digits; with this threshold it matches them.
-pub(super) const TILED_MIN_ROWS: usize = 8;
+/// `lo` rows. A tile of 3 to 8 rows reads every broadcast at a constant offset from one pointer
+/// where row digits take two pointers a row (7 rows: 14, more than the loop leaves free); one and
+/// two rows, a one-sequence decode among them, run as fast or faster from row digits.
+pub(super) const TILED_MIN_ROWS: usize = 3;
 
 /// Rows of one group of `QActs::tiled` (the VNNI tile's largest row count).
 pub(super) const TILED_ROWS: usize = 8;

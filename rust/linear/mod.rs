@@ -238,7 +238,7 @@ fn linear_ld(
             Isa::Scalar if one => quantize_one(x, m, k, false),
             Isa::Scalar => quantize_acts(x, m, k),
             // The AMX tile's layout (in chunks of 64 rows on the pool), else the VNNI tile's tiled
-            // digits from 8 rows on.
+            // digits from `TILED_MIN_ROWS` rows on.
             _ if amx => quantize_chunks(x, m, k, 64, one, true),
             v => quantize_par(v, x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS, one),
         };

@@ -728,7 +728,12 @@ fn split_panels_give_the_scalar_bits_and_the_files_values() {
             (w.panels(), "grid"),
             "case {case}"
         );
-        same_products_everywhere(&mut r, &w, &[1, 2, 3, 4, 8, 9, 16, 33], &format!("case {case}"));
+        same_products_everywhere(
+            &mut r,
+            &w,
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 33],
+            &format!("case {case}"),
+        );
         same_products_as_f32_scales(&mut r, &w, 9, &format!("case {case} f32"));
         // Mixed with a 32-wide type (no grid): f32 scales, the same split panels and values.
         let q8 = random_gguf_rows(&mut r, "Q8_0", 16, k);

@@ -7,13 +7,15 @@
 //! and one add), converted and folded into the row's f32 accumulator with two FMAs (`d·s`,
 //! `m·qs`) in the scalar path's order.
 //!
-//! | tile (R x NP) | rows of a pass it takes | registers                                      |
-//! |---------------|-------------------------|------------------------------------------------|
-//! | 8 x 1         | each 8                  | 16 int32 + 8 f32 accumulators, 1 code vector   |
-//! | 4 x 2         | a remaining 4           | 16 int32 + 8 f32, 2 code vectors               |
-//! | 2 x 2, 1 x 2  | a remaining 2, 1        | 8 int32 + 4 f32 (1 row: 2 x 8, even/odd groups) |
+//! | tile (R x NP)   | rows of a pass it takes | registers (two digits)                        |
+//! |-----------------|-------------------------|-----------------------------------------------|
+//! | 5..=8 x 1       | 5 to 8 (a tile a panel) | 2R int32 + R f32 accumulators, 1 code vector  |
+//! | 3 x 2, 4 x 2    | 3, 4                    | 4R int32 + 2R f32, 2 code vectors             |
+//! | 2 x 2, 1 x 2    | 2, 1                    | 8 int32 + 4 f32 (1 row: 2 x 8, even/odd groups) |
 //!
-//! All fit the 32 zmm with the block's scales (`TILE_ROWS` says why 8 rows).
+//! All fit the 32 zmm with the block's scales (`TILE_ROWS` says why 8 rows). A pass's rows go to
+//! one tile: each extra tile decodes the code vectors and folds the blocks again (a 7-row pass cut
+//! 4 + 2 + 1 cost about what 12 rows do).
 //!
 //! One-digit activations (`QActs::digits` 1, every `l` 0 and `R` 1): the same tiles without the `l`
 //! broadcasts and `vpdpbusd`, and the block's sum taken as `Σc·h` (`ONE`): the same integers.
@@ -22,7 +24,7 @@
 //! 8, each 4-wide k step of a group holding its 8 rows' two digits side by side (64 bytes), so every
 //! broadcast of a block sits at a constant offset from one pointer. Reading `hi` and `lo` row by
 //! row took 16 row pointers for the 8-row tile, more than the general registers hold beside the
-//! loop's own; the tiled layout is faster from 32 rows on, the same at 8 (the same bits). `quantize`
+//! loop's own; tiled from 3 rows on (`TILED_MIN_ROWS`), the same bits either way. `quantize`
 //! writes that layout itself for the VNNI tile (`Digits::Tiled`; no `hi` / `lo` rows, no copy).
 //!
 //! `quantize` (the activations' two digits) takes 16 blocks at a time: their max |x| and digit sums
@@ -176,36 +178,32 @@ const _: () = assert!(
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn job(a: &Args, m: usize, from: usize, p0: usize, np: usize, bits: usize, split: bool) {
     tile_order(m - from, a.w.k, p0, np, TILE_ROWS, |r0, rows, ps, pn, first| {
-        // The pass's rows in tiles of 8 (one panel each), then 4, 2, 1 (two panels each).
-        let (mut r, mut left, mut first) = (from + r0, rows, first);
-        while left > 0 {
-            let take = [8, 4, 2, 1].into_iter().find(|&t| t <= left).unwrap_or(1);
-            // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
-            // activations (so r..r+take too) and panels ps..ps+pn (pn <= PASS_PANELS = 2)
-            // inside p0..p0+np, all of them in the `bits`-bit layout.
-            unsafe {
-                match (bits, a.acts.digits == 1, split) {
-                    (_, false, true) => rows_tile::<6, false, true>(a, m, r, take, ps, pn, first),
-                    (_, true, true) => rows_tile::<6, true, true>(a, m, r, take, ps, pn, first),
-                    (4, false, _) => rows_tile::<4, false, false>(a, m, r, take, ps, pn, first),
-                    (5, false, _) => rows_tile::<5, false, false>(a, m, r, take, ps, pn, first),
-                    (6, false, _) => rows_tile::<6, false, false>(a, m, r, take, ps, pn, first),
-                    (_, false, _) => rows_tile::<8, false, false>(a, m, r, take, ps, pn, first),
-                    (4, true, _) => rows_tile::<4, true, false>(a, m, r, take, ps, pn, first),
-                    (5, true, _) => rows_tile::<5, true, false>(a, m, r, take, ps, pn, first),
-                    (6, true, _) => rows_tile::<6, true, false>(a, m, r, take, ps, pn, first),
-                    (_, true, _) => rows_tile::<8, true, false>(a, m, r, take, ps, pn, first),
-                }
+        // The pass's rows (at most 8, in one group of `tiled`) in one tile: one panel a tile from
+        // 5 rows on, both panels below. Cutting them 4 + 2 + 1 decoded each code vector and folded
+        // each block once a tile.
+        // SAFETY: forwarded from the caller; `tile_order` gives rows r0..r0+rows inside the
+        // activations and panels ps..ps+pn (pn <= PASS_PANELS = 2) inside p0..p0+np, all of them
+        // in the `bits`-bit layout.
+        unsafe {
+            let r = from + r0;
+            match (bits, a.acts.digits == 1, split) {
+                (_, false, true) => rows_tile::<6, false, true>(a, m, r, rows, ps, pn, first),
+                (_, true, true) => rows_tile::<6, true, true>(a, m, r, rows, ps, pn, first),
+                (4, false, _) => rows_tile::<4, false, false>(a, m, r, rows, ps, pn, first),
+                (5, false, _) => rows_tile::<5, false, false>(a, m, r, rows, ps, pn, first),
+                (6, false, _) => rows_tile::<6, false, false>(a, m, r, rows, ps, pn, first),
+                (_, false, _) => rows_tile::<8, false, false>(a, m, r, rows, ps, pn, first),
+                (4, true, _) => rows_tile::<4, true, false>(a, m, r, rows, ps, pn, first),
+                (5, true, _) => rows_tile::<5, true, false>(a, m, r, rows, ps, pn, first),
+                (6, true, _) => rows_tile::<6, true, false>(a, m, r, rows, ps, pn, first),
+                (_, true, _) => rows_tile::<8, true, false>(a, m, r, rows, ps, pn, first),
             }
-            r += take;
-            left -= take;
-            first = false;
         }
     });
 }
 
-/// Rows `r..r+take` (`take` = 8, 4, 2 or 1) times panels `ps..ps+pn` (`pn` = 1 or 2): one tile,
-/// or one 8-row tile a panel.
+/// Rows `r..r+take` (`take` 1 to 8) times panels `ps..ps+pn` (`pn` = 1 or 2): one tile, or from
+/// 5 rows on one tile a panel.
 ///
 /// # Safety
 /// As for `tile`, for each panel of the range.
@@ -260,8 +258,13 @@ unsafe fn rows_tile_gs<const BITS: usize, const ONE: bool, const SPLIT: bool, co
     unsafe {
         match (take, pn) {
             (8, _) => (ps..ps + pn).for_each(|p| tile::<8, 1, BITS, GS, ONE, SPLIT>(a, r, p, first, gstep)),
+            (7, _) => (ps..ps + pn).for_each(|p| tile::<7, 1, BITS, GS, ONE, SPLIT>(a, r, p, first, gstep)),
+            (6, _) => (ps..ps + pn).for_each(|p| tile::<6, 1, BITS, GS, ONE, SPLIT>(a, r, p, first, gstep)),
+            (5, _) => (ps..ps + pn).for_each(|p| tile::<5, 1, BITS, GS, ONE, SPLIT>(a, r, p, first, gstep)),
             (4, 2) => tile::<4, 2, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
             (4, _) => tile::<4, 1, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
+            (3, 2) => tile::<3, 2, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
+            (3, _) => tile::<3, 1, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
             (2, 2) => tile::<2, 2, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
             (2, _) => tile::<2, 1, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
             (_, 2) => tile::<1, 2, BITS, GS, ONE, SPLIT>(a, r, ps, first, gstep),
