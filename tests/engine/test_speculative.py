@@ -424,6 +424,20 @@ def test_bench_e2e_drafting_share_counts_governed_steps_or_drafts():
     assert _spec_delta(stats(0, governed=False), stats(0, governed=False))[share] == 0.0
 
 
+def test_bench_spec_table_reports_decode_speed_apart_from_prefill(capsys):
+    """`bench e2e --spec-table`'s decode column: the pair's median TPOT off over on (prefill, the same both
+    ways, left out), 0 where a side decoded one token at most; the table prints it beside tok/s."""
+    from pagedkv_rs.cli.bench.e2e import _tpot_ratio, main
+
+    assert _tpot_ratio({"median_tpot_ms": 10.0}, {"median_tpot_ms": 4.0}) == 2.5
+    assert _tpot_ratio({"median_tpot_ms": 10.0}, {"median_tpot_ms": 0.0}) == 0.0
+    argv = ["--spec-table", "--spec-rows", "random:1", "--speculative", "ngram:k=2"]
+    assert main([*argv, "--input-len", "16", "--output-len", "6", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("random 1"))
+    assert "decode" in out and float(row.split()[5].rstrip("x")) > 0
+
+
 def test_pooling_requests_beside_speculating_ones():
     """A step with a pooling row drafts nothing (one forward_hidden serves it); the tokens are unchanged."""
     from pagedkv_rs import PoolingParams
