@@ -615,13 +615,14 @@ class Scheduler:
             if not mode[1]:
                 return
         free = self.kv.num_free_blocks - self.watermark_blocks
+        bar = spec.governor.min_p(mode[0]) if mode is not None and spec.governor is not None else None
         model = spec.drafter is not None  # a draft model drafts whatever a sequence takes, all at once below
         plan: list[tuple[int, Any]] = []  # (batch row, its n-gram drafts or how many the draft model makes)
         for i, req in enumerate(out.requests):
             if budget <= 0:
                 break
             offer: Any = spec.room(req, budget) if model else spec.propose(req, budget)
-            k = spec.choose(req, offer if model else len(offer)) if offer else 0
+            k = spec.choose(req, offer if model else len(offer), bar) if offer else 0
             if not k:
                 continue
             need = self.kv.blocks_needed_to_append(req.seq_id, k)
@@ -864,8 +865,11 @@ class Scheduler:
         else:
             changed = self._update_plain(samplers, sampled, now)
         if timed:
+            assert spec is not None and spec.governor is not None and g is not None
             tokens = sum(len(r.output_token_ids) for r in samplers) - before
-            spec.governor.observe(g[0], g[1], tokens, spec.clock() - g[2])  # type: ignore[union-attr,index]
+            drafts = sum(len(d) for d in out.drafts.values())
+            seconds = spec.clock() - g[2]
+            spec.governor.observe(g[0], g[1], tokens, seconds, bool(drafts), len(out.requests), drafts)
         return changed
 
     def _update_plain(self, samplers: Sequence[Request], sampled: Sequence[int], now: float) -> list[Request]:

@@ -24,8 +24,11 @@ of step time with drafts and without, runs the faster mode for a window of steps
 a few; a probe that confirms the other mode clearly slower doubles the next window, so the steps spent probing a
 losing mode shrink geometrically. Its decisions depend only on the timings its clock reports. Inside a
 speculating step each sequence takes the drafts its own acceptance ``alpha`` (accepted drafts over accepted +
-rejections, decayed) makes likely: the ``j``-th draft while ``alpha^j >= MIN_P``; a sequence whose drafts keep
-failing stops drafting and probes with one draft after a doubling number of steps. Only decode-only steps
+rejections, decayed) makes likely: the ``j``-th draft while ``alpha^j`` is at least the bucket's bar, what a draft
+row has been measured to cost in tokens of a step without drafts (``Governor.min_p``: ~0.1 where the weights
+stream from memory, 1 where a step is compute-bound; ``MIN_P`` until measured); a sequence whose drafts keep
+failing stops drafting and probes with one draft after a doubling number of steps. A drafting-mode step in which
+no sequence took a draft times the mode without drafts. Only decode-only steps
 draft (a step that prefills gives its budget to the prompt, and its time would not compare); none with more
 than ``max_batch`` decoding sequences, and no constrained sequence (structured outputs: its drafts would need
 the grammar's check at every position).
@@ -245,10 +248,11 @@ class _Mode:
 class _Bucket:
     """One batch-size bucket: its modes' estimates and where it is in its schedule."""
 
-    __slots__ = ("modes", "on", "best", "left", "ran", "window")
+    __slots__ = ("modes", "on", "best", "left", "ran", "window", "extra", "rows")
 
     def __init__(self, window: int, probe: int) -> None:
         self.modes = (_Mode(), _Mode())  # without drafts, with drafts
+        self.extra = self.rows = 0.0  # decayed seconds drafting steps took beyond a step without, and their drafts
         self.on = self.best = True  # first a probe-long window with drafts, then a probe without
         self.left = probe  # steps before the next decision
         self.ran = 0  # steps since the last one
@@ -269,9 +273,10 @@ class Governor:
     """
 
     BUCKETS = (1, 4, 16)  # decoding sequences: 1 | 2-4 | 5-16 | 17+
-    DECAY = 0.75  # per observed step of a mode: its estimate follows its last few steps, so load drift cancels
+    DECAY = 0.9  # per observed step of a mode: about its last 10 steps (a run of rejected drafts moves it little)
     MARGIN = 0.05
     MAX_WINDOWS = 16
+    MIN_P_RANGE = (0.05, 1.0)
 
     def __init__(self, window: int = 16, probe: int = 4) -> None:
         self.window, self.probe = window, probe
@@ -286,10 +291,27 @@ class Governor:
         """Whether this bucket's next step drafts."""
         return self.buckets[bucket].on
 
-    def observe(self, bucket: int, on: bool, tokens: int, seconds: float) -> None:
-        """A decode step of ``bucket`` that ran with (``on``) or without drafts: ``tokens`` output in ``seconds``."""
+    def observe(
+        self,
+        bucket: int,
+        on: bool,
+        tokens: int,
+        seconds: float,
+        drafted: Optional[bool] = None,
+        seqs: int = 0,
+        drafts: int = 0,
+    ) -> None:
+        """A decode step of ``bucket`` run in the drafting mode (``on``) or not: ``tokens`` output in ``seconds``.
+        ``drafted`` (default ``on``): whether any sequence took drafts; a drafting-mode step in which none did
+        (their acceptance kept them from it) ran as a step without drafts and times that mode, not drafting's.
+        ``seqs`` decoding sequences and ``drafts`` draft rows: what a draft row costs (``min_p``)."""
         b = self.buckets[bucket]
-        m = b.modes[on]
+        drafted = on if drafted is None else drafted
+        m, off = b.modes[drafted], b.modes[0]
+        if drafted and drafts and seqs and off.steps:
+            # the step's time beyond what its sequences take without drafts
+            b.extra = self.DECAY * b.extra + (max(seconds, 0.0) - seqs / off.rate)
+            b.rows = self.DECAY * b.rows + drafts
         m.tokens = self.DECAY * m.tokens + tokens
         m.seconds = self.DECAY * m.seconds + max(seconds, 0.0)
         m.steps += 1
@@ -297,11 +319,22 @@ class Governor:
             return
         b.left -= 1
         b.ran += 1
-        other = b.modes[not on]
-        if b.on == b.best and b.ran >= self.probe and other.steps and m.rate < other.rate:
+        cur, other = b.modes[on], b.modes[not on]
+        if b.on == b.best and b.ran >= self.probe and other.steps and cur.rate < other.rate:
             b.left = 0  # the better mode fell below the other's last estimate (the workload changed): probe now
         if b.left <= 0:
             self._decide(b)
+
+    def min_p(self, bucket: int) -> Optional[float]:
+        """The acceptance chance at which a draft row pays in ``bucket``: its measured cost in seconds times the
+        tokens a second of steps without drafts gives (clamped to ``MIN_P_RANGE``); None before both are measured.
+        A step reading its weights from memory takes a draft row almost free (a low bar); a compute-bound one
+        pays about a sequence's share of the step for it (a bar near 1)."""
+        b = self.buckets[bucket]
+        if b.rows <= 0 or not b.modes[0].steps:
+            return None
+        lo, hi = self.MIN_P_RANGE
+        return min(hi, max(lo, b.extra / b.rows * b.modes[0].rate))
 
     def _decide(self, b: _Bucket) -> None:
         b.ran = 0
@@ -415,14 +448,16 @@ class Speculator:
         for req in held:
             self.release(req)
 
-    def choose(self, req: Any, offered: int) -> int:
-        """How many of ``offered`` drafts the request takes: those its acceptance makes likely (``MIN_P``), or a
+    def choose(self, req: Any, offered: int, min_p: Optional[float] = None) -> int:
+        """How many of ``offered`` drafts the request takes: the ``j``-th while its acceptance makes it likely,
+        ``alpha^j >= min_p`` (the governor's ``min_p`` for the step's bucket, ``MIN_P`` until it has one), or a
         probe of one after its back-off."""
         st = req.spec
         if not self.config.adaptive:
             return offered
+        bar = self.MIN_P if min_p is None else min_p
         alpha, p, k = st.alpha, 1.0, 0
-        while k < offered and p * alpha >= self.MIN_P:
+        while k < offered and p * alpha >= bar:
             p *= alpha
             k += 1
         if k:
