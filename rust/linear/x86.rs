@@ -223,12 +223,15 @@ unsafe fn rows_tile<const BITS: usize, const ONE: bool, const SPLIT: bool>(
     } else {
         tiled_step(m, g0)
     };
+    // A full group of 8 tiled rows is one pass's 8-row tile, a group of one row a one-row tile (only
+    // the tiles that can run are built for each step: every tile is a large function).
     // SAFETY: forwarded from the caller.
     unsafe {
         match gstep {
             ROW_DIGITS => rows_tile_gs::<BITS, ONE, SPLIT, ROW_DIGITS>(a, r, take, ps, pn, first, gstep),
-            64 => rows_tile_gs::<BITS, ONE, SPLIT, 64>(a, r, take, ps, pn, first, gstep),
-            8 => rows_tile_gs::<BITS, ONE, SPLIT, 8>(a, r, take, ps, pn, first, gstep),
+            64 if take == 8 => (ps..ps + pn).for_each(|p| tile::<8, 1, BITS, 64, ONE, SPLIT>(a, r, p, first, gstep)),
+            8 if take == 1 && pn == 2 => tile::<1, 2, BITS, 8, ONE, SPLIT>(a, r, ps, first, gstep),
+            8 if take == 1 => tile::<1, 1, BITS, 8, ONE, SPLIT>(a, r, ps, first, gstep),
             _ => rows_tile_gs::<BITS, ONE, SPLIT, 0>(a, r, take, ps, pn, first, gstep),
         }
     }
