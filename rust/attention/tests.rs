@@ -20,19 +20,21 @@ struct Case {
 }
 
 fn random_case(r: &mut Rng, d: usize, max_len: usize) -> Case {
+    case_with(r, d, max_len, |r, l| match r.below(3) {
+        0 => 1,
+        1 => l,
+        _ => 1 + r.below(l as usize) as i32,
+    })
+}
+
+/// A random case whose sequence of length `l` has `q_len(r, l)` query rows.
+fn case_with(r: &mut Rng, d: usize, max_len: usize, q_len: impl Fn(&mut Rng, i32) -> i32) -> Case {
     let bs = [1, 3, 16, 32, 128][r.below(5)];
     let hkv = 1 + r.below(3);
     let hq = hkv * [1, 2, 3, 4][r.below(4)];
     let nseq = 1 + r.below(4);
     let seq_lens: Vec<i32> = (0..nseq).map(|_| 1 + r.below(max_len) as i32).collect();
-    let q_lens: Vec<i32> = seq_lens
-        .iter()
-        .map(|&l| match r.below(3) {
-            0 => 1,
-            1 => l,
-            _ => 1 + r.below(l as usize) as i32,
-        })
-        .collect();
+    let q_lens: Vec<i32> = seq_lens.iter().map(|&l| q_len(r, l)).collect();
     let max_blocks = seq_lens.iter().map(|&l| (l as usize).div_ceil(bs)).max().unwrap() + r.below(2);
     let num_blocks = max_blocks * nseq / 2 + 2;
     let shape = CacheShape {
@@ -147,6 +149,45 @@ fn simd_matches_scalar_on_random_shapes() {
                     e < 2e-5,
                     "case {case} {isa:?} {dt:?} d={d} shape={:?} window={window:?}: max err {e}",
                     c.shape
+                );
+            }
+        }
+    }
+}
+
+/// A speculative step's verification: a few rows (2-9) per sequence over long contexts, which
+/// the x86 builds run through the decode kernel (rows x group <= 12) or the prefill tiles.
+#[test]
+fn few_rows_per_sequence_match_scalar() {
+    let simd: Vec<Isa> = available_isas().into_iter().filter(|&i| i != Isa::Scalar).collect();
+    if simd.is_empty() {
+        eprintln!(
+            "few_rows_per_sequence_match_scalar: NOTHING COMPARED, this CPU runs only {:?}",
+            available_isas()
+        );
+        return;
+    }
+    let mut r = Rng(0x5eed_f00d);
+    for case in 0..48 {
+        let d = [8, 64, 80, 128, 256][case % 5];
+        let c = case_with(&mut r, d, 700, |r, l| (2 + r.below(8) as i32).min(l));
+        let window = if r.below(3) == 0 { Some(1 + r.below(300)) } else { None };
+        let cap = if r.below(4) == 0 { Some(5.0) } else { None };
+        let p = Params {
+            scale: 1.0 / (d as f32).sqrt(),
+            sliding_window: window,
+            soft_cap: cap,
+        };
+        for dt in [DType::F32, DType::F16, DType::Bf16] {
+            let want = run_case(&c, dt, Isa::Scalar, 1, p);
+            for &isa in &simd {
+                let got = run_case(&c, dt, isa, 1 + r.below(3), p);
+                let e = max_err(&want, &got);
+                assert!(
+                    e < 2e-5,
+                    "case {case} {isa:?} {dt:?} d={d} hq={} rows={:?} window={window:?} cap={cap:?}: max err {e}",
+                    c.hq,
+                    c.qsl
                 );
             }
         }

@@ -1,4 +1,5 @@
-//! Decode (one query row, group <= 4): per tile of up to `TILE` keys, one pass over K block by
+//! Decode (one query row, or a few: rows x group <= `FEW_ROWS_QUERIES`, group <= 4, as a
+//! speculative step's verification has): per tile of up to `TILE` keys, one pass over K block by
 //! block with all KV heads of a block in memory order (one sequential stretch per block), logits
 //! for every query head, the online-softmax update, then the same pass over V. Each K/V element is
 //! widened inside the FMA loops (vcvtph2ps, zext<<16), once per block of 4 query heads.
@@ -32,18 +33,22 @@ use crate::attention::{Ctx, Kv, State, Unit};
 /// 2-4 pieces ahead gained nothing more, and a whole block ahead lost the gain.
 const PF_NEXT: usize = 1;
 
-/// Decode unit (one query row): per tile of up to TILE keys, one pass over K block by block
+/// Decode unit (one query row or a few): per tile of up to TILE keys, one pass over K block by block
 /// (all KV heads of a block in memory order: one sequential stretch per block) computing every
 /// query head's logits, the online-softmax update of every query head, then one pass over V in
-/// the same order. Each K/V element is widened in the FMA loops, once per 4 query heads.
+/// the same order. Each K/V element is widened in the FMA loops, once per 4 query vectors.
+/// `qbuf` and `st` hold the query vectors head-major (KV head, row, group head); keys past a row's
+/// position or before its window get p = 0.
 ///
 /// # Safety
-/// As `attend`, plus u.row1 - u.row0 == 1 (so every key in u.key_lo..u.key_hi is visible).
+/// As `attend`; `qbuf` holds the unit's `queries` vectors of head_dim, head-major.
 #[inline(always)]
 pub(super) unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf: &[f32]) {
     let (g, d) = (ctx.group, ctx.shape.head_dim);
     let nq = u.queries(g);
-    debug_assert!(u.row1 - u.row0 == 1);
+    let rows = u.row1 - u.row0;
+    // Query vectors per KV head: the head's group of each row, in `qbuf` and `st` together.
+    let rg = rows * g;
     // The AVX-512 build runs the logits and `acc += p v` with zmm columns when they tile head_dim.
     let zmm = WIDE && d % 16 == 0;
     let mut s = vec![0.0f32; nq * TILE];
@@ -68,9 +73,22 @@ pub(super) unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u:
         }
         for (pass, kv) in [(0, ctx.k), (1, ctx.v)] {
             if pass == 1 {
-                // Online softmax over this tile's logits, per query head.
+                // Online softmax over this tile's logits, per query vector. With several rows,
+                // a row's keys past its own position (or before its window) are masked: p = 0.
                 for m in 0..nq {
-                    let sj = &mut s[m * TILE..m * TILE + (t_end - t)];
+                    let (lo, hi) = if rows == 1 {
+                        (t, t_end)
+                    } else {
+                        ctx.key_range(u.pos0 + (m % rg) / g, t, t_end)
+                    };
+                    let row = &mut s[m * TILE..m * TILE + (t_end - t)];
+                    if lo >= hi {
+                        row.fill(0.0);
+                        continue;
+                    }
+                    row[..lo - t].fill(0.0);
+                    row[hi - t..].fill(0.0);
+                    let sj = &mut row[lo - t..hi - t];
                     if let Some(c) = ctx.params.soft_cap {
                         for x in sj.iter_mut() {
                             *x = c * (*x / c).tanh();
@@ -120,9 +138,9 @@ pub(super) unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u:
                     }
                     let ptr = tile(kv, ctx.shape.offset(blk, h, off), n * d);
                     let mut hg = 0;
-                    while hg < g {
-                        let m0 = (h - u.h0) * g + hg;
-                        let mb = match g - hg {
+                    while hg < rg {
+                        let m0 = (h - u.h0) * rg + hg;
+                        let mb = match rg - hg {
                             r if r >= 4 => 4,
                             3 => 3,
                             2 => 2,

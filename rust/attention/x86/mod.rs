@@ -21,7 +21,7 @@
 //!
 //! | path                    | when                                  | K/V element load                      |
 //! |-------------------------|---------------------------------------|---------------------------------------|
-//! | `attend_decode` f32/f16/bf16 | one query row, group <= 4 (decode) | widened in the FMA loops (vcvtph2ps, zext<<16), once per 4 query heads |
+//! | `attend_decode` f32/f16/bf16 | group <= 4 and one query row (decode) or rows x group <= 12 (verification) | widened in the FMA loops (vcvtph2ps, zext<<16), once per 4 query vectors |
 //! | `attend` (widened)      | otherwise (prefill, chunked prefill)  | tile widened once to f32 scratch      |
 //!
 //! | file       | holds                                                                              |
@@ -56,6 +56,12 @@ use std::cell::Cell;
 
 /// Keys per tile; a tile spans consecutive blocks of the table (one segment per block piece).
 const TILE: usize = 64;
+/// Query vectors per KV head (rows x group) up to which a unit of several rows takes the decode
+/// path. Its cost grows with every vector (K/V widened once per block of 4), while the prefill
+/// path's widened tile and 16 query lanes cost about the same for 1 to 16 vectors: on SmolLM2's
+/// and Gemma 3's shapes (700 keys) the decode path is ~1.5x faster at 6-8 vectors, ~1.15x at 9-12
+/// and even at 15-16.
+const FEW_ROWS_QUERIES: usize = 12;
 
 /// Element type codes for the const-generic kernels.
 const F32: u8 = 0;
@@ -127,6 +133,45 @@ fn scaled_queries(ctx: &Ctx, u: &Unit) -> Vec<f32> {
     qbuf
 }
 
+/// The unit's query vectors, pre-scaled, contiguous `[nq, d]` in head-major order (KV head, row,
+/// group head): the vectors of one KV head together, as `attend_decode` takes them. One row: the
+/// unit's own order.
+#[inline(always)]
+fn head_major_queries(ctx: &Ctx, u: &Unit) -> Vec<f32> {
+    let (g, d, rows) = (ctx.group, ctx.shape.head_dim, u.row1 - u.row0);
+    let scale = ctx.params.scale;
+    let mut qbuf = vec![0.0f32; u.queries(g) * d];
+    let mut at = 0;
+    for h in 0..u.h1 - u.h0 {
+        for row in u.row0..u.row0 + rows {
+            for (dst, src) in qbuf[at..at + g * d]
+                .iter_mut()
+                .zip(&ctx.q_row(row, u)[h * g * d..(h + 1) * g * d])
+            {
+                *dst = src * scale;
+            }
+            at += g * d;
+        }
+    }
+    qbuf
+}
+
+/// `attend_decode` for the cache's element type.
+///
+/// # Safety
+/// As `attend_decode`.
+#[inline(always)]
+unsafe fn attend_decode_dt<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State, qbuf: &[f32]) {
+    // SAFETY: same contract.
+    unsafe {
+        match ctx.k.dtype() {
+            DType::F32 => attend_decode::<F32, WIDE>(ctx, u, st, qbuf),
+            DType::F16 => attend_decode::<F16, WIDE>(ctx, u, st, qbuf),
+            DType::Bf16 => attend_decode::<BF16, WIDE>(ctx, u, st, qbuf),
+        }
+    }
+}
+
 /// The body of `attend` / `attend_avx512`; `WIDE` picks the 32-register blocks. Inlined into
 /// each entry point so that it and every micro-kernel are compiled for that entry's features.
 ///
@@ -135,17 +180,29 @@ fn scaled_queries(ctx: &Ctx, u: &Unit) -> Vec<f32> {
 #[inline(always)]
 unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
     let g = ctx.group;
-    // One query row and small groups (decode): widen K/V inside the FMA loops, each element
-    // once per block of 4 query heads. Otherwise (prefill): widen each tile once into f32 scratch.
-    if u.row1 - u.row0 == 1 && g <= 4 {
-        let qbuf = scaled_queries(ctx, u);
+    let rows = u.row1 - u.row0;
+    // Few query rows and small groups (decode, a speculative step's verification): widen K/V
+    // inside the FMA loops, each element once per block of 4 query vectors. Otherwise (prefill):
+    // widen each tile once into f32 scratch.
+    if g <= 4 && (rows == 1 || rows * g <= FEW_ROWS_QUERIES) {
+        let qbuf = head_major_queries(ctx, u);
+        if rows == 1 {
+            // SAFETY: same contract as this function; one row: head-major is the unit's order.
+            unsafe { attend_decode_dt::<WIDE>(ctx, u, st, &qbuf) };
+            return;
+        }
+        let d = ctx.shape.head_dim;
+        let mut hm = State::new(u.queries(g), d);
         // SAFETY: same contract as this function.
-        unsafe {
-            match ctx.k.dtype() {
-                DType::F32 => attend_decode::<F32, WIDE>(ctx, u, st, &qbuf),
-                DType::F16 => attend_decode::<F16, WIDE>(ctx, u, st, &qbuf),
-                DType::Bf16 => attend_decode::<BF16, WIDE>(ctx, u, st, &qbuf),
-            }
+        unsafe { attend_decode_dt::<WIDE>(ctx, u, &mut hm, &qbuf) };
+        // Back to the unit's order: vector (KV head h, row r, group head j) is m = r * nh * g + h * g + j.
+        let (nh, rg) = (u.h1 - u.h0, rows * g);
+        for (mh, (&mx, &sm)) in hm.max.iter().zip(&hm.sum).enumerate() {
+            let (h, r, j) = (mh / rg, (mh % rg) / g, mh % g);
+            let m = r * nh * g + h * g + j;
+            st.max[m] = mx;
+            st.sum[m] = sm;
+            st.acc[m * d..(m + 1) * d].copy_from_slice(&hm.acc[mh * d..(mh + 1) * d]);
         }
         return;
     }
