@@ -186,3 +186,43 @@ def test_choose_takes_drafts_down_to_the_governors_bar():
     assert sp.choose(R(), 4, 0.1) == 3  # a cheap draft row: 0.5, 0.25, 0.125 (not 0.0625)
     r = R()  # a draft row that costs a token: none, but a probe of one after a doubling back-off
     assert [sp.choose(r, 4, 1.0) for _ in range(7)] == [1, 0, 1, 0, 0, 0, 1]
+
+
+def idle_every_4th(i: int, on: bool) -> tuple[int, float, bool]:
+    """Drafting: 3 tokens in 12 ms, but every 4th step of the drafting mode has no drafts (1 token in 10 ms)."""
+    if on and i % 4:
+        return 3, 0.012, True
+    return 1, 0.010, False
+
+
+def test_a_drafting_window_with_enough_steps_without_drafts_skips_the_probe():
+    """Steps without drafts inside a drafting window time the mode without drafts: once a window had a probe's
+    worth of them, it is decided on them, and no probe without drafts runs while drafting stays faster."""
+    g = Governor(window=8, probe=2)
+    modes = []
+    for i in range(400):
+        on = g.speculates(0)
+        modes.append(on)
+        tokens, seconds, drafted = idle_every_4th(i, on)
+        g.observe(0, on, tokens, seconds, drafted, 1, 3 if drafted else 0)
+    # the warm-up: a drafting window of 2 (whose one idle step is not a probe's worth), the probe without drafts
+    assert modes[:4] == [True, True, False, False]
+    assert all(modes[4:])  # from then on every window had 2+ idle steps: never a probe
+    s = g.stats()[0]
+    assert s["speculating"] and s["tok_s_on"] > s["tok_s_off"]
+
+
+def test_drafting_turns_off_when_its_drafted_steps_fall_below_its_idle_ones():
+    """Probes skipped, a change is still followed: when drafts stop paying (rejected, a longer step), the idle steps
+    of the drafting windows show the mode without drafts faster and drafting turns off within a few windows."""
+    g = Governor(window=8, probe=2)
+    modes = []
+    for i in range(300):
+        on = g.speculates(0)
+        modes.append(on)
+        tokens, seconds, drafted = idle_every_4th(i, on)
+        if i >= 150 and drafted:
+            tokens, seconds = 1, 0.014
+        g.observe(0, on, tokens, seconds, drafted, 1, 3 if drafted else 0)
+    assert all(modes[4:150])
+    assert modes[150:].index(False) <= 40 and modes[-40:].count(True) <= 4

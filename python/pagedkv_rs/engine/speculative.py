@@ -248,7 +248,7 @@ class _Mode:
 class _Bucket:
     """One batch-size bucket: its modes' estimates and where it is in its schedule."""
 
-    __slots__ = ("modes", "on", "best", "left", "ran", "window", "extra", "rows")
+    __slots__ = ("modes", "on", "best", "left", "ran", "window", "extra", "rows", "idle")
 
     def __init__(self, window: int, probe: int) -> None:
         self.modes = (_Mode(), _Mode())  # without drafts, with drafts
@@ -257,19 +257,20 @@ class _Bucket:
         self.left = probe  # steps before the next decision
         self.ran = 0  # steps since the last one
         self.window = window  # the length of the next window of the better mode
+        self.idle = 0  # drafting-mode steps without drafts since the last decision (they time the mode without)
 
 
 class Governor:
-    """Speculate or not, per batch-size bucket, by the output tokens per second each mode has been measured to
-    give: run the better mode for a window, then probe the other for ``probe`` steps and decide again.
+    """Speculate or not, per batch-size bucket, by the output tokens per second each mode has been measured to give: run
+    the better mode for a window, then probe the other for ``probe`` steps and decide again.
 
-    After a probe the better mode runs ``window`` steps; each probe that finds the other mode more than
-    ``MARGIN`` slower doubles that (up to ``MAX_WINDOWS`` times the first), any other probe resets it. Probing
-    thus takes at most ``probe / (window + probe)`` of a bucket's steps, and far less while one mode is
-    clearly better; a mode within ``MARGIN`` of the other is probed often but costs little. A window ends
-    early (after ``probe`` steps) when its mode's rate falls below the other's last estimate, so a change of
-    workload or load is seen within a few steps. Deterministic: the decisions depend only on the observed
-    tokens and seconds.
+    A drafting window in which at least ``probe`` steps ran without drafts (drafting measured before) has just measured
+    the other mode, and is decided without a probe. After a probe the better mode runs ``window`` steps; each probe that
+    finds the other mode more than ``MARGIN`` slower doubles that (up to ``MAX_WINDOWS`` times the first), any other
+    probe resets it. Probing thus takes at most ``probe / (window + probe)`` of a bucket's steps, and far less while one
+    mode is clearly better; a mode within ``MARGIN`` of the other is probed often but costs little. A window ends early
+    (after ``probe`` steps) when its mode's rate falls below the other's last estimate, so a change of workload or load
+    is seen within a few steps. Deterministic: the decisions depend only on the observed tokens and seconds.
     """
 
     BUCKETS = (1, 4, 16)  # decoding sequences: 1 | 2-4 | 5-16 | 17+
@@ -319,6 +320,7 @@ class Governor:
             return
         b.left -= 1
         b.ran += 1
+        b.idle += on and not drafted
         cur, other = b.modes[on], b.modes[not on]
         if b.on == b.best and b.ran >= self.probe and other.steps and cur.rate < other.rate:
             b.left = 0  # the better mode fell below the other's last estimate (the workload changed): probe now
@@ -338,7 +340,11 @@ class Governor:
 
     def _decide(self, b: _Bucket) -> None:
         b.ran = 0
-        if b.on == b.best:  # a window of the better mode ended: probe the other
+        idle, b.idle = b.idle, 0
+        # A window of the better mode ended: probe the other, unless the window was drafting and at least a probe's
+        # worth of its steps ran without drafts (sequences whose acceptance kept them from drafting): those timed
+        # the mode without drafts just now, and a probe would only cost drafts.
+        if b.on == b.best and not (b.on and idle >= self.probe and b.modes[1].steps):
             b.on, b.left = not b.best, self.probe
             return
         off, on = b.modes[0].rate, b.modes[1].rate
