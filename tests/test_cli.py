@@ -43,11 +43,13 @@ def test_bench_kernel_tiny(capsys):
     info = pagedkv_rs.kernel_info()
     assert f"kernel {info['active_isa']}, 1 threads" in out and "x numpy" in out
     rows = [
-        line.split() for line in out.splitlines() if line.split()[:1] in (["A"], ["Long"], ["SmolLM2"], ["Prefill"])
+        line.split()
+        for line in out.splitlines()
+        if line.split()[:1] in (["A"], ["Long"], ["SmolLM2"], ["Prefill"], ["Verify"])
     ]
-    assert [r[0] for r in rows] == ["A", "A", "Long", "SmolLM2", "SmolLM2", "Prefill"]
+    assert [r[0] for r in rows] == ["A", "A", "Long", "SmolLM2", "SmolLM2", "Prefill", "Verify"]
     assert all(float(r[3]) > 0 and float(r[-1]) > 0 for r in rows)  # time ms and x numpy measured
-    assert "memory read bandwidth over all 6 probes: median" in out  # one probe per config and round
+    assert "memory read bandwidth over all 7 probes: median" in out  # one probe per config and round
     lo, hi = (float(x) for x in rows[0][7].split("-"))
     assert 0 < lo <= float(rows[0][6]) <= hi  # the median ratio lies in its rounds' range
 

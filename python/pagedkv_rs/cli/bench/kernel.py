@@ -4,7 +4,8 @@ For each config: best time of the Rust SIMD kernel, effective GB/s of K+V read, 
 of ``memory_bandwidth()`` measured in the same run, and the speed-up over a numpy gather+matmul
 reference run in the same process (and the forced-scalar Rust kernel). Prefill reports GFLOP/s
 and its fraction of ``fma_peak()``. Every pool exceeds the 32 MiB L3 except Prefill's, which
-is compute-bound. Block ids are a random permutation, as a long-running server's would be.
+is compute-bound, and Verify's (a speculative step's verification: one sequence, 3 rows). Block
+ids are a random permutation, as a long-running server's would be.
 ``--resident`` adds, for decode configs, the time of the same calls with every table confined to
 a few blocks (the same work with K/V in cache: the kernel's compute alone) and how much of it the
 DRAM-bound run hid under its memory time.
@@ -61,6 +62,8 @@ CONFIGS = [
     Config("SmolLM2", 32, 512, 9, 3, 64, "float16", layers=30),
     Config("SmolLM2", 32, 512, 9, 3, 64, "float32", layers=30),
     Config("Prefill", 1, 2048, 32, 8, 128, "float16", q_len=2048, targets={"fma": 0.5}),
+    # a speculative step's verification: one sequence, its pending token and two drafts
+    Config("Verify", 1, 700, 9, 3, 64, "float16", q_len=3, layers=30),
 ]
 
 
@@ -71,6 +74,7 @@ def quick(c: Config) -> Config:
         "Long": dict(seq_len=8192),
         "SmolLM2": dict(layers=4),
         "Prefill": dict(seq_len=512, q_len=512),
+        "Verify": dict(layers=4),
     }[c.name]
     return Config(**{**c.__dict__, **scale})
 
@@ -238,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--repeat", type=int, default=None, help="timed repeats per config, best kept (default: 5, --quick 2, --tiny 1)"
     )
-    ap.add_argument("--only", default=None, help="comma-separated config names: A,Long,SmolLM2,Prefill (default: all)")
+    ap.add_argument(
+        "--only", default=None, help="comma-separated config names: A,Long,SmolLM2,Prefill,Verify (default: all)"
+    )
     ap.add_argument("--block-size", type=int, default=16, help="tokens per cache block (default 16, vLLM's)")
     ap.add_argument("--no-scalar", action="store_true", help="skip the forced-scalar rows")
     ap.add_argument("--no-numpy", action="store_true", help="skip the numpy gather+matmul rows")
