@@ -40,6 +40,12 @@ def reference(llm: LLM, ids: list[int], pooling: str, normalize: bool = True) ->
     return v / np.linalg.norm(v) if normalize else v
 
 
+# Pooled vectors of one prompt run in different chunks: chunks of a few rows attend through the decode kernel, longer
+# ones through the prefill tiles (summed in another order), each within the kernels' tolerance of the scalar path.
+# The SIMD and scalar paths' vectors differ by up to ~6e-5 on this prompt, so chunkings agree within this.
+CHUNKED_ATOL = 1e-4
+
+
 def ids_of(llm: LLM, text: str) -> list[int]:
     return llm.tokenizer.encode(text, add_special_tokens=True)
 
@@ -95,7 +101,7 @@ def test_generation_batched_with_pooling_is_byte_identical(llm, temperature):
     assert any(pool and n for pool, n in steps), "no step held both pooling and sampled rows"
     for out, text, kind in ((pooled_a, prompts[0], "mean"), (pooled_b, prompts[2], "last")):
         want = reference(llm, ids_of(llm, text), kind)
-        np.testing.assert_allclose(out.outputs.embedding, want, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(out.outputs.embedding, want, rtol=0, atol=CHUNKED_ATOL)
     assert eng.scheduler.stats()["kv_live_blocks"] == 0 and eng.scheduler.num_pooling == 0
 
 
@@ -113,7 +119,7 @@ def test_chunked_prefill_gives_the_same_vector(llm, pooling):
     steps = _record_steps(eng)
     chunked = eng.generate([PROMPT], PoolingParams(pooling))[0]
     assert len(steps) >= len(ids_of(llm, PROMPT)) // 5
-    np.testing.assert_allclose(chunked.outputs.embedding, whole.outputs.embedding, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(chunked.outputs.embedding, whole.outputs.embedding, rtol=0, atol=CHUNKED_ATOL)
 
 
 def test_mean_pooling_takes_no_prefix_hit_last_pooling_may(llm):
@@ -177,4 +183,4 @@ def test_mean_pooling_survives_preemption(llm, mode):
     assert eng.scheduler.num_preemptions > 0
     assert out_gen.outputs[0].token_ids == want_gen.outputs[0].token_ids
     want = reference(llm, ids_of(llm, long), "mean")
-    np.testing.assert_allclose(out_pool.outputs.embedding, want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out_pool.outputs.embedding, want, rtol=0, atol=CHUNKED_ATOL)
