@@ -141,6 +141,8 @@ pub(super) unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u:
                     while hg < rg {
                         let m0 = (h - u.h0) * rg + hg;
                         let mb = match rg - hg {
+                            // zmm: blocks of 8 vectors (several rows) widen each element half as often
+                            r if r >= 8 && WIDE && zmm => 8,
                             r if r >= 4 => 4,
                             3 => 3,
                             2 => 2,
@@ -155,6 +157,7 @@ pub(super) unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u:
                             if pass == 0 {
                                 let q = &qbuf[m0 * d..(m0 + mb) * d];
                                 match (mb, WIDE) {
+                                    (8, true) if zmm => qk_block_z::<8, 2, DT>(q, ptr, n, d, sm, col, pf),
                                     (4, true) if zmm => qk_block_z::<4, 4, DT>(q, ptr, n, d, sm, col, pf),
                                     (3, true) if zmm => qk_block_z::<3, 4, DT>(q, ptr, n, d, sm, col, pf),
                                     (2, true) if zmm => qk_block_z::<2, 8, DT>(q, ptr, n, d, sm, col, pf),
@@ -171,6 +174,7 @@ pub(super) unsafe fn attend_decode<const DT: u8, const WIDE: bool>(ctx: &Ctx, u:
                             } else {
                                 let acc = &mut st.acc[m0 * d..(m0 + mb) * d];
                                 match (mb, WIDE) {
+                                    (8, true) if zmm => pv_block_z::<8, 2, DT>(sm, col, ptr, n, d, acc, pf),
                                     (4, true) if zmm => pv_block_z::<4, 4, DT>(sm, col, ptr, n, d, acc, pf),
                                     (3, true) if zmm => pv_block_z::<3, 4, DT>(sm, col, ptr, n, d, acc, pf),
                                     (2, true) if zmm => pv_block_z::<2, 8, DT>(sm, col, ptr, n, d, acc, pf),

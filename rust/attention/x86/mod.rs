@@ -3,7 +3,7 @@
 //! | entry           | features                        | register blocks (qk: heads x keys, pv: heads x 8-col vectors) |
 //! |-----------------|---------------------------------|---------------------------------------------------------------|
 //! | `attend`        | avx2, fma, f16c (16 ymm)        | qk 4x2 / 3x2 / 2x4 / 1x8, pv 4x2 / 3x2 / 2x4 / 1x8           |
-//! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 regs, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16 (ymm; with head_dim % 16 == 0: the same blocks of **zmm** chains); pv with head_dim % 16 == 0: 4x4 / 3x4 / 2x8 / 1x8 16-col **zmm** vectors (else ymm 4x4 / 3x4 / 2x8 / 1x16); decode and prefill alike |
+//! | `attend_avx512` | + avx512f, avx512vl, avx512bw (32 regs, EVEX) | qk 4x4 / 3x4 / 2x8 / 1x16 (ymm; with head_dim % 16 == 0: the same blocks of **zmm** chains, and 8x2 for a decode unit's 8+ vectors); pv with head_dim % 16 == 0: 4x4 / 3x4 / 2x8 / 1x8 16-col **zmm** vectors, 8x2 for 8+ (else ymm 4x4 / 3x4 / 2x8 / 1x16); decode and prefill alike |
 //!
 //! On cores that execute a 512-bit op as two 256-bit halves the AVX-512 build wins mainly through
 //! its 32 registers (twice the independent FMA chains per K/V load); on cores with a full 512-bit
