@@ -1,4 +1,4 @@
-//! Decode (one query row, or a few: rows x group <= `FEW_ROWS_QUERIES`, group <= 4, as a
+//! Decode (one query row, or a few: rows x group <= `few_rows_queries`, group <= 4, as a
 //! speculative step's verification has): per tile of up to `TILE` keys, one pass over K block by
 //! block with all KV heads of a block in memory order (one sequential stretch per block), logits
 //! for every query head, the online-softmax update, then the same pass over V. Each K/V element is

@@ -21,7 +21,7 @@
 //!
 //! | path                    | when                                  | K/V element load                      |
 //! |-------------------------|---------------------------------------|---------------------------------------|
-//! | `attend_decode` f32/f16/bf16 | group <= 4 and one query row (decode) or rows x group <= 12 (verification) | widened in the FMA loops (vcvtph2ps, zext<<16), once per 4 query vectors |
+//! | `attend_decode` f32/f16/bf16 | group <= 4 and one query row (decode) or rows x group <= 12 (20 with head_dim >= 256; verification) | widened in the FMA loops (vcvtph2ps, zext<<16), once per 4 query vectors |
 //! | `attend` (widened)      | otherwise (prefill, chunked prefill)  | tile widened once to f32 scratch      |
 //!
 //! | file       | holds                                                                              |
@@ -57,11 +57,19 @@ use std::cell::Cell;
 /// Keys per tile; a tile spans consecutive blocks of the table (one segment per block piece).
 const TILE: usize = 64;
 /// Query vectors per KV head (rows x group) up to which a unit of several rows takes the decode
-/// path. Its cost grows with every vector (K/V widened once per block of 4), while the prefill
-/// path's widened tile and 16 query lanes cost about the same for 1 to 16 vectors: on SmolLM2's
-/// and Gemma 3's shapes (700 keys) the decode path is ~1.5x faster at 6-8 vectors, ~1.15x at 9-12
-/// and even at 15-16.
-const FEW_ROWS_QUERIES: usize = 12;
+/// path. Its cost grows with every vector (K/V widened once per block of 8 or 4), while the prefill
+/// path's widened tile and 16 query lanes cost about the same for 1 to 16 vectors. With
+/// head_dim 64 (SmolLM2, 700 keys) the decode path is ~1.5x faster at 6 vectors, ~1.2x at 9-12 and
+/// ~10% slower at 15; with head_dim 256 (Gemma 3) the widened tiles outgrow L1 and the decode path
+/// stays ~10% faster at 16 and 20 vectors. Head dims between keep the smaller bound.
+#[inline]
+fn few_rows_queries(head_dim: usize) -> usize {
+    if head_dim >= 256 {
+        20
+    } else {
+        12
+    }
+}
 
 /// Element type codes for the const-generic kernels.
 const F32: u8 = 0;
@@ -184,7 +192,7 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
     // Few query rows and small groups (decode, a speculative step's verification): widen K/V
     // inside the FMA loops, each element once per block of 4 query vectors. Otherwise (prefill):
     // widen each tile once into f32 scratch.
-    if g <= 4 && (rows == 1 || rows * g <= FEW_ROWS_QUERIES) {
+    if g <= 4 && (rows == 1 || rows * g <= few_rows_queries(ctx.shape.head_dim)) {
         let qbuf = head_major_queries(ctx, u);
         if rows == 1 {
             // SAFETY: same contract as this function; one row: head-major is the unit's order.
