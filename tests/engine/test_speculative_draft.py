@@ -359,15 +359,19 @@ def test_greedy_equality_on_real_models_drafting_for_themselves(name, backend):
         path = assemble()
     text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     ps = ["Repeat this code, renaming add to plus:\n" + text + "\nAnswer:\n", "The capital of France is"]
+    digits = None
     if name == "gemma3":
-        # Gemma 3's logits at a position differ by up to ~0.1 between a one-token decode step and a chunk (its
-        # one-digit int8 activations), which the n-gram path shows too: a near-tie can flip. These prompts have
-        # none in their first 32 tokens ("The capital of France is" has one at token 11).
+        # Gemma 3's default one-digit int8 activations round differently when a position's sums are ordered
+        # differently (a one-token decode step against a verification of several rows): its logits then differ
+        # by up to ~0.2 and a near-tie can flip (this prompt's third token, 0.21 apart, did when verification
+        # attention moved to the decode kernel). With two digits they agree within ~1e-3, so equality is asserted
+        # there.
         ps[1] = "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"
+        digits = 2
     sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
     outs, stats = [], []
     for spec in (None, f"draft:{path}:adaptive=0"):
-        m = LLM(path, num_blocks=128, backend=backend.name, speculative=spec)
+        m = LLM(path, num_blocks=128, backend=backend.name, speculative=spec, act_digits=digits)
         outs.append(m.generate(ps, sp, use_tqdm=False))
         stats.append(m.stats())
         m.engine.kv_manager.check_invariants()
