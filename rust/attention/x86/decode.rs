@@ -36,7 +36,7 @@ const PF_NEXT: usize = 1;
 /// Decode unit (one query row or a few): per tile of up to TILE keys, one pass over K block by block
 /// (all KV heads of a block in memory order: one sequential stretch per block) computing every
 /// query head's logits, the online-softmax update of every query head, then one pass over V in
-/// the same order. Each K/V element is widened in the FMA loops, once per 4 query vectors.
+/// the same order. Each K/V element is widened in the FMA loops, once per block of 4 query vectors (8 in zmm when a unit has 8 or more).
 /// `qbuf` and `st` hold the query vectors head-major (KV head, row, group head); keys past a row's
 /// position or before its window get p = 0.
 ///

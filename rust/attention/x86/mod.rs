@@ -21,7 +21,7 @@
 //!
 //! | path                    | when                                  | K/V element load                      |
 //! |-------------------------|---------------------------------------|---------------------------------------|
-//! | `attend_decode` f32/f16/bf16 | group <= 4 and one query row (decode) or rows x group <= 12 (20 with head_dim >= 256; verification) | widened in the FMA loops (vcvtph2ps, zext<<16), once per 4 query vectors |
+//! | `attend_decode` f32/f16/bf16 | group <= 4 and one query row (decode) or rows x group <= 12 (20 with head_dim >= 256; verification) | widened in the FMA loops (vcvtph2ps, zext<<16), once per block of 4 query vectors (8 in zmm for 8+) |
 //! | `attend` (widened)      | otherwise (prefill, chunked prefill)  | tile widened once to f32 scratch      |
 //!
 //! | file       | holds                                                                              |
@@ -190,7 +190,7 @@ unsafe fn attend_body<const WIDE: bool>(ctx: &Ctx, u: &Unit, st: &mut State) {
     let g = ctx.group;
     let rows = u.row1 - u.row0;
     // Few query rows and small groups (decode, a speculative step's verification): widen K/V
-    // inside the FMA loops, each element once per block of 4 query vectors. Otherwise (prefill):
+    // inside the FMA loops, each element once per block of 4 (or 8) query vectors. Otherwise (prefill):
     // widen each tile once into f32 scratch.
     if g <= 4 && (rows == 1 || rows * g <= few_rows_queries(ctx.shape.head_dim)) {
         let qbuf = head_major_queries(ctx, u);
