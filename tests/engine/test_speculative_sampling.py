@@ -80,6 +80,30 @@ def test_greedy_rows_in_verify_take_the_argmax_run():
     assert verify([x], [[2, 0]], [greedy], [None]) == [[1]]
 
 
+def test_verify_reads_row_blocks_as_their_stack():
+    """Rows handed as blocks (views of a step's logits, as the runner hands them) verify as the stacked array:
+    greedy, sampled and penalised sequences, several at once; a block count that does not add up is refused."""
+    rng = np.random.default_rng(3)
+    drafts = [[1, 4, 2], [0], [3, 3]]
+    x = [rng.standard_normal((len(d) + 1, 6)).astype(np.float32) for d in drafts]
+    x[0][0, 1] = x[0][1, 4] = 9.0  # the greedy sequence accepts its first two drafts
+    cases = [
+        [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3)],
+        [SamplingParams(temperature=0, repetition_penalty=1.3)] * 3,
+    ]
+    history = ([[1, 2], [5], []], [[0, 1], [2], [3]], [(), (), ()])
+    results = []
+    for params in cases:
+        blocks = [(a[:-1], a[-1:]) for a in x]
+        want = verify(x, drafts, params, [np.random.default_rng(9) for _ in drafts], history)
+        got = verify(blocks, drafts, params, [np.random.default_rng(9) for _ in drafts], history)
+        assert got == want
+        results.append(got)
+    assert results[0][0][:2] == [1, 4]  # the unpenalised greedy sequence accepted its first two drafts
+    with np.testing.assert_raises(ValueError):
+        verify([(x[0][:-2], x[0][-1:])], drafts[:1], cases[0][:1], [None])
+
+
 def engine_histograms(model, spec, vocab, runs=1200, **kw):
     """Per output position, the token counts of ``runs`` temperature-1 samples of one prompt (4 tokens each),
     and the engine's stats. Every prompt goes in one prefill step, then decode-only steps of all the runs: those

@@ -418,7 +418,9 @@ class ModelRunner:
                 )
             p_end = b + (0 if si.prompt_indices is None else len(si.prompt_indices))
             extra, draft_logits = logits[b:p_end], logits[p_end:]
-            if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            if rows == list(range(len(rows))):
+                logits = logits[: len(rows)]  # a view: the sample rows come first
+            else:
                 logits = logits[rows]
         speculating = {j for j, _ in si.drafts} if si.drafts else ()
         sel = [j for j, p in enumerate(params) if p.logprobs is not None and j not in speculating]
@@ -479,10 +481,10 @@ class ModelRunner:
                 stop_ids=st,
                 masked_rows=masked,
             )
-        rows: list[np.ndarray] = []
+        rows: list[tuple[np.ndarray, np.ndarray]] = []
         at = 0
-        for j, d in si.drafts:  # [k + 1, V]: the pending token's and every draft's position but the last; the last
-            rows.append(np.concatenate([draft_logits[at : at + len(d)], logits[j : j + 1]]))
+        for j, d in si.drafts:  # the pending token's and every draft's position but the last; the last (views)
+            rows.append((draft_logits[at : at + len(d)], logits[j : j + 1]))
             at += len(d)
         hist = None if h is None else tuple([x[j] for j in spec_js] for x in h)
         out = verify(
@@ -499,7 +501,7 @@ class ModelRunner:
         for (j, _), r, toks in zip(si.drafts, rows, out):
             k = params[j].logprobs
             if k is not None:
-                lps[j] = top_logprobs(r[: len(toks)], np.asarray(toks, np.int64), [k] * len(toks))
+                lps[j] = top_logprobs(np.concatenate(r)[: len(toks)], np.asarray(toks, np.int64), [k] * len(toks))
         return tokens, emitted, lps
 
     @staticmethod

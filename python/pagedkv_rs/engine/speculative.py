@@ -507,7 +507,7 @@ class Speculator:
 
 
 def verify(
-    logits: Sequence[np.ndarray],
+    logits: Sequence[Union[np.ndarray, Sequence[np.ndarray]]],
     drafts: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
     generators: Sequence[Optional[np.random.Generator]],
@@ -516,14 +516,21 @@ def verify(
     """The tokens each speculating sequence emits: its accepted drafts, then the target's token.
 
     ``logits[s]`` [k_s + 1, V]: the raw logits at the sequence's pending token and at each of its ``k_s``
-    ``drafts[s]``. ``history`` (outputs, prompts, stop ids; needed with penalties): position ``j`` is
-    penalised as if the first ``j`` drafts were already output.
+    ``drafts[s]``, as one array or as a sequence of row blocks stacked in that order (views of the step's
+    logits: greedy rows without penalties are read where they are, never copied). ``history`` (outputs,
+    prompts, stop ids; needed with penalties): position ``j`` is penalised as if the first ``j`` drafts were
+    already output.
     """
+    blocks = [tuple(x) if isinstance(x, (list, tuple)) else (x,) for x in logits]
     ks = [len(d) for d in drafts]
-    if [len(x) for x in logits] != [k + 1 for k in ks]:
-        raise ValueError(f"verify: logits rows {[len(x) for x in logits]} for drafts of lengths {ks} (need k + 1)")
-    x = np.concatenate(logits) if len(logits) > 1 else logits[0]  # [sum(k + 1), V]
+    if [sum(len(b) for b in bs) for bs in blocks] != [k + 1 for k in ks]:
+        raise ValueError(
+            f"verify: logits rows {[sum(len(b) for b in bs) for bs in blocks]} for drafts of lengths {ks} (need k + 1)"
+        )
     row_params = [p for p, k in zip(params, ks) for _ in range(k + 1)]
+    starts = np.cumsum([0] + [k + 1 for k in ks])
+    sampled = [j for j, p in enumerate(params) if p.temperature != 0.0]
+    x: Optional[np.ndarray] = None  # every row, where penalties change them: [sum(k + 1), V]
     if any(p.has_penalties for p in params):
         if history is None:
             raise ValueError("verify: penalties and min_tokens need the sequences' history")
@@ -531,14 +538,17 @@ def verify(
         h_out = [list(o) + list(d[:j]) for o, d, k in zip(outs, drafts, ks) for j in range(k + 1)]
         h_prompt = [p for p, k in zip(prompts, ks) for _ in range(k + 1)]
         h_stop = [s for s, k in zip(stops, ks) for _ in range(k + 1)]
-        x = apply_penalties(x, row_params, h_out, h_prompt, h_stop)
-    greedy = x.argmax(axis=1).tolist() if any(p.temperature == 0.0 for p in params) else []
-    sampled = [j for j, p in enumerate(params) if p.temperature != 0.0]
+        x = apply_penalties(np.concatenate([b for bs in blocks for b in bs]), row_params, h_out, h_prompt, h_stop)
+    greedy: list[int] = []
+    if any(p.temperature == 0.0 for p in params):
+        greedy = (
+            x.argmax(axis=1) if x is not None else np.concatenate([b.argmax(axis=1) for bs in blocks for b in bs])
+        ).tolist()
     sorted_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     if sampled:  # every sampled row's distribution at once, as ``sample`` builds it
-        starts = np.cumsum([0] + [k + 1 for k in ks])
         idx = np.concatenate([np.arange(starts[j], starts[j + 1]) for j in sampled])
-        order, probs = sorted_probabilities(x[idx], [row_params[i] for i in idx])
+        rows = x[idx] if x is not None else np.concatenate([b for j in sampled for b in blocks[j]])
+        order, probs = sorted_probabilities(rows, [row_params[i] for i in idx])
         cdf = np.cumsum(probs, axis=1)
         at = 0
         for j in sampled:
