@@ -278,6 +278,13 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
                     _mm256_cvtph_ps(_mm_loadu_si128(sp.add(PANEL) as *const __m128i)),
                 )
             }
+            Scales::Sym { d, r } => {
+                // The block's 8 `d` at block·PANEL + j (j = 0 or 8); `m = r·d` as `Scales::at` computes it.
+                let (blk, j) = (at / (2 * PANEL), at % (2 * PANEL));
+                debug_assert!(j + 8 <= PANEL && blk * PANEL + j + 8 <= d.len());
+                let dv = _mm256_cvtph_ps(_mm_loadu_si128(d.as_ptr().add(blk * PANEL + j) as *const __m128i));
+                (dv, _mm256_mul_ps(dv, _mm256_set1_ps(*r)))
+            }
             Scales::Grid { base, dmul, mmul } => {
                 // The f32 layout's index `at` = block·2·PANEL + j (j = 0 or 8): the block's 8
                 // multipliers at block·PANEL + j, its super-block's bases at

@@ -94,6 +94,8 @@
 //! Scales (`Scales`): f16 when every `d` and `m` of a weight is exactly an f16 (GGUF Q4_0, Q4_1,
 //! Q5_0, Q5_1, Q8_0 scales are), widened on load (F16C `vcvtph2ps`), else f32; widening is exact,
 //! so the products are the same bit for bit. A Q4_1 weight then takes 20 bytes per 32, as in the file.
+//! The symmetric types (Q4_0, Q5_0, Q8_0), whose `m` is `-2^e·d`, keep only `d` (`Scales::Sym`; the
+//! tiles compute `m`, exactly): 34 bytes per 32 for Q8_0, as in the file.
 
 mod acts;
 #[cfg(target_arch = "x86_64")]

@@ -300,7 +300,7 @@ impl QWeight {
             let scales = if grid {
                 Scales::Grid { base, dmul, mmul }
             } else if half {
-                Scales::F16(ph)
+                Scales::F16(ph).symmetric()
             } else {
                 Scales::compact(ps)
             };

@@ -1069,6 +1069,43 @@ fn same_products_as_f32_scales(r: &mut Rng, w: &QWeight, m: usize, label: &str) 
     w32
 }
 
+/// Symmetric GGUF types (Q4_0, Q5_0, Q8_0: `m = r·d`) hold only their `d` (`Scales::Sym`): the
+/// file's bytes a weight, and on every ISA, with one and two activation digits, the products of
+/// the same scales held as f32, bit for bit. Parts of two ratios, or an asymmetric type, keep both.
+#[test]
+fn symmetric_types_hold_d_only_and_give_the_same_products() {
+    let mut r = Rng(0x5e3);
+    for (ty, ratio) in [("Q4_0", -8.0), ("Q5_0", -16.0), ("Q8_0", -128.0)] {
+        for n in [1, 16, 23] {
+            let k = 32 * (1 + r.below(6));
+            let raw = random_gguf_rows(&mut r, ty, n, k);
+            let w = QWeight::from_gguf(ty, &raw, n, k).unwrap();
+            assert_eq!(w.scale_format(), "sym", "{ty} n {n}");
+            assert!(matches!(w.scales, Scales::Sym { r, .. } if r == ratio), "{ty}");
+            // Scales: 2 bytes a block and column (as the file's f16 d), the padded panel included.
+            let nb = k / QBLOCK;
+            assert_eq!(
+                w.nbytes() - w.codes.len(),
+                2 * n.div_ceil(PANEL) * PANEL * nb,
+                "{ty} n {n}"
+            );
+            for digits in [1, 2] {
+                w.set_act_digits(digits).unwrap();
+                let m = [1, 2, 5, 9, 33][r.below(5)];
+                same_products_as_f32_scales(&mut r, &w, m, &format!("{ty} n {n} digits {digits}"));
+            }
+        }
+    }
+    let (a, b) = (
+        random_gguf_rows(&mut r, "Q4_0", 16, 64),
+        random_gguf_rows(&mut r, "Q8_0", 16, 64),
+    );
+    let mixed = QWeight::from_gguf_parts(&[("Q4_0", &a, 16), ("Q8_0", &b, 16)], 64).unwrap();
+    assert_eq!(mixed.scale_format(), "f16");
+    let q41 = random_gguf_rows(&mut r, "Q4_1", 16, 64);
+    assert_eq!(QWeight::from_gguf("Q4_1", &q41, 16, 64).unwrap().scale_format(), "f16");
+}
+
 /// Scales that are all f16 values are held as f16 (half their bytes) and give the products of the
 /// same values held as f32, bit for bit, on every ISA and in both code layouts; one scale that is
 /// not an f16 keeps the whole weight in f32.

@@ -73,10 +73,19 @@ impl Clone for QWeight {
 /// `m = base·mul` are exact f32 products, so again the same products bit for bit, in 2 bytes a
 /// block and column (4 with i16) plus 4 per 256 instead of 8: a Q4_K weight takes 0.58 B/weight
 /// (file: 0.5625), not 0.75, a Q6_K one 0.83 (file: 0.82).
+///
+/// `Sym` (GGUF Q4_0, Q5_0, Q8_0: symmetric codes, `m = r·d` with `r` = -8, -16, -128): only the f16
+/// `d`, PANEL a block of a panel, and `m` computed as `r·d` (a power of two: exact, the same f32 as
+/// the f16 `m` it replaces): 2 bytes a block and column, a Q8_0 weight 1.0625 B/weight as in the
+/// file (not 1.125), a Q4_0 one 0.5625 (not 0.625).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Scales {
     F32(Vec<f32>),
     F16(Vec<half::f16>),
+    Sym {
+        d: Vec<half::f16>,
+        r: f32,
+    },
     Grid {
         base: Vec<half::f16>,
         dmul: Muls,
@@ -156,23 +165,49 @@ impl Scales {
             })
         });
         if exact {
-            Scales::F16(h)
+            Scales::F16(h).symmetric()
         } else {
             Scales::F32(v)
         }
+    }
+    /// f16 scales whose every `m` is `r·d` for one negative power of two `r` (down to -256) as
+    /// `Sym` (their `d` only); any other scales as they are.
+    pub(super) fn symmetric(self) -> Self {
+        let Scales::F16(h) = self else { return self };
+        let pairs = || {
+            h.chunks_exact(2 * PANEL).flat_map(|b| {
+                b[..PANEL]
+                    .iter()
+                    .zip(&b[PANEL..])
+                    .map(|(d, m)| (d.to_f32(), m.to_f32()))
+            })
+        };
+        // m / d of the first block with d != 0 is exact where m = r·d; -1 where every d is 0.
+        let r = pairs().find(|p| p.0 != 0.0).map_or(-1.0, |(d, m)| m / d);
+        let pow2 = (-256.0..0.0).contains(&r) && (-r).log2().fract() == 0.0;
+        // == on floats: a zero `d` with a +0 `m` gives r·d = -0, the same number.
+        if !pow2 || !pairs().all(|(d, m)| m == r * d) {
+            return Scales::F16(h);
+        }
+        let d = h
+            .chunks_exact(2 * PANEL)
+            .flat_map(|b| b[..PANEL].iter().copied())
+            .collect();
+        Scales::Sym { d, r }
     }
     /// Scales in the f32 layout's indexing (2*PANEL a block of a panel).
     pub(super) fn len(&self) -> usize {
         match self {
             Scales::F32(v) => v.len(),
             Scales::F16(v) => v.len(),
+            Scales::Sym { d, .. } => 2 * d.len(),
             Scales::Grid { dmul, .. } => 2 * dmul.len(),
         }
     }
     fn nbytes(&self) -> usize {
         match self {
             Scales::F32(v) => 4 * v.len(),
-            Scales::F16(v) => 2 * v.len(),
+            Scales::F16(v) | Scales::Sym { d: v, .. } => 2 * v.len(),
             Scales::Grid { base, dmul, mmul } => 2 * base.len() + dmul.nbytes() + mmul.nbytes(),
         }
     }
@@ -194,6 +229,8 @@ impl Scales {
                 line(p.wrapping_add(64));
             }
             Scales::F16(v) => line(v.as_ptr().wrapping_add(ahead * 2 * PANEL) as *const u8),
+            // PANEL values a block: a line holds two blocks.
+            Scales::Sym { d, .. } => line(d.as_ptr().wrapping_add(ahead * PANEL) as *const u8),
             // PANEL multipliers of each kind a block (the bases, one pair a super-block, follow).
             Scales::Grid { dmul, mmul, .. } => {
                 line(dmul.addr(ahead * PANEL));
@@ -212,7 +249,7 @@ impl Scales {
                     *x = h.to_f32();
                 }
             }
-            Scales::Grid { .. } => {
+            Scales::Sym { .. } | Scales::Grid { .. } => {
                 for (j, x) in o.iter_mut().enumerate() {
                     *x = self.at(at + j);
                 }
@@ -225,6 +262,14 @@ impl Scales {
         match self {
             Scales::F32(v) => v[i],
             Scales::F16(v) => v[i].to_f32(),
+            Scales::Sym { d, r } => {
+                let (blk, j) = (i / (2 * PANEL), i % (2 * PANEL));
+                if j < PANEL {
+                    d[blk * PANEL + j].to_f32()
+                } else {
+                    r * d[blk * PANEL + j - PANEL].to_f32()
+                }
+            }
             Scales::Grid { base, dmul, mmul } => {
                 let (blk, j) = (i / (2 * PANEL), i % (2 * PANEL));
                 let b = base[blk / GRID_BLOCKS * 2 * PANEL + j].to_f32();
@@ -260,15 +305,16 @@ impl QWeight {
         self.act_digits.store(digits as u8, Ordering::Relaxed);
         Ok(())
     }
-    /// True when the scales are held as f16 (see `Scales`).
+    /// True when the scales are held as f16 (`F16`, or `Sym`'s `d`; see `Scales`).
     pub fn half_scales(&self) -> bool {
-        matches!(self.scales, Scales::F16(_))
+        matches!(self.scales, Scales::F16(_) | Scales::Sym { .. })
     }
-    /// How the scales are held: "f32", "f16" or "grid" (see `Scales`).
+    /// How the scales are held: "f32", "f16", "sym" or "grid" (see `Scales`).
     pub fn scale_format(&self) -> &'static str {
         match self.scales {
             Scales::F32(_) => "f32",
             Scales::F16(_) => "f16",
+            Scales::Sym { .. } => "sym",
             Scales::Grid { .. } => "grid",
         }
     }

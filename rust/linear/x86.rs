@@ -139,6 +139,11 @@ macro_rules! block_scales {
                 _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at) as *const __m256i)),
                 _mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr().add(at + PANEL) as *const __m256i)),
             ),
+            Scales::Sym { d, r } => {
+                // `m = r·d` as `Scales::at` computes it.
+                let dv = _mm512_cvtph_ps(_mm256_loadu_si256(d.as_ptr().add(blk * PANEL) as *const __m256i));
+                (dv, _mm512_mul_ps(dv, _mm512_set1_ps(*r)))
+            }
             Scales::Grid { base, dmul, mmul } => {
                 // As the AVX2 `load_scales`: base·mul, the block's 16 multipliers of each kind and
                 // its super-block's 16 + 16 bases.

@@ -291,11 +291,11 @@ def test_fuzz_against_reference(m, n, kb, seed, scale, q4):
 
 
 def test_gguf_q4_1_and_q8_0_weights_take_about_their_file_size():
-    """Their d and m are f16 numbers: kept as f16, so a Q4_1 weight is 20 bytes per 32 (the file's own
-    size) and Q8_0 36 (file: 34); float weights' scales stay f32."""
+    """Their d and m are f16 numbers: kept as f16, so a Q4_1 weight is 20 bytes per 32, the file's own size;
+    Q8_0 keeps only its d (m = -128 d is computed), 34 as in the file; float weights' scales stay f32."""
     rng = np.random.default_rng(3)
     n, k = 32, 128  # two panels of 16 rows, four blocks a row
-    for ty, bb, per32 in (("Q4_1", 20, 16 + 4), ("Q8_0", 34, 32 + 4)):
+    for ty, bb, per32 in (("Q4_1", 20, 16 + 4), ("Q8_0", 34, 32 + 2)):
         raw = rng.integers(0, 256, (n, k // 32, bb), dtype=np.uint8)
         raw[..., 0:2] = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float16)[..., None].view(np.uint8)
         if ty == "Q4_1":
@@ -393,8 +393,8 @@ def test_gguf_rows_in_their_own_bits_match_the_float64_reference(isa, ty, shared
     q = QLinear.from_gguf(np.ascontiguousarray(raw), ty, k)
     assert q.code_bits == {b: (3 if b == bits else 0) for b in (4, 5, 6, 8)}
     assert q.split_panels == (3 if ty == "Q6_K" else 0)
-    scale_bytes = 2  # K-quant integer scales a 32-block (f16 d, m for Q5_0/Q5_1: 4)
-    per_block = 4 if ty in ("Q5_0", "Q5_1") else scale_bytes
+    # scale bytes a 32-block: K-quant integer scales 2, Q5_1 f16 d and m 4, Q5_0 its f16 d (m = -16 d) 2
+    per_block = 4 if ty == "Q5_1" else 2
     extra = 4 * (k // 256) if ty in _K_BLOCKS else 0
     assert q.nbytes == 48 * k * bits // 8 + 48 * (k // 32 * per_block + extra)
     want = np.asarray(dequantize(raw, gguf.GGMLQuantizationType[ty]), np.float64).reshape(n, k)
