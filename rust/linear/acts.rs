@@ -96,6 +96,10 @@ pub struct QActs {
     /// (wrapping i32): what a split panel's half dots start from (weight.rs); filled by
     /// `fill_halves` for weights that have split panels, else empty.
     pub halves: Vec<i32>,
+    /// `s`, `qs`, `base` and `halves` again, a group of `TILED_ROWS` rows and a block an entry
+    /// (`[m.div_ceil(TILED_ROWS)][k/32]`, `fill_block_scalars`): the VNNI tile finds a block's rows
+    /// at fixed offsets from one address, as it finds their digits in `tiled`. Empty until filled.
+    pub block_scalars: Vec<BlockScalars>,
     /// Rows `0..amx_rows` (a multiple of 16) of `hi` and `lo` are in the AMX tile's blocks
     /// (`block_at`); 0 when every row is row-major.
     pub amx_rows: usize,
@@ -115,6 +119,7 @@ impl QActs {
             qs: vec![0.0; m * nb],
             tiled: Vec::new(),
             halves: Vec::new(),
+            block_scalars: Vec::new(),
             amx_rows: 0,
             digits: 2,
         }
@@ -181,6 +186,51 @@ impl QActs {
             halves.chunks_mut(2 * nb).enumerate().for_each(|(r, o)| fill(r, o));
         }
         self.halves = halves;
+    }
+}
+
+/// One block's scalars of a group of `TILED_ROWS` rows (`QActs::block_scalars`; rows past the
+/// activations' last one 0).
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+pub struct BlockScalars {
+    pub s: [f32; TILED_ROWS],
+    pub qs: [f32; TILED_ROWS],
+    pub base: [i32; TILED_ROWS],
+    /// `halves` of the block's first 16 values, then of its last 16 (0 when `halves` is empty).
+    pub halves: [[i32; TILED_ROWS]; 2],
+}
+
+impl QActs {
+    /// What the tiles of variant `v` read beside the digits and scales, for `m` rows of `k`:
+    /// `halves` when the weights have split panels, `block_scalars` for the VNNI tile.
+    pub(super) fn prepare(&mut self, v: Isa, split: bool, m: usize, k: usize) {
+        if split {
+            self.fill_halves(m, k);
+        }
+        if v == Isa::Avx512 {
+            self.fill_block_scalars(m, k);
+        }
+    }
+
+    /// Fill `block_scalars` for `m` rows of `k` from `s`, `qs`, `base` and `halves` (if filled).
+    pub(super) fn fill_block_scalars(&mut self, m: usize, k: usize) {
+        let nb = k / QBLOCK;
+        let mut v = vec![BlockScalars::default(); m.div_ceil(TILED_ROWS) * nb];
+        let halves = self.halves.len() == 2 * m * nb;
+        for (g, entries) in v.chunks_exact_mut(nb).enumerate() {
+            for i in 0..TILED_ROWS.min(m - g * TILED_ROWS) {
+                let r = g * TILED_ROWS + i;
+                for (b, e) in entries.iter_mut().enumerate() {
+                    let rb = r * nb + b;
+                    (e.s[i], e.qs[i], e.base[i]) = (self.s[rb], self.qs[rb], self.base[rb]);
+                    if halves {
+                        (e.halves[0][i], e.halves[1][i]) = (self.halves[2 * rb], self.halves[2 * rb + 1]);
+                    }
+                }
+            }
+        }
+        self.block_scalars = v;
     }
 }
 
@@ -473,6 +523,7 @@ pub(super) fn quantize_chunks(x: &[f32], m: usize, k: usize, chunk: usize, one: 
             qs: vec![0.0; m * nb],
             tiled: if rows { Vec::new() } else { vec![0; 2 * m * k] },
             halves: Vec::new(),
+            block_scalars: Vec::new(),
             amx_rows: a_rows,
             digits: if one { 1 } else { 2 },
         };
@@ -540,6 +591,7 @@ pub(super) fn quantize_par(v: Isa, x: &[f32], m: usize, k: usize, tiled: bool, o
         qs: Vec::with_capacity(m * k / QBLOCK),
         tiled: Vec::new(),
         halves: Vec::new(),
+        block_scalars: Vec::new(),
         amx_rows: 0,
         digits: if one { 1 } else { 2 },
     };

@@ -244,9 +244,7 @@ fn linear_ld(
             _ if amx => quantize_chunks(x, m, k, 64, one, true),
             v => quantize_par(v, x, m, k, v == Isa::Avx512 && m >= TILED_MIN_ROWS, one),
         };
-        if !w.split.is_empty() {
-            acts.fill_halves(m, k);
-        }
+        acts.prepare(variant(isa), !w.split.is_empty(), m, k);
         let jobs = w.panels().div_ceil(JOB_PANELS);
         (0..jobs).into_par_iter().for_each(|j| {
             let a = Args {

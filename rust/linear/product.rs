@@ -12,12 +12,14 @@
 //! Work is split over output columns only, never over K: each output is computed by one tile,
 //! alone, so the bits do not depend on the job size, the order or the thread (tests.rs).
 
-use super::acts::{quantize_acts, quantize_chunks, quantize_fast, quantize_one, quantize_tiled, QActs, TILED_MIN_ROWS};
+use super::acts::{
+    quantize_acts, quantize_chunks, quantize_fast, quantize_one, quantize_tiled, QActs, TILED_MIN_ROWS, TILED_ROWS,
+};
 use super::scalar::tile_scalar;
 use super::weight::QWeight;
 #[cfg(target_arch = "x86_64")]
 use super::{amx, avx2, x86};
-use super::{amx_for, variant};
+use super::{amx_for, variant, QBLOCK};
 use crate::error::{Error, Result};
 use crate::runtime::Isa;
 
@@ -200,9 +202,7 @@ impl<'a> Product<'a> {
             v => quantize_fast(v, x, m, k, one),
         };
         let mut acts = acts;
-        if !w.split.is_empty() {
-            acts.fill_halves(m, k);
-        }
+        acts.prepare(variant(isa), !w.split.is_empty(), m, k);
         let panels_per_job = JOB_PANELS.max(w.panels().div_ceil(4 * threads.max(1)));
         Ok(Product {
             isa,
@@ -247,8 +247,10 @@ impl<'a> Product<'a> {
 pub(super) fn run_job(isa: Isa, a: &Args, m: usize, p0: usize, np: usize) {
     let mut v = variant(isa);
     let (tiled, rows) = (a.acts.tiled.len() == 2 * m * a.w.k, a.acts.hi.len() == m * a.w.k);
-    if v == Isa::Avx512 && !tiled && !rows {
-        // Neither layout in full (this module's callers always make one): the scalar tile.
+    let scalars = a.acts.block_scalars.len() == m.div_ceil(TILED_ROWS) * (a.w.k / QBLOCK);
+    if v == Isa::Avx512 && (!scalars || !tiled && !rows) {
+        // Neither layout in full, or no `block_scalars` (this module's callers always make them):
+        // the scalar tile.
         v = Isa::Scalar;
     }
     if v != Isa::Avx512 {

@@ -26,6 +26,9 @@
 //! row took 16 row pointers for the 8-row tile, more than the general registers hold beside the
 //! loop's own; tiled from 3 rows on (`TILED_MIN_ROWS`), the same bits either way. `quantize`
 //! writes that layout itself for the VNNI tile (`Digits::Tiled`; no `hi` / `lo` rows, no copy).
+//! The rows' scalars of a block (`s`, `qs`, `R`, split offsets) come the same way, from one entry of
+//! `QActs::block_scalars` a group and block: read from the row-major vectors, each row took a
+//! pointer of its own (spilled beside the loop's) and a bounds check a block.
 //!
 //! `quantize` (the activations' two digits) takes 16 blocks at a time: their max |x| and digit sums
 //! reduced together by one shuffle tree (`reduce16`), the divisions and scale stores as vectors,
@@ -345,8 +348,20 @@ unsafe fn tile<
             std::ptr::null(),
         )
     };
+    // The rows' scalars: entry b from here, the rows at `ro..ro + R` of its arrays (one address a
+    // block, as the digits; only an address until read).
+    let bs = a.acts.block_scalars.as_ptr().wrapping_add(g0 / TILED_ROWS * nb);
+    let ro = r0 - g0;
     let mut acc = [[_mm512_setzero_ps(); NP]; R];
     for b in 0..nb {
+        // SAFETY: entry (g0 / 8)·nb + b of `block_scalars`, which `run_job` checked holds
+        // m.div_ceil(8)·nb (g0 < m, b < nb).
+        let e = unsafe { &*bs.add(b) };
+        // Row r of the tile in one of the entry's arrays.
+        // SAFETY: ro + r < 8 (the rows lie in one group: the contract).
+        let row_of = |v: &[i32; TILED_ROWS], r: usize| unsafe { *v.get_unchecked(ro + r) };
+        // SAFETY: as `row_of`.
+        let rowf_of = |v: &[f32; TILED_ROWS], r: usize| unsafe { *v.get_unchecked(ro + r) };
         if prefetch {
             for p in 0..NP {
                 a.w.scales.prefetch((p0 + p) * nb + b);
@@ -377,7 +392,7 @@ unsafe fn tile<
         macro_rules! start_half {
             ($h:literal) => {{
                 for (r, row) in ia.iter_mut().enumerate() {
-                    let off = _mm512_set1_epi32(a.acts.halves[((r0 + r) * nb + b) * 2 + $h]);
+                    let off = _mm512_set1_epi32(row_of(&e.halves[$h], r));
                     *row = [[_mm512_setzero_si512(); NP]; 2];
                     row[if ONE { 0 } else { 1 }] = [off; NP];
                 }
@@ -496,20 +511,19 @@ unsafe fn tile<
                     // SAFETY: block b of panel p0+p: 2*PANEL scales inside the scales.
                     let (dv, mv) = unsafe { block_scales!(&a.w.scales, p0 + p, nb, b) };
                     for r in 0..R {
-                        let rb = (r0 + r) * nb + b;
-                        let s = _mm512_set1_ps(a.acts.s[rb]);
+                        let s = _mm512_set1_ps(rowf_of(&e.s, r));
                         // R·Σc·h + Σc·l: exact in i32 (mod.rs).
                         let dot = if ONE {
                             ia[r][0][p] // R = 1, Σc·l = 0: the same integer
                         } else {
-                            let base = _mm512_set1_epi32(a.acts.base[rb]);
+                            let base = _mm512_set1_epi32(row_of(&e.base, r));
                             _mm512_add_epi32(_mm512_mullo_epi32(ia[r][0][p], base), ia[r][1][p])
                         };
                         if SPLIT {
                             let d = if $h == 0 { dv } else { mv };
                             acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, s), acc[r][p]);
                         } else {
-                            let qs = _mm512_set1_ps(a.acts.qs[rb]);
+                            let qs = _mm512_set1_ps(rowf_of(&e.qs, r));
                             acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, s), acc[r][p]);
                             acc[r][p] = _mm512_fmadd_ps(mv, qs, acc[r][p]);
                         }
