@@ -43,6 +43,17 @@ def test_ngram_takes_the_longest_suffix_match_and_its_latest_occurrence():
     assert propose_ngram(np.array([3]), 4, 3) == []
 
 
+def test_the_default_suffix_tells_apart_a_copied_texts_repeated_phrases():
+    """A code copy repeats short phrases (`self.`, `import`): three tokens match the latest of them, five the
+    line being copied. The default ``n`` (5) drafts from the line being copied."""
+    src = [10, 11, 12, 13, 14, 20, 21, 22]  # e.g. "def push(self, job" -> ": Job)"
+    other = [30, 12, 13, 14, 40, 41, 42]  # a later line sharing the 3-token phrase 12 13 14
+    history = np.array(src + other + [50] + src[:5])  # the copy has reached the first line's 12 13 14
+    assert propose_ngram(history, 3, 3) == [40, 41, 42]  # the latest 3-token match: the wrong line
+    cfg = SpeculativeConfig()
+    assert propose_ngram(history, 3, cfg.n, cfg.min_n) == [20, 21, 22]
+
+
 def test_config_parses_the_flag_and_refuses_what_it_does_not_know():
     assert SpeculativeConfig.of("ngram") == SpeculativeConfig()
     assert SpeculativeConfig.of("ngram:k=6,n=2") == SpeculativeConfig(k=6, n=2)

@@ -120,7 +120,7 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
         "vocabulary run beside the target (draft:PATH, its KV pool kv=BYTES, default 64MiB), verified in the "
         "same step (greedy outputs unchanged, sampling keeps its distribution), in the batch sizes where it "
         "measures faster; also min_n=M (ngram), max_batch=B, window=W, probe=P, adaptive=0 (always draft) "
-        "(default: off; ngram means k=4,n=3, draft k=4)",
+        "(default: off; ngram means k=4,n=5, draft k=4)",
     )
     p.add_argument(
         "--act-digits",

@@ -91,7 +91,7 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     k: int = 4
-    n: int = 3
+    n: int = 5  # longer suffixes pick the right one of a copied text's repeated phrases (docs/speculative.md)
     min_n: int = 1
     max_batch: int = 16
     adaptive: bool = True
@@ -147,7 +147,7 @@ class SpeculativeConfig:
                 given["kv"] = _bytes(given["kv"])
             return cls(**given)
         if not isinstance(spec, str):
-            raise TypeError(f"speculative must be a str like 'ngram:k=4,n=3', got {type(spec).__name__}")
+            raise TypeError(f"speculative must be a str like 'ngram:k=4,n=5', got {type(spec).__name__}")
         method, _, rest = spec.strip().partition(":")
         path = None
         if method == "draft":
