@@ -40,7 +40,8 @@ pub fn get_num_threads() -> PyResult<usize> {
 
 /// Kernel configuration: the ISA setting (`isa`), what attention runs (`active_isa`, for
 /// head_dim % 8 == 0), the widest detected (`detected_isa`), the ISAs `set_isa` accepts here
-/// (`isas`), the linear layer's build, threads, cache layout and build profile.
+/// (`isas`), the linear layer's build, threads, whether the kernel threads flush subnormal floats to
+/// zero (`flush_subnormals`), cache layout and build profile.
 #[pyfunction]
 pub fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
@@ -53,6 +54,10 @@ pub fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("linear_isa", linear::variant_name(runtime::isa()?))?;
     d.set_item("detected_linear_isa", linear::variant_name(runtime::detected_isa()))?;
     d.set_item("num_threads", runtime::num_threads()?)?;
+    d.set_item(
+        "flush_subnormals",
+        runtime::pool()?.install(runtime::flushes_subnormals),
+    )?;
     d.set_item("layout", "[num_blocks, num_kv_heads, block_size, head_dim]")?;
     d.set_item("build_profile", build_profile())?;
     Ok(d)

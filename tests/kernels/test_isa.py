@@ -85,3 +85,37 @@ def test_machine_probes_reject_bad_arguments():
     for bad in (0.0, -1.0, 11.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"seconds must be in \(0, 10\], got "):
             core.fma_peak(bad)
+
+
+def test_kernel_threads_flush_subnormals_and_the_interpreter_thread_does_not():
+    """Kernels run on the pool's threads, which flush subnormal floats to zero (an operation on one costs a
+    microcode assist on x86); numpy on the caller's thread keeps IEEE gradual underflow."""
+    import platform
+
+    import numpy as np
+
+    import pagedkv_rs as pk
+
+    flushing = platform.machine().lower() in {"x86_64", "amd64", "aarch64", "arm64"}
+    assert core.kernel_info()["flush_subnormals"] is flushing
+    # Q8_0 weights of ~1e-20 (d ~1e-22) times activations of ~1e-20 (one digit: s ~1e-22): each block's
+    # product d * s is ~1e-44, below f32's normal range; the exact sums are ~1e-38 and smaller
+    rng = np.random.default_rng(0)
+    n, k = 32, 64
+    w = (rng.standard_normal((n, k)) * 1e-20).astype(np.float32)
+    x = (rng.standard_normal((4, k)) * 1e-20).astype(np.float32)
+    prev = core.get_isa()
+    try:
+        for isa in core.kernel_info()["isas"]:
+            core.set_isa(isa)
+            q = pk.QLinear.from_float(w)
+            q.set_act_digits(1)
+            y = q(x)
+            if flushing:
+                assert np.all(y == 0.0), isa  # every block's scale product flushed
+            # the same product at normal magnitudes: nonzero
+            assert np.count_nonzero(pk.QLinear.from_float(w * 1e20)(x * 1e20)) == y.size
+    finally:
+        core.set_isa(prev)
+    tiny = np.float32(1e-38) * np.float32(0.01)  # on this thread: a subnormal, not 0
+    assert 0.0 < tiny < np.finfo(np.float32).tiny
