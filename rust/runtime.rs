@@ -249,10 +249,10 @@ pub fn build_pool(n: usize) -> Result<rayon::ThreadPool> {
 /// Subnormal floats read as zero and results that would be subnormal flushed to zero, on the calling
 /// thread (x86-64: MXCSR's DAZ and FTZ bits; aarch64: FPCR.FZ; elsewhere nothing). Every kernel runs on
 /// the pool's threads, which set this when they start: an operation on a subnormal number takes a
-/// microcode assist on x86, about a hundred times an ordinary one, and a forward whose activations
-/// hold a few (a block of tiny values scaled by a small weight scale, an exponent far below the
-/// softmax's maximum) ran twice as long as its neighbours. The values lost are below 2^-126, beside
-/// sums of normal numbers; every ISA's kernels run in the same mode, so they still agree bit for bit.
+/// microcode assist on x86, about a hundred times an ordinary one, so a product whose block scales
+/// multiply to below 2^-126 (tiny activations times a small weight scale) can take a whole step's
+/// time again. The values lost are below 2^-126, beside sums of normal numbers; every ISA's kernels
+/// run in the same mode, so they still agree bit for bit.
 pub fn flush_subnormals() {
     #[cfg(target_arch = "x86_64")]
     {

@@ -98,8 +98,8 @@ def test_kernel_threads_flush_subnormals_and_the_interpreter_thread_does_not():
 
     flushing = platform.machine().lower() in {"x86_64", "amd64", "aarch64", "arm64"}
     assert core.kernel_info()["flush_subnormals"] is flushing
-    # Q8_0 weights of ~1e-20 (d ~1e-22) times activations of ~1e-20 (one digit: s ~1e-22): each block's
-    # product d * s is ~1e-44, below f32's normal range; the exact sums are ~1e-38 and smaller
+    # 8-bit weights of ~1e-20 (from_float: d ~1e-22) times activations of ~1e-20 (one digit: s ~1e-22): each
+    # block's product d * s is ~1e-44, below f32's normal range; the exact sums are ~1e-38 and smaller
     rng = np.random.default_rng(0)
     n, k = 32, 64
     w = (rng.standard_normal((n, k)) * 1e-20).astype(np.float32)
