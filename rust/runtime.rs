@@ -4,7 +4,7 @@
 //! | ISA      | runs on                                   | attention              | linear                          | ops      |
 //! |----------|-------------------------------------------|------------------------|---------------------------------|----------|
 //! | `scalar` | anything                                  | `reference.rs`         | portable tile                   | plain    |
-//! | `avx2`   | x86-64 with AVX2 + FMA + F16C             | `x86/` `attend`        | `avx2.rs` `vpmaddubsw` tile     | AVX2 build |
+//! | `avx2`   | x86-64 with AVX2 + FMA + F16C             | `x86/` `attend`        | `avx2.rs` tile (`vpdpbusd` where `avx_vnni()`, else `vpmaddubsw`) | AVX2 build |
 //! | `avx512` | also AVX-512 F + VL + BW                  | `x86/` `attend_avx512` | VNNI tile when `avx512_vnni()` (AMX one too when `amx_int8()`), else the AVX2 one | AVX-512 build |
 //! | `neon`   | aarch64 (NEON is baseline)                | `aarch64.rs` `attend`  | portable tile                   | plain    |
 //!
@@ -88,6 +88,30 @@ pub fn avx512_vnni() -> bool {
     {
         false
     }
+}
+
+/// Whether the AVX2 build of the quantized linear layer runs its AVX-VNNI form (`vpdpbusd` on ymm,
+/// VEX-encoded: Intel's cores without AVX-512 from Alder Lake and Sierra Forest on, and the AVX-512
+/// CPUs that also have it): AVX2 usable and CPUID.(EAX=7, ECX=1):EAX bit 4; `PAGEDKV_AVX_VNNI=0`
+/// turns it off (the `vpmaddubsw` form then runs, as on CPUs without it).
+pub fn avx_vnni() -> bool {
+    static AVX_VNNI: OnceLock<bool> = OnceLock::new();
+    *AVX_VNNI.get_or_init(|| {
+        let off = std::env::var("PAGEDKV_AVX_VNNI").is_ok_and(|v| v.trim() == "0");
+        !off && Isa::Avx2.available() && avx_vnni_detect()
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx_vnni_detect() -> bool {
+    use std::arch::x86_64::__cpuid_count;
+    // Leaf 7's sub-leaves: EAX of sub-leaf 0 is the highest one.
+    __cpuid_count(7, 0).eax >= 1 && __cpuid_count(7, 1).eax & (1 << 4) != 0
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx_vnni_detect() -> bool {
+    false
 }
 
 /// Whether the quantized linear layer's AMX tile runs: AVX-512 VNNI (the rest of the product), AMX-TILE

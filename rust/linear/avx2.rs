@@ -1,5 +1,7 @@
 //! AVX2 tile of the block-quantized linear layer (layout and formula: `mod.rs`), for x86-64 CPUs
-//! without AVX-512 VNNI: `vpmaddubsw` + `vpmaddwd`, as llama.cpp's AVX2 dot products do.
+//! without AVX-512 VNNI: `vpmaddubsw` + `vpmaddwd`, as llama.cpp's AVX2 dot products do; or, where
+//! the CPU has AVX-VNNI (`runtime::avx_vnni`, `Args::avx_vnni`), its `vpdpbusd` form (`tile_vnni`:
+//! every layout's codes whole, i32 sums, the digits combined as the AVX-512 VNNI tile does).
 //!
 //! | mode   | chosen at `QWeight` build when     | per 4-k group and 8-row code vector, per row and digit         |
 //! |--------|------------------------------------|----------------------------------------------------------------|
@@ -40,6 +42,9 @@ use std::arch::x86_64::*;
 /// the full bandwidth with the stream prefetched 4 KiB ahead.
 const PREFETCH: usize = 4096;
 
+/// Rows per tile of the AVX-VNNI form (`vnni_rows`).
+const VNNI_MR: usize = 4;
+
 use super::weight::LINE;
 use super::{tile_order, Args, Muls, Scales, GRID_BLOCKS, MR, PANEL, PASS_PANELS, QBLOCK};
 
@@ -55,13 +60,14 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
     let nb = a.w.k / QBLOCK;
     // Integer (K-quant) scales are widened once a pass when several row tiles share them: into
     // f32 here, exactly the values `load_scales` gives (`Scales::Grid`).
-    let hoist = matches!(a.w.scales, Scales::Grid { .. }) && m > MR;
+    let mr = if a.avx_vnni { VNNI_MR } else { MR };
+    let hoist = matches!(a.w.scales, Scales::Grid { .. }) && m > mr;
     let mut pass = Scales::F32(if hoist {
         vec![0f32; PASS_PANELS * nb * 2 * PANEL]
     } else {
         Vec::new()
     });
-    tile_order(m, a.w.k, p0, np, MR, |r0, rows, ps, pn, first| {
+    tile_order(m, a.w.k, p0, np, mr, |r0, rows, ps, pn, first| {
         if hoist && first {
             if let Scales::F32(buf) = &mut pass {
                 let from = ps * nb * 2 * PANEL;
@@ -105,6 +111,20 @@ pub(super) unsafe fn job(a: &Args, m: usize, p0: usize, np: usize) {
 #[inline]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tiles<const ONE: bool>(a: &Args, sc: &Scales, sp: usize, r0: usize, rows: usize, p: usize, first: bool) {
+    if a.avx_vnni {
+        // SAFETY: forwarded from the caller; `a.avx_vnni` only where `runtime::avx_vnni` found
+        // AVX-VNNI.
+        unsafe {
+            match (a.w.panel_split(p), a.w.panel_bits(p)) {
+                (true, _) => vnni_rows::<6, true, ONE>(a, sc, sp, r0, rows, p, first),
+                (_, 4) => vnni_rows::<4, false, ONE>(a, sc, sp, r0, rows, p, first),
+                (_, 5) => vnni_rows::<5, false, ONE>(a, sc, sp, r0, rows, p, first),
+                (_, 6) => vnni_rows::<6, false, ONE>(a, sc, sp, r0, rows, p, first),
+                _ => vnni_rows::<8, false, ONE>(a, sc, sp, r0, rows, p, first),
+            }
+        }
+        return;
+    }
     // SAFETY: forwarded from the caller.
     unsafe {
         match (a.w.panel_bits(p), rows) {
@@ -235,6 +255,41 @@ macro_rules! madd_bcast1 {
             "vpmaddubsw {t}, {c}, {t}",
             "vpaddw {a}, {a}, {t}",
             x = in(reg) $x,
+            c = in(ymm_reg) $c,
+            a = inout(ymm_reg) *$a,
+            t = out(ymm_reg) _,
+            options(pure, readonly, nostack, preserves_flags),
+        )
+    };
+}
+
+/// `*acc += vpdpbusd(codes, broadcast of the 4 bytes at x + OFF)` (i32 lanes: each the sum of its
+/// four u8 × i8 products) for two (codes, acc) pairs, the AVX-VNNI (VEX) encoding, `OFF` a constant
+/// displacement (no address computed a broadcast); in one `asm!` for the reason `madd_bcast!` is.
+/// In an `unsafe` block: `x + OFF` points at 4 readable bytes and the CPU has AVX-VNNI
+/// (`runtime::avx_vnni`).
+macro_rules! dp_bcast {
+    ($x:expr, $off:expr, ($c0:expr, $a0:expr), ($c1:expr, $a1:expr)) => {
+        std::arch::asm!(
+            "vpbroadcastd {t}, dword ptr [{x} + {off}]",
+            "{{vex}} vpdpbusd {a0}, {c0}, {t}",
+            "{{vex}} vpdpbusd {a1}, {c1}, {t}",
+            x = in(reg) $x,
+            off = const $off,
+            c0 = in(ymm_reg) $c0,
+            c1 = in(ymm_reg) $c1,
+            a0 = inout(ymm_reg) *$a0,
+            a1 = inout(ymm_reg) *$a1,
+            t = out(ymm_reg) _,
+            options(pure, readonly, nostack, preserves_flags),
+        )
+    };
+    ($x:expr, $off:expr, ($c:expr, $a:expr)) => {
+        std::arch::asm!(
+            "vpbroadcastd {t}, dword ptr [{x} + {off}]",
+            "{{vex}} vpdpbusd {a}, {c}, {t}",
+            x = in(reg) $x,
+            off = const $off,
             c = in(ymm_reg) $c,
             a = inout(ymm_reg) *$a,
             t = out(ymm_reg) _,
@@ -448,6 +503,174 @@ unsafe fn tile<const R: usize, const BITS: usize, const ONE: bool>(
             _mm256_storeu_ps(buf.as_mut_ptr().add(8), row[1]);
         }
         // SAFETY: row r0+r < m, columns col..col+valid < n of the [m, n] output; this job alone
+        // writes these columns.
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a.out.add((r0 + r) * a.ld + col), valid) };
+    }
+}
+
+/// The AVX-VNNI tiles for `rows` (1 to `VNNI_MR`) rows from `r0` × panel `p`: 3 or 4 rows half a
+/// panel at a time (8 i32 sums of 4 rows × 2 digits in registers), 1 or 2 the whole panel.
+///
+/// # Safety
+/// As for `tile_vnni`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn vnni_rows<const BITS: usize, const SPLIT: bool, const ONE: bool>(
+    a: &Args,
+    sc: &Scales,
+    sp: usize,
+    r0: usize,
+    rows: usize,
+    p: usize,
+    first: bool,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match rows {
+            4 => {
+                tile_vnni::<4, 1, BITS, SPLIT, ONE>(a, sc, sp, r0, p, 0, first);
+                tile_vnni::<4, 1, BITS, SPLIT, ONE>(a, sc, sp, r0, p, 1, false);
+            }
+            3 => {
+                tile_vnni::<3, 1, BITS, SPLIT, ONE>(a, sc, sp, r0, p, 0, first);
+                tile_vnni::<3, 1, BITS, SPLIT, ONE>(a, sc, sp, r0, p, 1, false);
+            }
+            2 => tile_vnni::<2, 2, BITS, SPLIT, ONE>(a, sc, sp, r0, p, 0, first),
+            _ => tile_vnni::<1, 2, BITS, SPLIT, ONE>(a, sc, sp, r0, p, 0, first),
+        }
+    }
+}
+
+/// The AVX-VNNI form of a tile: rows `r0..r0+R` times panel `p` in the `BITS`-bit layout (split
+/// panels: `SPLIT`, 6-bit), every layout's codes whole (the 8-bit layout's too: `vpdpbusd` sums
+/// u8 × i8 products into i32 lanes, where `vpmaddubsw`'s i16 pairs would saturate). Per 4-k group
+/// and 8-row code vector, one `vpdpbusd` a row and digit into the row's i32 sums of the digit; per
+/// block (per half for a split panel) `R·Σc·h + Σc·l` in i32 (`vpmulld`, an add), then the two FMAs
+/// of `tile` (a split panel's half: its offset, then `d_h·s`): the same integers and the same float
+/// steps in the same order, so the scalar tile's bits.
+///
+/// # Safety
+/// As for `tile`, and the CPU has AVX-VNNI; `SPLIT` only for a split panel, with `QActs::halves`
+/// filled.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_vnni<const R: usize, const NV: usize, const BITS: usize, const SPLIT: bool, const ONE: bool>(
+    a: &Args,
+    sc: &Scales,
+    sp: usize,
+    r0: usize,
+    p: usize,
+    v0: usize,
+    prefetch: bool,
+) {
+    const { assert!(BITS == 4 || BITS == 5 || BITS == 6 || BITS == 8) };
+    const { assert!(NV == 1 || NV == 2) };
+    let (k, n) = (a.w.k, a.w.n);
+    let nb = k / QBLOCK;
+    // SAFETY: panel p exists: its code bytes start at this offset (and nb*2*PANEL scales from p*nb*2*PANEL).
+    let codes = unsafe { a.w.codes.as_ptr().add(a.w.code_at[p]) };
+    let scales = sp * nb * 2 * PANEL;
+    let (xh, xl) = (a.acts.hi.as_ptr(), a.acts.lo.as_ptr());
+    let zero = _mm256_setzero_si256();
+    let mut acc = [[_mm256_setzero_ps(); NV]; R];
+    let block_bytes = BITS * LINE;
+    for b in 0..nb {
+        if prefetch {
+            a.w.scales.prefetch(p * nb + b);
+            for line in (0..block_bytes).step_by(64) {
+                let ahead = codes.wrapping_add(b * block_bytes + line + PREFETCH);
+                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+            }
+        }
+        // Block b's first code line and each row's digits of the block (group g at 4g bytes).
+        let blk = codes.wrapping_add(b * block_bytes);
+        let xs: [[*const i8; 2]; R] =
+            std::array::from_fn(|r| [xh, xl].map(|xq| xq.wrapping_add((r0 + r) * k + b * QBLOCK)));
+        // i32 sums [row][digit][8-row vector] of the codes times the digit.
+        let mut sums = [[[zero; NV]; 2]; R];
+        // Group $g (a literal: the code lines and the broadcasts' displacements are constants).
+        macro_rules! group {
+            ($g:literal) => {{
+                let c: [__m256i; NV] = std::array::from_fn(|i| {
+                    let half = blk.wrapping_add((v0 + i) * 32);
+                    // SAFETY: block b of panel p (BITS lines from blk), its half v0 + i.
+                    unsafe {
+                        match BITS {
+                            8 => _mm256_loadu_si256(half.add($g * LINE) as *const __m256i),
+                            4 => split::<4>(half, $g).0,
+                            _ => whole::<BITS>(half, $g),
+                        }
+                    }
+                });
+                for (row, x) in sums.iter_mut().zip(&xs) {
+                    for digit in 0..if ONE { 1 } else { 2 } {
+                        // SAFETY: row r0+r < m and b*32 + 4g + 4 <= k: four activation bytes of
+                        // row r0+r; AVX-VNNI is available (contract).
+                        unsafe {
+                            if NV == 2 {
+                                let (s0, s1) = row[digit].split_at_mut(1);
+                                dp_bcast!(x[digit], 4 * $g, (c[0], &mut s0[0]), (c[NV - 1], &mut s1[0]));
+                            } else {
+                                dp_bcast!(x[digit], 4 * $g, (c[0], &mut row[digit][0]));
+                            }
+                        }
+                    }
+                }
+            }};
+        }
+        // Fold the sums of half `$h` of the block (split) or of the whole block into `acc`.
+        macro_rules! fold {
+            ($h:literal) => {
+                for v in 0..NV {
+                    // SAFETY: block b of panel p: 16 `d` then 16 `m`; half v0 + v is 8 of each.
+                    let (dv, mv) = unsafe { load_scales(sc, scales + b * 2 * PANEL + (v0 + v) * 8) };
+                    for r in 0..R {
+                        let rb = (r0 + r) * nb + b;
+                        // R·Σc·h + Σc·l, exact in i32 (mod.rs); one digit: R·Σc·h (R = 1, l = 0).
+                        let mut dot = _mm256_mullo_epi32(sums[r][0][v], _mm256_set1_epi32(a.acts.base[rb]));
+                        if !ONE {
+                            dot = _mm256_add_epi32(dot, sums[r][1][v]);
+                        }
+                        let s = _mm256_set1_ps(a.acts.s[rb]);
+                        if SPLIT {
+                            // The half's offset (`QActs::halves`), then d_h·s with d_0, d_1 in the
+                            // `d` and `m` slots.
+                            let dot = _mm256_add_epi32(dot, _mm256_set1_epi32(a.acts.halves[rb * 2 + $h]));
+                            let d = if $h == 0 { dv } else { mv };
+                            acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, s), acc[r][v]);
+                        } else {
+                            let qs = _mm256_set1_ps(a.acts.qs[rb]);
+                            acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, s), acc[r][v]);
+                            acc[r][v] = _mm256_fmadd_ps(mv, qs, acc[r][v]);
+                        }
+                    }
+                }
+            };
+        }
+        group!(0);
+        group!(1);
+        group!(2);
+        group!(3);
+        if SPLIT {
+            // A split panel's block: k steps 0-3 then 4-7, each folded at its end.
+            fold!(0);
+            sums = [[[zero; NV]; 2]; R];
+        }
+        group!(4);
+        group!(5);
+        group!(6);
+        group!(7);
+        fold!(1);
+    }
+    let col = p * PANEL + v0 * 8;
+    let valid = (NV * 8).min(n.saturating_sub(col));
+    for (r, row) in acc.iter().enumerate() {
+        let mut buf = [0f32; PANEL];
+        for (v, &x) in row.iter().enumerate() {
+            // SAFETY: buf holds 16 floats, NV <= 2 unaligned 8-float stores.
+            unsafe { _mm256_storeu_ps(buf.as_mut_ptr().add(8 * v), x) };
+        }
+        // SAFETY: row r0+r < m, columns col..col+valid <= n of the [m, n] output; this job alone
         // writes these columns.
         unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a.out.add((r0 + r) * a.ld + col), valid) };
     }

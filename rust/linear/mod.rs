@@ -4,6 +4,7 @@
 //! |------------|-----------|--------------------------------------------------------------------------------|
 //! | scalar     | scalar.rs | ISA `scalar` (`set_isa("scalar")`, `PAGEDKV_ISA=scalar`) or `neon`, or no AVX2 |
 //! | avx2       | avx2.rs   | `vpmaddubsw` + `vpmaddwd` tile: ISA `avx2`, or `avx512` without VNNI          |
+//! | avxvnni    | avx2.rs   | its `vpdpbusd` form (ymm, VEX) where the CPU has AVX-VNNI (`runtime::avx_vnni`) |
 //! | avx512vnni | x86.rs    | ISA `avx512` on a CPU with AVX-512 F + BW + VNNI (`runtime::avx512_vnni`)      |
 //! | avx512amx  | amx.rs    | also AMX-INT8 (`runtime::amx_int8`): one-digit products of 32+ rows (`amx_for`) |
 //!
@@ -172,12 +173,18 @@ fn amx_for(v: Isa, m: usize, w: &QWeight) -> bool {
     }
 }
 
+/// Whether build `v` runs in its AVX-VNNI form: the AVX2 build where `runtime::avx_vnni` says so.
+fn avx_vnni_for(v: Isa) -> bool {
+    v == Isa::Avx2 && runtime::avx_vnni()
+}
+
 /// What `kernel_info()` reports for the build `variant(isa)` runs (`avx512amx`: the VNNI tile, and
-/// the AMX one where `amx_for` takes it).
+/// the AMX one where `amx_for` takes it; `avxvnni`: the AVX2 build in its AVX-VNNI form).
 pub fn variant_name(isa: Isa) -> &'static str {
     match variant(isa) {
         Isa::Avx512 if runtime::amx_int8() => "avx512amx",
         Isa::Avx512 => "avx512vnni",
+        v if avx_vnni_for(v) => "avxvnni",
         Isa::Avx2 => "avx2",
         _ => "scalar",
     }
@@ -203,9 +210,10 @@ pub fn linear_with(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) 
     linear_ld(isa, x, m, w, out, None, true)
 }
 
-/// `linear_with` that never runs the AMX tile (tests compare the tiles).
+/// `linear_with` that never runs the extension tiles (AMX, the AVX2 build's AVX-VNNI form): tests
+/// compare the tiles.
 #[cfg(test)]
-fn linear_without_amx(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
+fn linear_without_ext(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32]) -> Result<()> {
     linear_ld(isa, x, m, w, out, None, false)
 }
 
@@ -215,15 +223,7 @@ pub fn linear_strided(x: &[f32], m: usize, w: &QWeight, out: &mut [f32], ld: usi
     linear_ld(active_isa()?, x, m, w, out, Some(ld), true)
 }
 
-fn linear_ld(
-    isa: Isa,
-    x: &[f32],
-    m: usize,
-    w: &QWeight,
-    out: &mut [f32],
-    ld: Option<usize>,
-    allow_amx: bool,
-) -> Result<()> {
+fn linear_ld(isa: Isa, x: &[f32], m: usize, w: &QWeight, out: &mut [f32], ld: Option<usize>, ext: bool) -> Result<()> {
     use rayon::prelude::*;
     let k = w.k;
     check_shapes(x, m, w, out, ld)?;
@@ -235,7 +235,8 @@ fn linear_ld(
     let out_ptr = SendPtr(out.as_mut_ptr());
     pool.install(|| {
         let one = w.act_digits() == 1;
-        let amx = allow_amx && amx_for(variant(isa), m, w);
+        let amx = ext && amx_for(variant(isa), m, w);
+        let avx_vnni = ext && avx_vnni_for(variant(isa));
         let mut acts = match variant(isa) {
             Isa::Scalar if one => quantize_one(x, m, k, false),
             Isa::Scalar => quantize_acts(x, m, k),
@@ -253,6 +254,7 @@ fn linear_ld(
                 out: out_ptr.get(),
                 ld,
                 amx,
+                avx_vnni,
             };
             let p0 = j * JOB_PANELS;
             let np = JOB_PANELS.min(w.panels() - p0);

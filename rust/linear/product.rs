@@ -19,7 +19,7 @@ use super::scalar::tile_scalar;
 use super::weight::QWeight;
 #[cfg(target_arch = "x86_64")]
 use super::{amx, avx2, x86};
-use super::{amx_for, variant, QBLOCK};
+use super::{amx_for, avx_vnni_for, variant, QBLOCK};
 use crate::error::{Error, Result};
 use crate::runtime::Isa;
 
@@ -33,6 +33,8 @@ pub(super) struct Args<'a> {
     /// The AVX-512 build runs the AMX tile (`amx_for`; the digits are then in its layout,
     /// `QActs::amx_rows`).
     pub(super) amx: bool,
+    /// The AVX2 build runs its AVX-VNNI form (`runtime::avx_vnni`).
+    pub(super) avx_vnni: bool,
 }
 
 /// Rows per tile of the SIMD tiles (each row is two digit streams).
@@ -129,6 +131,7 @@ pub struct Product<'a> {
     out: SendPtr,
     ld: usize,
     amx: bool,
+    avx_vnni: bool,
     panels_per_job: usize,
     _out: std::marker::PhantomData<&'a mut [f32]>,
 }
@@ -147,9 +150,9 @@ impl<'a> Product<'a> {
         Self::build(isa, x, m, w, out, None, threads, true)
     }
 
-    /// `new` that never runs the AMX tile (tests compare the tiles).
+    /// `new` that never runs the extension tiles (AMX, AVX-VNNI): tests compare the tiles.
     #[cfg(test)]
-    pub(super) fn without_amx(
+    pub(super) fn without_ext(
         isa: Isa,
         x: &[f32],
         m: usize,
@@ -174,7 +177,7 @@ impl<'a> Product<'a> {
         Self::build(isa, x, m, w, out, Some(ld), threads, true)
     }
 
-    // The one constructor behind `new`, `strided` and `without_amx`.
+    // The one constructor behind `new`, `strided` and `without_ext`.
     #[allow(clippy::too_many_arguments)]
     fn build(
         isa: Isa,
@@ -184,12 +187,13 @@ impl<'a> Product<'a> {
         out: &'a mut [f32],
         ld: Option<usize>,
         threads: usize,
-        allow_amx: bool,
+        ext: bool,
     ) -> Result<Self> {
         let k = w.k;
         check_shapes(x, m, w, out, ld)?;
         let one = w.act_digits() == 1;
-        let amx = allow_amx && amx_for(variant(isa), m, w);
+        let amx = ext && amx_for(variant(isa), m, w);
+        let avx_vnni = ext && avx_vnni_for(variant(isa));
         let acts = match variant(isa) {
             // The AMX tile reads `hi` / `lo` rows, quantized in chunks as below.
             _ if amx => quantize_chunks(x, m, k, m.div_ceil(threads.max(1)), one, true),
@@ -212,6 +216,7 @@ impl<'a> Product<'a> {
             out: SendPtr(out.as_mut_ptr()),
             ld: ld.unwrap_or(w.n),
             amx,
+            avx_vnni,
             panels_per_job,
             _out: std::marker::PhantomData,
         })
@@ -238,6 +243,7 @@ impl<'a> Product<'a> {
             out: self.out.get(),
             ld: self.ld,
             amx: self.amx,
+            avx_vnni: self.avx_vnni,
         };
         let p0 = j * self.panels_per_job;
         run_job(self.isa, &a, self.m, p0, self.panels_per_job.min(self.w.panels() - p0));

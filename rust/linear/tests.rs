@@ -987,20 +987,21 @@ fn same_products_everywhere(r: &mut Rng, w: &QWeight, row_counts: &[usize], labe
                 );
             }
             for isa in crate::runtime::available_isas() {
-                // With the AMX tile where this CPU runs it (from 16 rows), and without.
-                for amx in [true, false] {
+                // With the extension tiles where this CPU runs them (AMX from 16 rows, the AVX2
+                // build's AVX-VNNI form), and without.
+                for ext in [true, false] {
                     let mut y = vec![f32::NAN; rows * n];
-                    if amx {
+                    if ext {
                         linear_with(isa, &x, rows, &w, &mut y).unwrap();
                     } else {
-                        linear_without_amx(isa, &x, rows, &w, &mut y).unwrap();
+                        linear_without_ext(isa, &x, rows, &w, &mut y).unwrap();
                     }
-                    assert_eq!(y, want, "{label} digits {digits} isa {isa:?} amx {amx} rows {rows}");
+                    assert_eq!(y, want, "{label} digits {digits} isa {isa:?} ext {ext} rows {rows}");
                     let mut y = vec![f32::NAN; rows * n];
-                    let p = if amx {
+                    let p = if ext {
                         Product::new(isa, &x, rows, &w, &mut y, 2).unwrap()
                     } else {
-                        Product::without_amx(isa, &x, rows, &w, &mut y, 2).unwrap()
+                        Product::without_ext(isa, &x, rows, &w, &mut y, 2).unwrap()
                     };
                     for j in (0..p.jobs()).rev() {
                         // SAFETY: each job once, on this thread.
@@ -1009,7 +1010,7 @@ fn same_products_everywhere(r: &mut Rng, w: &QWeight, row_counts: &[usize], labe
                     drop(p);
                     assert_eq!(
                         y, want,
-                        "{label} digits {digits} isa {isa:?} amx {amx} rows {rows} product"
+                        "{label} digits {digits} isa {isa:?} ext {ext} rows {rows} product"
                     );
                 }
             }

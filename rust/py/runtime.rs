@@ -40,7 +40,7 @@ pub fn get_num_threads() -> PyResult<usize> {
 
 /// Kernel configuration: the ISA setting (`isa`), what attention runs (`active_isa`, for
 /// head_dim % 8 == 0), the widest detected (`detected_isa`), the ISAs `set_isa` accepts here
-/// (`isas`), the linear layer's build, threads, whether the kernel threads flush subnormal floats to
+/// (`isas`), the linear layer's build, whether the AVX2 build runs its AVX-VNNI form (`avx_vnni`), threads, whether the kernel threads flush subnormal floats to
 /// zero (`flush_subnormals`), cache layout and build profile.
 #[pyfunction]
 pub fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -53,6 +53,7 @@ pub fn kernel_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("isas", isas)?;
     d.set_item("linear_isa", linear::variant_name(runtime::isa()?))?;
     d.set_item("detected_linear_isa", linear::variant_name(runtime::detected_isa()))?;
+    d.set_item("avx_vnni", runtime::avx_vnni())?;
     d.set_item("num_threads", runtime::num_threads()?)?;
     d.set_item(
         "flush_subnormals",

@@ -14,8 +14,9 @@ from pagedkv_rs.kernels import reference
 from session import forced_isa, scaled
 
 # Every ISA this CPU runs ("scalar", then e.g. "avx2"). QLinear maps them onto its builds: scalar and
-# neon onto the scalar tile, avx2 onto the AVX2 (vpmaddubsw) tile, avx512 onto AVX-512 VNNI where the
-# CPU has VNNI and onto the AVX2 tile where it does not; so several ISAs can share one build.
+# neon onto the scalar tile, avx2 onto the AVX2 tile (its vpdpbusd form "avxvnni" where the CPU has
+# AVX-VNNI, else vpmaddubsw), avx512 onto AVX-512 VNNI where the CPU has VNNI and onto the AVX2 tile
+# where it does not; so several ISAs can share one build.
 ISAS = pagedkv_rs.kernel_info()["isas"]
 
 
@@ -42,9 +43,11 @@ def _dequant(q):
 def test_isa_names():
     info = pagedkv_rs.kernel_info()
     detected = info["detected_linear_isa"]
-    # avx512 runs the VNNI tile (and the AMX one where the CPU runs it), else the AVX2 tile.
-    avx512 = detected if detected in ("avx512vnni", "avx512amx") else "avx2"
-    want = {"scalar": "scalar", "neon": "scalar", "avx2": "avx2", "avx512": avx512}
+    # avx2 runs the AVX2 tile, in its AVX-VNNI form where the CPU has that; avx512 the VNNI tile (and
+    # the AMX one where the CPU runs it), else the AVX2 tile.
+    avx2 = "avxvnni" if info["avx_vnni"] else "avx2"
+    avx512 = detected if detected in ("avx512vnni", "avx512amx") else avx2
+    want = {"scalar": "scalar", "neon": "scalar", "avx2": avx2, "avx512": avx512}
     assert {isa: want[isa] for isa in ISAS} == BUILDS
     assert info["detected_linear_isa"] == BUILDS[ISAS[-1]]
 
@@ -86,6 +89,61 @@ def test_every_simd_build_gives_the_scalar_bits(build, kind, m):
         assert pagedkv_rs.kernel_info()["linear_isa"] == build
         got = q(x)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+_AVX2_PLAIN = """
+import sys
+import numpy as np
+import pagedkv_rs
+from pagedkv_rs import QLinear
+rng = np.random.default_rng(5)
+out = {}
+for kind in ("float", "q4", "q6"):
+    if kind == "float":
+        q = QLinear.from_float((rng.standard_normal((70, 192)) * 0.1).astype(np.float32))
+    else:
+        d = (rng.random((70, 6)) * 0.02).astype(np.float32)
+        codes = rng.integers(0, 16 if kind == "q4" else 64, (70, 192), dtype=np.uint8)
+        q = QLinear.from_parts(codes, d, (-8 * d).astype(np.float32))
+    for name, part in zip(("codes", "d", "m"), q.unpack()):
+        out[f"{kind}-{name}"] = part
+    for digits in (2, 1):
+        q.set_act_digits(digits)
+        for m in (1, 2, 3, 4, 7, 37):
+            x = rng.standard_normal((m, 192)).astype(np.float32)
+            out[f"{kind}-{digits}-{m}-x"], out[f"{kind}-{digits}-{m}-y"] = x, q(x)
+info = pagedkv_rs.kernel_info()
+np.savez(sys.argv[1], linear_isa=info["linear_isa"], avx_vnni=info["avx_vnni"], **out)
+"""
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i == "avx2"])
+def test_the_avx2_tile_without_avx_vnni_gives_the_scalar_bits(isa, tmp_path):
+    # PAGEDKV_AVX_VNNI=0 (read once a process) runs the vpmaddubsw tile where the CPU has AVX-VNNI:
+    # both forms of the AVX2 build give the scalar tile's bits (4-, 6- and 8-bit codes, 1 to 37 rows).
+    import os
+    import subprocess
+    import sys
+
+    got = {}
+    for off in ("0", "1"):
+        env = {**os.environ, "PAGEDKV_ISA": isa, "PAGEDKV_AVX_VNNI": off}
+        path = tmp_path / f"avx2-{off}.npz"
+        proc = subprocess.run([sys.executable, "-c", _AVX2_PLAIN, str(path)], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        got[off] = dict(np.load(path))
+    assert str(got["0"]["linear_isa"]) == "avx2" and not bool(got["0"]["avx_vnni"])
+    assert str(got["1"]["linear_isa"]) == ("avxvnni" if pagedkv_rs.kernel_info()["avx_vnni"] else "avx2")
+    cases = [key[: -len("-x")] for key in got["0"] if key.endswith("-x")]
+    assert len(cases) == 36
+    with forced_isa("scalar"):
+        for case in cases:
+            kind, digits, _ = case.split("-")
+            q = QLinear.from_parts(*(got["0"][f"{kind}-{name}"] for name in ("codes", "d", "m")))
+            q.set_act_digits(int(digits))
+            want = q(got["0"][case + "-x"])
+            for off in ("0", "1"):
+                np.testing.assert_array_equal(got[off][case + "-y"].view(np.uint32), want.view(np.uint32), case)
 
 
 def _edge_acts(rng, m, k):

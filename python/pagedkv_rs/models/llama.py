@@ -132,7 +132,7 @@ MODEL_IMPLS = ("auto", "fused", "numpy")
 # The QLinear builds that beat numpy's float32 sgemm end to end on SmolLM2: AVX-512 VNNI (with AMX or not), and the
 # AVX2 vpmaddubsw tile (well ahead at 1 and 8 sequences, ahead at 32, behind sgemm only in long prefill
 # chunks). The scalar tile is far slower.
-FAST_LINEAR_ISAS = ("avx512amx", "avx512vnni", "avx2")
+FAST_LINEAR_ISAS = ("avx512amx", "avx512vnni", "avxvnni", "avx2")
 
 
 def _core_qlinear() -> Any:
