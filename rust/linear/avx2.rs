@@ -358,6 +358,40 @@ unsafe fn load_scales(scales: &Scales, at: usize) -> (__m256, __m256) {
     }
 }
 
+/// Software prefetch for block `b` of panel `p`: its scales, and its code lines `PREFETCH` bytes
+/// ahead of `codes` (panel p's codes; panels are contiguous, so past this panel's end it fetches the
+/// next one's start; a prefetch never faults).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn prefetch_block(a: &Args, codes: *const u8, p: usize, b: usize, block_bytes: usize) {
+    a.w.scales.prefetch(p * a.w.blocks() + b);
+    for line in (0..block_bytes).step_by(64) {
+        let ahead = codes.wrapping_add(b * block_bytes + line + PREFETCH);
+        _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+    }
+}
+
+/// Rows `r0..r0+R` of a tile's sums, `NV` vectors of 8 columns each from column `col`, into the
+/// output (the columns before `n` only).
+///
+/// # Safety
+/// Rows `r0..r0+R` are inside the `[m, n]` output and columns `col..col + 8·NV` (those below `n`)
+/// are written by this tile alone.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn store_rows<const R: usize, const NV: usize>(a: &Args, acc: &[[__m256; NV]; R], r0: usize, col: usize) {
+    let valid = (NV * 8).min(a.w.n.saturating_sub(col));
+    for (r, row) in acc.iter().enumerate() {
+        let mut buf = [0f32; PANEL];
+        for (v, &x) in row.iter().enumerate() {
+            // SAFETY: buf holds 16 floats, NV <= 2 unaligned 8-float stores.
+            unsafe { _mm256_storeu_ps(buf.as_mut_ptr().add(8 * v), x) };
+        }
+        // SAFETY: row r0+r < m, columns col..col+valid <= n of the [m, n] output (contract).
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a.out.add((r0 + r) * a.ld + col), valid) };
+    }
+}
+
 /// One tile: rows `r0..r0+R` times panel `p` in the `BITS`-bit layout; 4: the `nibble` mode,
 /// else `wide` (8-bit codes split `16·hi + lo`, 5- and 6-bit ones whole).
 ///
@@ -373,7 +407,7 @@ unsafe fn tile<const R: usize, const BITS: usize, const ONE: bool>(
     p: usize,
     prefetch: bool,
 ) {
-    let (k, n) = (a.w.k, a.w.n);
+    let k = a.w.k;
     let nb = k / QBLOCK;
     const { assert!(BITS == 4 || BITS == 5 || BITS == 6 || BITS == 8) };
     let wide = BITS != 4;
@@ -389,14 +423,8 @@ unsafe fn tile<const R: usize, const BITS: usize, const ONE: bool>(
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
     let block_bytes = BITS * LINE;
     for b in 0..nb {
-        // Software prefetch PREFETCH bytes ahead in the code stream (panels are contiguous, so
-        // past this panel's end it fetches the next one's start; a prefetch never faults).
         if prefetch {
-            a.w.scales.prefetch(p * nb + b);
-            for line in (0..block_bytes).step_by(64) {
-                let ahead = codes.wrapping_add(b * block_bytes + line + PREFETCH);
-                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-            }
+            prefetch_block(a, codes, p, b, block_bytes);
         }
         // i16 pair sums [row][digit][8-row vector]: of the codes (nibble mode) or of their low
         // halves, and of their high halves (8-bit codes); 5- and 6-bit codes: `dots`, below.
@@ -493,19 +521,8 @@ unsafe fn tile<const R: usize, const BITS: usize, const ONE: bool>(
             }
         }
     }
-    let col = p * PANEL;
-    let valid = PANEL.min(n - col);
-    for (r, row) in acc.iter().enumerate() {
-        let mut buf = [0f32; PANEL];
-        // SAFETY: buf holds 16 floats: two unaligned 8-float stores.
-        unsafe {
-            _mm256_storeu_ps(buf.as_mut_ptr(), row[0]);
-            _mm256_storeu_ps(buf.as_mut_ptr().add(8), row[1]);
-        }
-        // SAFETY: row r0+r < m, columns col..col+valid < n of the [m, n] output; this job alone
-        // writes these columns.
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a.out.add((r0 + r) * a.ld + col), valid) };
-    }
+    // SAFETY: rows r0..r0+R and panel p's columns are this tile's (caller's contract).
+    unsafe { store_rows(a, &acc, r0, p * PANEL) };
 }
 
 /// The AVX-VNNI tiles for `rows` (1 to `VNNI_MR`) rows from `r0` × panel `p`: 3 or 4 rows half a
@@ -565,7 +582,7 @@ unsafe fn tile_vnni<const R: usize, const NV: usize, const BITS: usize, const SP
 ) {
     const { assert!(BITS == 4 || BITS == 5 || BITS == 6 || BITS == 8) };
     const { assert!(NV == 1 || NV == 2) };
-    let (k, n) = (a.w.k, a.w.n);
+    let k = a.w.k;
     let nb = k / QBLOCK;
     // SAFETY: panel p exists: its code bytes start at this offset (and nb*2*PANEL scales from p*nb*2*PANEL).
     let codes = unsafe { a.w.codes.as_ptr().add(a.w.code_at[p]) };
@@ -576,11 +593,7 @@ unsafe fn tile_vnni<const R: usize, const NV: usize, const BITS: usize, const SP
     let block_bytes = BITS * LINE;
     for b in 0..nb {
         if prefetch {
-            a.w.scales.prefetch(p * nb + b);
-            for line in (0..block_bytes).step_by(64) {
-                let ahead = codes.wrapping_add(b * block_bytes + line + PREFETCH);
-                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-            }
+            prefetch_block(a, codes, p, b, block_bytes);
         }
         // Block b's first code line and each row's digits of the block (group g at 4g bytes).
         let blk = codes.wrapping_add(b * block_bytes);
@@ -662,18 +675,8 @@ unsafe fn tile_vnni<const R: usize, const NV: usize, const BITS: usize, const SP
         group!(7);
         fold!(1);
     }
-    let col = p * PANEL + v0 * 8;
-    let valid = (NV * 8).min(n.saturating_sub(col));
-    for (r, row) in acc.iter().enumerate() {
-        let mut buf = [0f32; PANEL];
-        for (v, &x) in row.iter().enumerate() {
-            // SAFETY: buf holds 16 floats, NV <= 2 unaligned 8-float stores.
-            unsafe { _mm256_storeu_ps(buf.as_mut_ptr().add(8 * v), x) };
-        }
-        // SAFETY: row r0+r < m, columns col..col+valid <= n of the [m, n] output; this job alone
-        // writes these columns.
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a.out.add((r0 + r) * a.ld + col), valid) };
-    }
+    // SAFETY: rows r0..r0+R and halves v0..v0+NV of panel p are this tile's (caller's contract).
+    unsafe { store_rows(a, &acc, r0, p * PANEL + v0 * 8) };
 }
 
 /// The `wide` mode for rows `r0..r0+R` and the 8 columns of half `v` (0 or 1) of panel `p` (in the
@@ -697,7 +700,7 @@ unsafe fn wide_half<const R: usize, const BITS: usize, const SPLIT: bool, const 
     prefetch: bool,
 ) {
     const { assert!(BITS == 5 || BITS == 6 || BITS == 8) };
-    let (k, n) = (a.w.k, a.w.n);
+    let k = a.w.k;
     let nb = k / QBLOCK;
     let block_bytes = BITS * LINE;
     // SAFETY: panel p exists in the BITS-bit layout: k*PANEL*BITS/8 code bytes from its offset;
@@ -708,12 +711,9 @@ unsafe fn wide_half<const R: usize, const BITS: usize, const SPLIT: bool, const 
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         if prefetch {
-            a.w.scales.prefetch(p * nb + b);
-            // As in `tile`: the whole panel's lines PREFETCH ahead (half 1 then finds them cached).
-            for line in (0..block_bytes).step_by(64) {
-                let ahead = codes.wrapping_add(b * block_bytes + line + PREFETCH);
-                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-            }
+            // The whole panel's lines (half 1 then finds them cached): `codes` is half v's start,
+            // 32v bytes into each line, which moves no prefetch off its line.
+            prefetch_block(a, codes, p, b, block_bytes);
         }
         // SAFETY: block b of panel p: 16 `d` then 16 `m`; half v is 8 of each.
         let (dv, mv) = unsafe { load_scales(sc, scales + b * 2 * PANEL) };
@@ -816,16 +816,8 @@ unsafe fn wide_half<const R: usize, const BITS: usize, const SPLIT: bool, const 
             }
         }
     }
-    let col = p * PANEL + v * 8;
-    let valid = 8.min(n.saturating_sub(col));
-    for (r, row) in acc.iter().enumerate() {
-        let mut buf = [0f32; 8];
-        // SAFETY: buf holds 8 floats.
-        unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), *row) };
-        // SAFETY: row r0+r < m, columns col..col+valid <= n of the [m, n] output; this job alone
-        // writes these columns.
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), a.out.add((r0 + r) * a.ld + col), valid) };
-    }
+    // SAFETY: rows r0..r0+R and half v of panel p are this tile's (caller's contract).
+    unsafe { store_rows(a, &acc.map(|x| [x]), r0, p * PANEL + v * 8) };
 }
 
 /// `quantize_acts` for whole rows with AVX2 (same operations, same results bit for bit).
